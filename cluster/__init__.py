@@ -1,0 +1,1 @@
+"""The control plane: configuration, CLI, and (later) the Ray Serve application."""

@@ -1,0 +1,1 @@
+"""The data plane that runs on each host: model families, the engine, and the worker classes."""

@@ -1,0 +1,205 @@
+"""Model configuration: one frozen, hashable description of an architecture, read from `config.json`.
+
+Each family module turns its Hugging Face config into a `ModelConfig`; the shared helpers here
+normalise the key styles of transformers 4.x and 5.x (e.g. `rope_theta` vs `rope_parameters`).
+`ModelConfig` is hashable so `jax.jit` can specialise on it as a static argument.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint or config that cannot be served; the message names the offending key or tensor."""
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+
+
+class RopeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    theta: float = Field(gt=0)
+    # "linear" divides positions by `factor` (position interpolation).
+    scaling_type: str = "default"
+    factor: float = Field(default=1.0, gt=0)
+
+
+class ModelConfig(BaseModel):
+    """Everything the forward pass needs to know about an architecture, nothing about serving."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_type: str
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    rms_norm_eps: float = Field(gt=0)
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    # Attention variants.
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    # Per layer: None for full attention, else the window size (a query sees `window` keys incl. itself).
+    sliding_windows: tuple[int | None, ...]
+    # MLP: per layer, True when the layer is MoE.
+    moe_layers: tuple[bool, ...]
+    intermediate_size: int = Field(default=0, ge=0)  # dense SwiGLU layers
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_intermediate_size: int = Field(default=0, ge=0)
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
+        if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
+            raise ValueError("per-layer settings must have num_hidden_layers entries")
+        if any(self.moe_layers):
+            if not (0 < self.num_experts_per_tok <= self.num_experts):
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
+                    f"{self.num_experts}]"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("moe_intermediate_size must be positive for MoE layers")
+        if not all(self.moe_layers) and self.intermediate_size <= 0:
+            raise ValueError("intermediate_size must be positive for dense MLP layers")
+        return self
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the family readers.
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"missing config.json in {model_dir}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"config.json is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError("config.json must hold a JSON object")
+    return raw
+
+
+def require(raw: dict[str, Any], key: str, *aliases: str) -> Any:
+    for k in (key, *aliases):
+        if k in raw and raw[k] is not None:
+            return raw[k]
+    raise ModelLoadError(f"config.json: missing required key '{key}'")
+
+
+def rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    """Reads RoPE settings from either key style.
+
+    transformers 5.x: `rope_parameters: {rope_type, rope_theta, factor, ...}`;
+    4.x: `rope_theta` plus an optional `rope_scaling: {type|rope_type, factor}`.
+    """
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params and "rope_theta" not in params:
+        params = params["full_attention"]  # per-attention-type layout of some v5 configs
+    scaling = raw.get("rope_scaling")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+    rope_type, factor = "default", 1.0
+    if isinstance(scaling, dict):
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+        factor = float(scaling.get("factor", 1.0) or 1.0)
+    elif scaling is not None:
+        raise ModelLoadError(f"config.json: rope_scaling must be an object, got {scaling!r}")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"config.json: unsupported rope scaling type '{rope_type}' "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return RopeConfig(theta=float(theta), scaling_type=rope_type, factor=factor)
+
+
+def eos_ids_from_hf(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def build_config(**fields: Any) -> ModelConfig:
+    """Validates the normalised fields, turning pydantic errors into one-line load errors."""
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ModelLoadError(f"config.json: invalid {where}: {first['msg']}") from None
+
+
+def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields every decoder-only family spells the same way in `config.json`."""
+    hidden = int(require(raw, "hidden_size"))
+    heads = int(require(raw, "num_attention_heads"))
+    return dict(
+        model_type=raw["model_type"],
+        vocab_size=require(raw, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=require(raw, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope=rope_from_hf(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids_from_hf(raw),
+    )
+
+
+def sparse_moe_layers(raw: dict[str, Any], num_experts: int) -> tuple[bool, ...]:
+    """Qwen rule: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    n = int(require(raw, "num_hidden_layers"))
+    step = raw.get("decoder_sparse_step", 1) or 1
+    if not isinstance(step, int) or step < 1:
+        raise ModelLoadError(f"config.json: decoder_sparse_step must be a positive integer, got {step!r}")
+    mlp_only = set(raw.get("mlp_only_layers") or [])
+    return tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
+
+
+def windows_from_layer_types(raw: dict[str, Any], default: list[str]) -> tuple[int | None, ...]:
+    """Per-layer sliding window from `layer_types` ("sliding_attention" | "full_attention")."""
+    types = raw.get("layer_types") or default
+    window = raw.get("sliding_window") or None
+    if len(types) != int(require(raw, "num_hidden_layers")):
+        raise ModelLoadError("config.json: layer_types must have num_hidden_layers entries")
+    for t in types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise ModelLoadError(f"config.json: unsupported layer type '{t}' in layer_types")
+    return tuple(window if t == "sliding_attention" and window else None for t in types)
