@@ -1,0 +1,88 @@
+"""The `moray` command line.
+
+Exit codes: 0 success; 1 a model/checkpoint that cannot be loaded; 2 bad arguments or input.
+Errors are one line on stderr naming the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("empty token id list")
+    return ids
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from workers.models.make_model import make_model
+
+    out = make_model(args.out, args.arch, args.preset, seed=args.seed)
+    print(out)
+    return 0
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from workers.models import load_model, prompt_logits
+
+    model = load_model(args.model, dtype=args.dtype, load_format=args.load_format)
+    logits = prompt_logits(model, args.token_ids)
+    np.save(args.out, logits)
+    print(f"wrote logits {list(logits.shape)} to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moray", description="MoE serving on Ray: tools and servers")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress and timings")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint")
+    p.add_argument("out", type=Path)
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe"], default="qwen3_moe")
+    p.add_argument("--preset", choices=["tiny", "small", "bench"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("logits", help="write the prompt logits of token-id prompts as float32 .npy")
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--token-ids", type=_token_ids, action="append", required=True, help="e.g. 1,2,3; repeatable")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
+    p.set_defaults(fn=cmd_logits)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from workers.models import ModelLoadError
+
+    try:
+        return args.fn(args)
+    except ModelLoadError as e:
+        print(f"moray: error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"moray: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

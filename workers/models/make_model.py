@@ -1,0 +1,180 @@
+"""`moray make-model`: write a complete random-weight Hugging Face checkpoint for tests, demos and benchmarks.
+
+The tensor names and shapes come from the family's own weight plan (its per-expert layout, the one
+Hugging Face writes), so what we write is by construction what we load; transformers loads it too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from ..progress import Progress
+from . import FAMILIES
+from .safetensors_io import INDEX_FILE, SINGLE_FILE
+from .weights import Concat, OneOf, Stack, Tensor, plan_leaves
+
+log = logging.getLogger("moray.models")
+
+ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int  # dense layers / shared expert
+    initializer_range: float
+    max_shard_bytes: int
+
+
+# tiny: < 5 MB for unit tests. small: ~70 MB, sharded. bench: ~1.4 GB float32 with many experts, for
+# roofline benchmarks (64 experts top-8; Mixtral-style 8 experts top-2).
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(512, 64, 2, 4, 2, 16, 8, 2, 32, 96, 0.2, 1 << 30),
+    "small": Preset(8192, 256, 4, 8, 2, 32, 16, 4, 256, 512, 0.1, 40 << 20),
+    "bench": Preset(16384, 1024, 6, 16, 4, 64, 64, 8, 256, 2048, 0.02, 512 << 20),
+}
+MIXTRAL_BENCH = Preset(16384, 1024, 4, 16, 4, 64, 8, 2, 3584, 3584, 0.02, 512 << 20)
+
+
+def hf_config(arch: str, p: Preset, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """config.json in the transformers 5.x key style."""
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHS[arch]],
+        "model_type": arch,
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "initializer_range": p.initializer_range,
+        "num_experts_per_tok": p.top_k,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    if arch == "mixtral":
+        cfg.update(num_local_experts=p.num_experts, intermediate_size=p.moe_intermediate_size, sliding_window=None)
+    else:
+        cfg.update(
+            num_experts=p.num_experts,
+            moe_intermediate_size=p.moe_intermediate_size,
+            intermediate_size=p.intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+    if arch == "qwen2_moe":
+        cfg.update(shared_expert_intermediate_size=p.intermediate_size, qkv_bias=True)
+    if arch == "qwen3_moe":
+        cfg.update(attention_bias=False)
+    return cfg
+
+
+def _tensors(source) -> Iterator[Tensor]:
+    """The checkpoint tensors behind a source, in the layout Hugging Face writes."""
+    if isinstance(source, Tensor):
+        yield source
+    elif isinstance(source, OneOf):
+        yield from _tensors(source.options[0])
+    elif isinstance(source, (Concat, Stack)):
+        for part in source.parts:
+            yield from _tensors(part)
+
+
+def random_tensors(cfg, plan, seed: int, std: float) -> Iterator[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    for spec in plan_leaves(plan):
+        for t in _tensors(spec.source):
+            if spec.init_scale is None:  # norms start at one, as transformers initialises them
+                yield t.key, np.ones(t.shape, np.float32)
+            else:
+                yield t.key, (rng.standard_normal(t.shape, dtype=np.float32) * std)
+
+
+def write_safetensors(out: Path, tensors: Iterator[tuple[str, np.ndarray]], total: int, max_shard_bytes: int):
+    """Writes shards of at most `max_shard_bytes`; an index file when there is more than one."""
+    progress = Progress(total, "writing tensors")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    tmp_names = []
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+
+    def flush():
+        name = f"shard-{len(tmp_names):05d}.tmp"
+        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        tmp_names.append((name, list(shards[-1])))
+
+    for key, arr in tensors:
+        if size and size + arr.nbytes > max_shard_bytes:
+            flush()
+            shards.append({})
+            size = 0
+        shards[-1][key] = arr
+        size += arr.nbytes
+        total_bytes += arr.nbytes
+        progress(1)
+    flush()
+    if len(tmp_names) == 1:
+        (out / tmp_names[0][0]).rename(out / SINGLE_FILE)
+        return
+    n = len(tmp_names)
+    for i, (tmp, keys) in enumerate(tmp_names):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        (out / tmp).rename(out / final)
+        weight_map.update({k: final for k in keys})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def make_model(out_dir: str | Path, arch: str, preset: str, seed: int = 0) -> Path:
+    from .tokenizer import train_byte_level_bpe  # tokenizer training is only needed here
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    p = MIXTRAL_BENCH if (arch, preset) == ("mixtral", "bench") else PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    tok = train_byte_level_bpe(out, vocab_size=min(p.vocab_size, 8192))
+    eos = tok.eos_token_ids[0]
+    pad = tok.encode("<|endoftext|>", add_special_tokens=False)[0]
+    raw = hf_config(arch, p, eos, pad)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    gen = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    family = FAMILIES[arch]
+    cfg = family.config_from_hf(raw)
+    plan = family.plan(cfg)
+    total = sum(1 for spec in plan_leaves(plan) for _ in _tensors(spec.source))
+    write_safetensors(out, random_tensors(cfg, plan, seed, p.initializer_range), total, p.max_shard_bytes)
+    log.info("wrote %s/%s checkpoint to %s in %.1fs", arch, preset, out, time.perf_counter() - start)
+    return out
