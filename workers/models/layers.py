@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels.attention import causal_attention
+from kernels.attention import causal_attention, ragged_paged_attention, write_kv
 from kernels.moe import route_softmax_topk, routed_experts
 
 from .config import ModelConfig
@@ -69,7 +69,10 @@ class ModelWeights:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Contiguous cache: slot j of sequence b holds position j. One [B, S, Hkv, D] pair per layer."""
+    """Contiguous cache: slot j of sequence b holds position j. One [B, S, Hkv, D] pair per layer.
+
+    Used by `moray logits` and parity tests; the engine uses `PagedKVCache`.
+    """
 
     k: list[Array]
     v: list[Array]
@@ -81,6 +84,46 @@ class KVCache:
             k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
             v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
         )
+
+    def update_and_attend(self, layer, q, k, v, positions, sliding_window):
+        rows = jnp.arange(q.shape[0])[:, None]
+        # Out-of-range positions (padding past the cache) are dropped by the scatter.
+        self.k[layer] = self.k[layer].at[rows, positions].set(k.astype(self.k[layer].dtype), mode="drop")
+        self.v[layer] = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
+        return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PagedKVCache:
+    """Paged cache for a flat, ragged batch (the engine's layout; tokens are [1, N]).
+
+    `pages[layer]` is [num_pages, page_size, 2 * Hkv, D] with K/V interleaved per head (the layout of
+    JAX's TPU ragged paged attention kernel). The metadata describes this step's batch.
+    """
+
+    pages: list[Array]
+    slot_mapping: Array  # i32[N], -1 for padding tokens
+    kv_lens: Array  # i32[S], including this step's tokens
+    page_indices: Array  # i32[S, pages_per_seq]
+    cu_q_lens: Array  # i32[S + 1]
+    num_seqs: Array  # i32[1]
+
+    def update_and_attend(self, layer, q, k, v, positions, sliding_window):
+        b, t = q.shape[:2]
+        flat = lambda a: a.reshape(b * t, *a.shape[2:])
+        self.pages[layer] = write_kv(self.pages[layer], flat(k), flat(v), self.slot_mapping)
+        out = ragged_paged_attention(
+            flat(q),
+            self.pages[layer],
+            self.kv_lens,
+            self.page_indices,
+            self.cu_q_lens,
+            self.num_seqs,
+            sm_scale=q.shape[-1] ** -0.5,
+            sliding_window=sliding_window,
+        )
+        return out.reshape(q.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,11 +167,10 @@ def attention(
     cfg: ModelConfig,
     rope: tuple[Array, Array],
     positions: Array,
-    k_cache: Array,
-    v_cache: Array,
-    sliding_window: int | None,
-) -> tuple[Array, Array, Array]:
-    """Self-attention for [B, T] new tokens; writes their K/V at `positions` and reads the cache."""
+    cache: "KVCache | PagedKVCache",
+    layer: int,
+) -> Array:
+    """Self-attention for [B, T] new tokens; their K/V go into `cache` (updated in place)."""
     b, t, _ = x.shape
     qkv = linear(x, w.qkv, w.qkv_bias)
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -139,12 +181,8 @@ def attention(
         q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    rows = jnp.arange(b)[:, None]
-    # Out-of-range positions (padding past the cache) are dropped by the scatter.
-    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    out = causal_attention(q, k_cache, v_cache, positions, sliding_window)
-    return linear(out.reshape(b, t, cfg.q_size), w.o), k_cache, v_cache
+    out = cache.update_and_attend(layer, q, k, v, positions, cfg.sliding_windows[layer])
+    return linear(out.reshape(b, t, cfg.q_size), w.o)
 
 
 def swiglu_mlp(x: Array, w: MLPWeights) -> Array:
@@ -178,21 +216,11 @@ def decoder_block(
     layer: int,
     rope: tuple[Array, Array],
     positions: Array,
-    cache: KVCache,
+    cache: "KVCache | PagedKVCache",
     moe_fn: MlpFn,
 ) -> Array:
     """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)). Updates `cache` in place."""
-    h, cache.k[layer], cache.v[layer] = attention(
-        rms_norm(x, lw.input_norm, cfg.rms_norm_eps),
-        lw.attn,
-        cfg,
-        rope,
-        positions,
-        cache.k[layer],
-        cache.v[layer],
-        cfg.sliding_windows[layer],
-    )
-    h = x + h
+    h = x + attention(rms_norm(x, lw.input_norm, cfg.rms_norm_eps), lw.attn, cfg, rope, positions, cache, layer)
     normed = rms_norm(h, lw.post_attn_norm, cfg.rms_norm_eps)
     mlp_out = moe_fn(normed, lw.mlp, cfg) if cfg.moe_layers[layer] else swiglu_mlp(normed, lw.mlp)
     return h + mlp_out
@@ -203,17 +231,24 @@ def decoder_forward(
     cfg: ModelConfig,
     tokens: Array,  # [B, T] int32
     positions: Array,  # [B, T] int32
-    cache: KVCache,
+    cache,  # KVCache | PagedKVCache
     moe_fn: MlpFn,
-) -> tuple[Array, KVCache]:
-    """Returns float32 logits [B, T, vocab] and the updated cache."""
+    logits_indices: Array | None = None,
+):
+    """Returns float32 logits and the updated cache.
+
+    Logits are [B, T, vocab], or [len(logits_indices), vocab] for those rows of the flattened batch
+    only (the engine needs one row per sequence, and the LM head is the largest matmul of a step).
+    """
     x = weights.embed[tokens]
     rope = rope_cos_sin(cfg, positions)
-    cache = KVCache(k=list(cache.k), v=list(cache.v))
+    cache = jax.tree.map(lambda a: a, cache)  # a shallow copy whose per-layer lists we may replace
     for layer, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer_{layer}"):
             x = decoder_block(x, lw, cfg, layer, rope, positions, cache, moe_fn)
+    if logits_indices is not None:
+        x = x.reshape(-1, x.shape[-1])[logits_indices]
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("bth,vh->btv", x, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
     return logits, cache

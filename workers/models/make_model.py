@@ -141,6 +141,8 @@ def write_safetensors(out: Path, tensors: Iterator[tuple[str, np.ndarray]], tota
         total_bytes += arr.nbytes
         progress(1)
     flush()
+    for tmp, _ in tmp_names:
+        (out / tmp).chmod(0o644)  # safetensors writes 0600; checkpoints are shared read-only data
     if len(tmp_names) == 1:
         (out / tmp_names[0][0]).rename(out / SINGLE_FILE)
         return

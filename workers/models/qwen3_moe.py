@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ModelConfig, build_config, common_fields, sparse_moe_layers
-from .layers import KVCache, MoEWeights, ModelWeights, decoder_forward, moe_softmax_topk
+from .layers import MoEWeights, ModelWeights, decoder_forward, moe_softmax_topk
 from .plans import experts_plan, mlp_plan, model_plan
 from .weights import linear_spec
 
@@ -47,5 +47,5 @@ def plan(cfg: ModelConfig) -> ModelWeights:
     return model_plan(cfg, mlp_for_layer)
 
 
-def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache: KVCache):
-    return decoder_forward(weights, cfg, tokens, positions, cache, moe_fn=moe_softmax_topk)
+def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None):
+    return decoder_forward(weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices)

@@ -33,8 +33,8 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 ROLES = ("system", "user", "assistant", "tool")
-# The named special tokens transformers hands to every chat template (when set).
-_TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The named special tokens of a tokenizer config; transformers hands the ones that are set to chat templates.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Older names for a message's reasoning; templates (Qwen3's among them) read `reasoning_content`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -97,46 +97,34 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
+def _added_token(entry: Mapping[str, Any]) -> AddedToken:
+    special = bool(entry.get("special", False))
+    return AddedToken(
+        entry["content"],
+        single_word=bool(entry.get("single_word", False)),
+        lstrip=bool(entry.get("lstrip", False)),
+        rstrip=bool(entry.get("rstrip", False)),
+        normalized=bool(entry.get("normalized", not special)),
+        special=special,
+    )
+
+
 def _add_missing_tokens(backend: _Backend, config: Mapping[str, Any], special: Mapping[str, str | None]) -> None:
-    """Register added/special tokens that the config names but tokenizer.json lacks, as transformers does."""
-    vocab = backend.get_vocab(with_added_tokens=True)
-    decoder = config.get("added_tokens_decoder") or {}
+    """Register tokens that tokenizer_config.json names but tokenizer.json lacks, as transformers does
+    (in id order, after the existing vocabulary)."""
+    known = set(backend.get_vocab(with_added_tokens=True))
     missing: list[AddedToken] = []
+    decoder = config.get("added_tokens_decoder") or {}
     for _, entry in sorted(decoder.items(), key=lambda kv: int(kv[0])):
-        content = _token_content(entry)
-        if content is None or content in vocab:
-            continue
-        missing.append(
-            AddedToken(
-                content,
-                single_word=bool(entry.get("single_word", False)),
-                lstrip=bool(entry.get("lstrip", False)),
-                rstrip=bool(entry.get("rstrip", False)),
-                normalized=bool(entry.get("normalized", not entry.get("special", False))),
-                special=bool(entry.get("special", False)),
-            )
-        )
-        vocab[content] = -1
+        if isinstance(entry, Mapping) and isinstance(entry.get("content"), str) and entry["content"] not in known:
+            missing.append(_added_token(entry))
+            known.add(entry["content"])
     for content in special.values():
-        if content is not None and content not in vocab:
+        if content is not None and content not in known:
             missing.append(AddedToken(content, special=True, normalized=False))
-            vocab[content] = -1
+            known.add(content)
     if missing:
         backend.add_tokens(missing)
-
-
-def _configure_post_processor(backend: _Backend, config: Mapping[str, Any], bos: str | None, eos: str | None) -> None:
-    """Mirror transformers 5: an explicit add_bos_token/add_eos_token (or no post-processor at all) rebuilds
-    the post-processor from those flags; otherwise tokenizer.json's own post-processor decides."""
-    explicit = "add_bos_token" in config or "add_eos_token" in config
-    if not explicit and backend.post_processor is not None:
-        return
-    add_bos = bool(config.get("add_bos_token")) and bos is not None
-    add_eos = bool(config.get("add_eos_token")) and eos is not None
-    single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
-    pair = " ".join([single] + [f"{bos}:1"] * add_bos + ["$B:1"] + [f"{eos}:1"] * add_eos)
-    specials = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,9 +235,10 @@ class Tokenizer:
         config = _read_json(model_dir / TOKENIZER_CONFIG_FILE)
         generation = _read_json(model_dir / GENERATION_CONFIG_FILE)
 
-        special = {name: _token_content(config.get(name)) for name in _TEMPLATE_TOKEN_NAMES}
+        special = {name: _token_content(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
         _add_missing_tokens(backend, config, special)
-        _configure_post_processor(backend, config, special["bos_token"], special["eos_token"])
+        # Which specials encode(add_special_tokens=True) adds is up to tokenizer.json's post-processor alone:
+        # transformers 5 drops add_bos_token/add_eos_token from the config whenever tokenizer.json exists.
 
         # generation_config.json is what generate() stops on, so its ids come first.
         eos_ids = _as_id_list(generation.get("eos_token_id"))

@@ -1,0 +1,196 @@
+"""Every routed-expert implementation against a dense one-hot float32 reference, on tiny shapes."""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import moe
+
+IMPLS = ("gather", "sorted", "tiled", "pallas")
+HIDDEN, INTER = 32, 16
+
+
+def dense_reference(x, ids, weights, gate_up, down):
+    """Every expert on every token, weighted by the dense [T, E] routing matrix (zero where unrouted)."""
+    num_experts = gate_up.shape[0]
+    routing = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(ids, num_experts, dtype=jnp.float32))
+    h = jnp.einsum("th,eih->tei", x, gate_up)
+    gate, up = jnp.split(h, 2, axis=-1)
+    out = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, down)
+    return jnp.einsum("teh,te->th", out, routing)
+
+
+def make_weights(num_experts, hidden=HIDDEN, inter=INTER, seed=0, dtype=jnp.float32):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    gate_up = jax.random.normal(k1, (num_experts, 2 * inter, hidden)) / np.sqrt(hidden)
+    down = jax.random.normal(k2, (num_experts, hidden, inter)) / np.sqrt(inter)
+    return gate_up.astype(dtype), down.astype(dtype)
+
+
+def make_tokens(tokens, num_experts, top_k, routing, hidden=HIDDEN, seed=1):
+    """x [T, H] and top-k routing; `routing` picks which experts can receive tokens."""
+    kx, kl = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (tokens, hidden))
+    logits = jax.random.normal(kl, (tokens, num_experts))
+    if routing == "random":
+        pass
+    elif routing == "half_idle":  # experts 1, 3, 5, ... receive no tokens
+        logits = jnp.where(jnp.arange(num_experts) % 2 == 1, -1e9, logits)
+    elif routing == "same_k":  # every token picks experts 0..k-1: one group holds all T tokens each
+        logits = jnp.where(jnp.arange(num_experts) < top_k, 10.0 + logits, logits)
+    else:
+        raise ValueError(routing)
+    weights, ids = moe.route_softmax_topk(logits, top_k, renormalize=False)
+    return x, ids, weights
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def routed_experts(x, ids, weights, gate_up, down, impl):
+    """Jitted so each case compiles one program instead of dispatching every op eagerly."""
+    return moe.routed_experts(x, ids, weights, gate_up, down, impl=impl)
+
+
+SHAPES = [
+    (tokens, experts, top_k)
+    for tokens in (1, 3, 37, 130)
+    for experts in (4, 8, 16)
+    for top_k in (1, 2, 4)
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tokens,experts,top_k", SHAPES)
+def test_matches_dense_reference(impl, tokens, experts, top_k):
+    routing = ("random", "half_idle", "same_k")[(tokens + experts + top_k) % 3]
+    x, ids, weights = make_tokens(tokens, experts, top_k, routing)
+    gate_up, down = make_weights(experts)
+    got = routed_experts(x, ids, weights, gate_up, down, impl=impl)
+    want = dense_reference(x, ids, weights, gate_up, down)
+    assert got.shape == (tokens, HIDDEN) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (37, 2), (130, 4)])
+def test_all_assignments_to_one_expert(impl, tokens, top_k):
+    """Every (token, slot) names expert 2: one full group, all others empty, duplicate ids per token."""
+    experts = 8
+    x, _, weights = make_tokens(tokens, experts, top_k, "random")
+    ids = jnp.full((tokens, top_k), 2, jnp.int32)
+    gate_up, down = make_weights(experts)
+    got = routed_experts(x, ids, weights, gate_up, down, impl=impl)
+    np.testing.assert_allclose(got, dense_reference(x, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_tiled_any_tile_size(rows):
+    """Groups spanning several tiles, single-row tiles and tiles larger than every group."""
+    x, ids, weights = make_tokens(130, 8, 4, "half_idle")
+    gate_up, down = make_weights(8)
+    got = moe._experts_tiled(x, ids, weights, gate_up, down, m=rows)
+    np.testing.assert_allclose(got, dense_reference(x, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["random", "half_idle", "same_k"])
+def test_tile_layout_tiles_never_straddle_experts(routing):
+    tokens, experts, top_k, m = 37, 16, 4, 8
+    _, ids, _ = make_tokens(tokens, experts, top_k, routing)
+    row_of, row_token, tile_expert, used = jax.tree.map(np.asarray, moe._tile_layout(ids, experts, m))
+    flat = np.asarray(ids).reshape(-1)
+    sizes = np.bincount(flat, minlength=experts)
+    assert used == sum(-(-s // m) for s in sizes)
+    assert len(tile_expert) * m == len(row_token) >= flat.size
+    assert len(set(row_of.tolist())) == flat.size  # one row per assignment
+    # Each assignment sits in a tile owned by its expert, and its row names its token.
+    np.testing.assert_array_equal(tile_expert[row_of // m], flat)
+    np.testing.assert_array_equal(row_token[row_of], np.arange(flat.size) // top_k)
+    # Within an expert, rows keep the stable (token-major) order; every other row is padding.
+    for e in range(experts):
+        assert np.all(np.diff(row_of[flat == e]) == 1)
+    assert np.sum(row_token < tokens) == flat.size
+
+
+def test_tiled_jit_compiles_once_per_shape():
+    traces = 0
+
+    def run(x, ids, weights, gate_up, down):
+        nonlocal traces
+        traces += 1
+        return moe.routed_experts(x, ids, weights, gate_up, down, impl="tiled")
+
+    fn = jax.jit(run)
+    gate_up, down = make_weights(8)
+    for routing in ("random", "half_idle", "same_k"):  # different group sizes, same shapes
+        x, ids, weights = make_tokens(37, 8, 2, routing)
+        fn(x, ids, weights, gate_up, down).block_until_ready()
+    assert traces == 1
+    x, ids, weights = make_tokens(38, 8, 2, "random")
+    fn(x, ids, weights, gate_up, down).block_until_ready()
+    assert traces == 2
+
+
+@pytest.mark.parametrize("impl", ["tiled", "pallas", "sorted"])
+def test_bfloat16_matches_gather(impl):
+    x, ids, weights = make_tokens(37, 8, 2, "random")
+    gate_up, down = make_weights(8, dtype=jnp.bfloat16)
+    x = x.astype(jnp.bfloat16)
+    want = routed_experts(x, ids, weights, gate_up, down, impl="gather")
+    got = routed_experts(x, ids, weights, gate_up, down, impl=impl)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_moe_impl_selection(monkeypatch):
+    monkeypatch.delenv(moe.IMPL_ENV_VAR, raising=False)
+    limit = moe.GATHER_MAX_ASSIGNMENTS
+    assert moe.moe_impl(limit, "cpu") == moe.moe_impl(limit, "tpu") == "gather"
+    assert moe.moe_impl(limit + 1, "cpu") == "tiled"
+    assert moe.moe_impl(limit + 1, "gpu") == "tiled"
+    assert moe.moe_impl(limit + 1, "tpu") == "pallas"
+    assert moe.moe_impl(limit + 1) == "tiled"  # tests run on CPU
+    monkeypatch.setenv(moe.IMPL_ENV_VAR, "sorted")
+    assert moe.moe_impl(1, "tpu") == "sorted"
+    monkeypatch.setenv(moe.IMPL_ENV_VAR, "dense")
+    with pytest.raises(ValueError, match=moe.IMPL_ENV_VAR):
+        moe.moe_impl(1)
+
+
+def test_default_impl_and_forced_impl(monkeypatch):
+    monkeypatch.delenv(moe.IMPL_ENV_VAR, raising=False)
+    x, ids, weights = make_tokens(37, 8, 2, "random")  # 74 assignments: tiled by default on CPU
+    gate_up, down = make_weights(8)
+    want = dense_reference(x, ids, weights, gate_up, down)
+    np.testing.assert_allclose(moe.routed_experts(x, ids, weights, gate_up, down), want, atol=1e-5)
+    monkeypatch.setenv(moe.IMPL_ENV_VAR, "sorted")
+    np.testing.assert_allclose(moe.routed_experts(x, ids, weights, gate_up, down), want, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown MoE impl"):
+        moe.routed_experts(x, ids, weights, gate_up, down, impl="dense")
+
+
+def test_tile_rows():
+    assert moe.tile_rows(1, 64) == moe.MIN_TILE_ROWS
+    assert moe.tile_rows(512 * 8, 64) == 64
+    assert moe.tile_rows(100, 2) == 64
+    assert moe.tile_rows(2048 * 8, 64) == moe.MAX_TILE_ROWS
+
+
+def test_benchmark_sanity():
+    """Times the portable paths on a small prefill-like shape and prints them; asserts only agreement."""
+    tokens, experts, top_k, hidden, inter = 128, 16, 4, 128, 64
+    x, ids, weights = make_tokens(tokens, experts, top_k, "random", hidden=hidden)
+    gate_up, down = make_weights(experts, hidden=hidden, inter=inter)
+    results, timings = {}, {}
+    for impl in ("gather", "sorted", "tiled"):
+        fn = jax.jit(lambda *a, impl=impl: moe.routed_experts(*a, impl=impl))
+        results[impl] = fn(x, ids, weights, gate_up, down).block_until_ready()  # compile
+        start = time.perf_counter()
+        for _ in range(3):
+            fn(x, ids, weights, gate_up, down).block_until_ready()
+        timings[impl] = (time.perf_counter() - start) / 3
+    print("routed_experts ms/call:", {k: round(v * 1e3, 2) for k, v in timings.items()})
+    for impl in ("sorted", "tiled"):
+        np.testing.assert_allclose(results[impl], results["gather"], atol=1e-5, rtol=1e-5)

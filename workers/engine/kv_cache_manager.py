@@ -1,0 +1,206 @@
+"""The KV-cache manager: block pool, reference counts, prefix cache and each request's block table.
+
+Blocks are shared by reference count between requests with a common prefix. A full block gets its
+chained hash (see `block_hash`) and enters the prefix cache; it stays cached after its last user lets
+go, until it is evicted (least recently released first; never-cached free blocks are used before any
+cached one is evicted). Every insertion, eviction and clear is published as a `KVEvent`.
+Only full blocks are shared, so a request only writes into blocks it owns alone; the single exception,
+a prompt that is entirely cached, is resolved by copying its last block (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from .block_hash import ROOT_PARENT, block_hashes
+from .kv_events import KVEventKind, KVEventPublisher
+from .request import Request
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    src: int
+    dst: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventPublisher | None = None):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.events = events
+        self.ref_cnt = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.parent_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: first is evicted first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_uncached) + len(self._free_cached)
+
+    def _emit(self, kind, block_hash=None, parent=None, num_tokens=0):
+        if self.events is not None:
+            self.events.emit(kind, block_hash, parent, num_tokens)
+
+    def longest_cached_prefix(self, hashes: list[int]) -> list[int]:
+        blocks = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def num_free_among(self, block_ids: list[int]) -> int:
+        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Adds a reference to cached blocks (a prefix hit), pulling them off the free list if idle."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self._free_cached[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise MemoryError(f"need {n} KV blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free_uncached:
+                b = self._free_uncached.popleft()
+            else:
+                b, _ = self._free_cached.popitem(last=False)
+                self._evict(b)
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: int) -> None:
+        h = self.hash_of[b]
+        if h is not None and self.cached.get(h) == b:
+            del self.cached[h]
+            self._emit(KVEventKind.REMOVED, h, self.parent_of[b], self.block_size)
+        self.hash_of[b] = self.parent_of[b] = None
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drops one reference from each block; the tail of a sequence is released first so that
+        shared prefixes outlive the blocks that only this request used."""
+        for b in reversed(block_ids):
+            self.ref_cnt[b] -= 1
+            assert self.ref_cnt[b] >= 0, f"block {b} released twice"
+            if self.ref_cnt[b] == 0:
+                if self.hash_of[b] is None:
+                    self._free_uncached.append(b)
+                else:
+                    self._free_cached[b] = None
+
+    def cache_block(self, b: int, block_hash: int, parent: int) -> None:
+        if block_hash in self.cached or self.hash_of[b] is not None:
+            return  # same content already cached by another block (computed concurrently)
+        self.cached[block_hash] = b
+        self.hash_of[b], self.parent_of[b] = block_hash, parent
+        self._emit(KVEventKind.STORED, block_hash, parent, self.block_size)
+
+    def clear_cache(self) -> None:
+        """Forgets every cached hash (blocks in use stay allocated) and publishes one CLEARED event."""
+        for b in list(self._free_cached):
+            self._free_uncached.append(b)
+        self._free_cached.clear()
+        for b in range(self.num_blocks):
+            self.hash_of[b] = self.parent_of[b] = None
+        self.cached.clear()
+        self._emit(KVEventKind.CLEARED)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        extra_keys: str = "",
+        events: KVEventPublisher | None = None,
+    ):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_keys = extra_keys
+        self.pool = BlockPool(num_blocks, block_size, events)
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_hashes(self, request: Request) -> None:
+        """Extends `request.block_hashes` to cover every full block of its tokens."""
+        tokens = request.all_token_ids
+        have = len(request.block_hashes)
+        if len(tokens) // self.block_size > have:
+            parent = request.block_hashes[-1] if have else ROOT_PARENT
+            request.block_hashes += block_hashes(tokens, self.block_size, self.extra_keys, have, parent)
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix of the request's tokens (none without prefix caching)."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(request)
+        return self.pool.longest_cached_prefix(request.block_hashes)
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks: list[int] = ()) -> list[BlockCopy] | None:
+        """Gives the request blocks for `num_new_tokens` more tokens (after taking `prefix_blocks`).
+
+        Returns the block copies the runner must do first, or None (nothing changed) if the pool is short.
+        """
+        prefix_blocks = list(prefix_blocks)
+        total = request.num_computed_tokens + num_new_tokens
+        have = len(request.block_ids) + len(prefix_blocks)
+        needed = max(0, self.blocks_needed(total) - have)
+        # A hit on the whole prompt still recomputes its last token, which writes into the last
+        # (shared) block: that block is copied first.
+        cow = bool(prefix_blocks) and request.num_computed_tokens < len(prefix_blocks) * self.block_size
+        available = self.pool.num_free - self.pool.num_free_among(prefix_blocks)
+        if needed + cow > available:
+            return None
+        self.pool.take(prefix_blocks)
+        copies = []
+        if cow:
+            shared = prefix_blocks[-1]
+            (private,) = self.pool.allocate(1)
+            self.pool.release([shared])
+            prefix_blocks[-1] = private
+            copies.append(BlockCopy(shared, private))
+        request.block_ids += prefix_blocks + self.pool.allocate(needed)
+        if prefix_blocks:
+            self._num_cached_blocks[request.request_id] = len(prefix_blocks) - cow
+        return copies
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the blocks that became full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(request)
+        done = self._num_cached_blocks.get(request.request_id, 0)
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for i in range(done, full):
+            parent = request.block_hashes[i - 1] if i else ROOT_PARENT
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], parent)
+        self._num_cached_blocks[request.request_id] = max(done, full)
+
+    def free(self, request: Request) -> None:
+        self.pool.release(request.block_ids)
+        request.block_ids = []
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    def clear_prefix_cache(self) -> None:
+        self.pool.clear_cache()

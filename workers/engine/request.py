@@ -1,0 +1,54 @@
+"""A request's life in the engine: waiting -> running -> (preempted -> waiting ->) finished."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache (cached prefix + computed so far).
+    num_computed_tokens: int = 0
+    # Prefix-cache hit at the first schedule; reported to the client.
+    num_cached_tokens: int = -1
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of the full blocks of all_token_ids, extended as blocks fill.
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Per-request generator position for seeded sampling: how many tokens were sampled.
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

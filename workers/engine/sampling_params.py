@@ -1,0 +1,170 @@
+"""Per-request sampling parameters, validated once when a request enters the engine.
+
+The fields and their meaning follow vLLM's `SamplingParams` (and through it the OpenAI API), so
+the API layer can map request bodies onto it field by field. Every invalid value raises
+`SamplingParamsError` (a `ValueError`) whose message names the offending field, so a frontend can
+return it verbatim as a 400.
+
+Scalars are validated strictly: `max_tokens=True` or `temperature="hot"` are rejected rather than
+coerced, because a silently coerced sampling parameter is much harder to debug than a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Temperatures below this are treated as greedy decoding (vLLM uses the same threshold): dividing
+# logits by ~0 would overflow, and the result would be argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+MAX_LOGPROBS = 20
+
+_StrictInt = Annotated[int, Field(strict=True)]
+_StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_StrictBool = Annotated[bool, Field(strict=True)]
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters. `errors` holds (field, message) pairs ("" for cross-field
+    checks, whose message names the fields); `str()` lists them all."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        detail = "; ".join(f"{field}: {msg}" if field else msg for field, msg in errors)
+        super().__init__(f"invalid sampling parameters: {detail}")
+
+    @classmethod
+    def from_validation_error(cls, exc: ValidationError) -> "SamplingParamsError":
+        errors = []
+        for err in exc.errors():
+            # Model-level checks have an empty loc; their messages name the fields themselves.
+            field = ".".join(str(part) for part in err["loc"])
+            if err["type"] == "extra_forbidden":
+                message = "unknown sampling parameter"
+            else:
+                # Our own validators raise ValueError, which pydantic prefixes with "Value error, ".
+                message = err["msg"].removeprefix("Value error, ")
+                if err["type"] != "value_error":
+                    message += f" (got {err['input']!r})"
+            errors.append((field, message))
+        return cls(errors)
+
+
+class SamplingParams(BaseModel):
+    """How to pick each generated token and when to stop. Immutable and hashable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Number of completions per request. Only 1 is supported: the engine has no parallel sampling.
+    n: _StrictInt = 1
+    # 0 (or anything below GREEDY_TEMPERATURE_EPS) means greedy; top_k/top_p/min_p are then ignored.
+    temperature: _StrictFloat = Field(default=1.0, ge=0)
+    top_p: _StrictFloat = Field(default=1.0, gt=0, le=1)
+    # -1 or 0 disable top-k.
+    top_k: _StrictInt = 0
+    min_p: _StrictFloat = Field(default=0.0, ge=0, le=1)
+    # HF/vLLM repetition penalty over prompt + output tokens; 1 disables it.
+    repetition_penalty: _StrictFloat = Field(default=1.0, gt=0)
+    # OpenAI penalties over output tokens only; 0 disables them.
+    presence_penalty: _StrictFloat = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: _StrictFloat = Field(default=0.0, ge=-2, le=2)
+    # Makes sampling reproducible per request, independent of batching (see sampler.py).
+    seed: _StrictInt | None = None
+    # Accepts str | list[str] | None; always stored as a tuple of non-empty strings.
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: _StrictInt = Field(default=16, ge=1)
+    # EOS, stop tokens and stop strings are ignored (and EOS/stop tokens banned) before this many
+    # tokens have been generated.
+    min_tokens: _StrictInt = Field(default=0, ge=0)
+    ignore_eos: _StrictBool = False
+    # Number of top logprobs to return per generated token (the chosen token's is always returned
+    # when this is not None); None returns no logprobs.
+    logprobs: _StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: _StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: _StrictBool = True
+    # vLLM's default drops the matched stop string / stop token text from the output.
+    include_stop_str_in_output: _StrictBool = False
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise SamplingParamsError.from_validation_error(exc) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "SamplingParams":
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise SamplingParamsError.from_validation_error(exc) from None
+
+    @classmethod
+    def greedy(cls, **overrides: Any) -> "SamplingParams":
+        """Deterministic argmax decoding; other fields may be overridden."""
+        return cls(**{"temperature": 0.0, **overrides})
+
+    # ----------------------------------------------------------------------------- validators
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_completion(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported (got {n}); send separate requests instead")
+        return n
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, k: int) -> int:
+        if k < -1:
+            raise ValueError(f"must be -1 or 0 (disabled) or >= 1 (got {k})")
+        return k
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _normalise_stop(cls, stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"must be a string or a list of strings (got {stop!r})")
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        return tuple(stop)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _normalise_stop_token_ids(cls, ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        # bool is an int subclass; reject it explicitly.
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
+        return tuple(ids)
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    # ----------------------------------------------------------------------------- derived
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

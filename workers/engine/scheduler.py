@@ -1,0 +1,131 @@
+"""The scheduler: each step, which requests run and how many tokens each gets.
+
+Continuous batching under one token budget (`max_num_batched_tokens`): running requests first (their
+decode token, or the next chunk of an unfinished prefill), then waiting requests in arrival order,
+whose prompts are split into chunks when the budget runs out (chunked prefill). When the KV pool runs
+dry, the most recently admitted running request is preempted: its blocks are freed and it starts over
+later (recompute; the prefix cache usually gives most of it back).
+The output is a plain `SchedulerOutput`; the runner turns it into device arrays.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import BlockCopy, KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # first position computed this step
+
+    @property
+    def completes_known_tokens(self) -> bool:
+        """True when this step reaches the end of the request's tokens, so it yields a sampled token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request (stop, length or abort) and returns its blocks to the pool at once."""
+        if request.status.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests: decode tokens and continuing prefill chunks.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted while making room for an earlier request
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                copies = self.kv.allocate(request, n)
+                if copies is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            out.block_copies += copies
+            budget -= n
+
+        # 2. Waiting requests, in order, while budget and sequence slots remain.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.cached_prefix(request)
+            hit = len(prefix) * self.kv.block_size
+            # The last token is always computed: its logits give the first sampled token.
+            request.num_computed_tokens = min(hit, request.num_tokens - 1)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            copies = self.kv.allocate(request, n, prefix)
+            if copies is None:
+                request.num_computed_tokens = 0
+                break  # the pool is full; wait for running requests to finish
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            out.block_copies += copies
+            budget -= n
+        return out
+
+    def advance(self, scheduled: ScheduledRequest) -> None:
+        """Marks the step's tokens computed and registers blocks that became full in the prefix cache."""
+        request = scheduled.request
+        request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
+        self.kv.cache_full_blocks(request)
