@@ -43,6 +43,52 @@ def cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from workers.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.prompt is None and args.token_ids is None:
+        raise ValueError("give --prompt TEXT or --token-ids 1,2,3")
+    llm = LLM(
+        str(args.model),
+        show_progress=args.verbose,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        warmup=False,
+    )
+    if args.token_ids is not None:
+        prompt = args.token_ids
+    elif args.chat:
+        if llm.tokenizer is None:
+            raise ValueError("--chat needs tokenizer files in the model directory")
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
+    else:
+        prompt = args.prompt
+    out = llm.generate([prompt], params)[0]
+    if args.json:
+        print(json.dumps({
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "num_cached_tokens": out.num_cached_tokens,
+            "prompt_token_ids": out.prompt_token_ids,
+            "logprobs": [{str(k): v for k, v in lp.items()} for lp in out.logprobs] if out.logprobs else None,
+        }))
+    else:
+        print(out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moray", description="MoE serving on Ray: tools and servers")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress and timings")
@@ -62,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
     p.set_defaults(fn=cmd_logits)
+
+    p = sub.add_parser("generate", help="generate from one prompt with the offline engine")
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--prompt")
+    p.add_argument("--token-ids", type=_token_ids)
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--logprobs", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--json", action="store_true", help="print text, token ids, logprobs and finish reason as JSON")
+    p.set_defaults(fn=cmd_generate)
     return parser
 
 

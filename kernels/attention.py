@@ -56,13 +56,6 @@ def causal_attention(
 _IMPLS = ("jnp", "pallas")
 _IMPL_ENV = "MORAY_ATTENTION_IMPL"
 
-# jnp path tuning. Work is split into items (up to `_CHUNK_ROWS` query tokens of one sequence) and
-# units (one item against one group of consecutive pages); see `_ragged_paged_attention_jnp`.
-_CHUNK_ROWS = 16  # query tokens per item for long (prefill) sequences
-_PER_TOKEN_BELOW = 8  # sequences with fewer new tokens than this get one item per token
-_KEYS_PER_UNIT = 128  # pages per unit = this // page_size (at least 1)
-_ITER_BYTES = 8 << 20  # rough budget for the float32 temporaries of one loop iteration
-
 
 def attention_impl() -> str:
     """The one place the attention implementation is chosen: "pallas" on TPU, "jnp" elsewhere.
@@ -118,9 +111,8 @@ def ragged_paged_attention(
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     fn = _ragged_paged_attention_pallas if impl == "pallas" else _ragged_paged_attention_jnp
-    return fn(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale), sliding_window=sliding_window
-    )
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    return fn(*args, sm_scale=float(sm_scale), sliding_window=sliding_window)
 
 
 def _live_tokens(n: int, cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
@@ -128,12 +120,19 @@ def _live_tokens(n: int, cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array
     return jnp.arange(n) < cu_q_lens[num_seqs[0]]
 
 
-def _ragged_paged_attention_pallas(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window):
+def _ragged_paged_attention_pallas(*args, sm_scale, sliding_window):
+    """JAX's TPU kernel (imported lazily: CPU-only users never need Pallas)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as tpu_rpa
 
-    out = tpu_rpa.ragged_paged_attention(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window
-    )
+    q, _, _, page_indices, cu_q_lens, num_seqs = args
+    blocks = {}
+    if jax.default_backend() != "tpu":
+        # Interpret mode: the kernel's tuned block-size table asks for the TPU generation and
+        # raises without one, so pass small block sizes directly.
+        blocks = dict(
+            num_kv_pages_per_block=min(8, page_indices.shape[1]), num_queries_per_block=min(32, q.shape[0])
+        )
+    out = tpu_rpa.ragged_paged_attention(*args, sm_scale=sm_scale, sliding_window=sliding_window, **blocks)
     # The kernel never stores padding rows (they hold uninitialised scratch): zero them.
     return jnp.where(_live_tokens(q.shape[0], cu_q_lens, num_seqs)[:, None, None], out, 0).astype(q.dtype)
 
@@ -141,15 +140,19 @@ def _ragged_paged_attention_pallas(q, kv_pages, kv_lens, page_indices, cu_q_lens
 # --- jnp path --------------------------------------------------------------------------------
 #
 # Static shapes, dynamic work. Query tokens are grouped into *items*: up to R consecutive tokens of
-# one sequence (R = 1 for decode-like sequences, so one decode token never pays for R query rows;
-# R = _CHUNK_ROWS for prefill chunks, so a chunk's KV pages are gathered once per R tokens rather
-# than once per token). An item needs the pages spanning its visible keys (from the sliding-window
-# start, else 0, up to its last token's position); one *unit* is an item against G consecutive
-# pages. All units of all items are laid out in one flat list (its length is a traced value) and a
-# while loop processes B units per iteration, folding each unit's partial softmax into its item's
-# running (max, sum, acc) state with scatters. Cost is therefore ~ sum over items of R x kv_span,
-# i.e. ~ N x kv_len for decode and N x kv_len / R gathered KV for prefill, never N x total_pages,
-# and one iteration touches B x G pages however large N is.
+# one sequence. Decode-like sequences get R = 1, so a decode token never pays for R query rows;
+# prefill chunks get R = _CHUNK_ROWS, so their KV pages are gathered once per R tokens rather than
+# once per token. An item needs the pages spanning its visible keys (from its first token's window
+# start, else 0, up to its last token); a *unit* is one item against G consecutive pages. The units
+# of all items form one flat list whose length is a traced value; a while loop takes B units per
+# iteration and folds each unit's partial softmax into its item's running (max, sum, acc) state.
+# Cost is ~ sum over items of R x (keys spanned): ~ N x kv_len for decode, with only 1/R of that in
+# gathered KV for prefill; never N x total_pages. One iteration holds B x G pages, whatever N is.
+
+_CHUNK_ROWS = 16  # R for long (prefill) sequences
+_PER_TOKEN_BELOW = 8  # sequences with fewer new tokens than this get R = 1
+_KEYS_PER_UNIT = 128  # G = this // page_size pages per unit (at least 1)
+_ITER_BYTES = 8 << 20  # rough budget for one iteration's float32 temporaries; sets B
 
 
 class _Items(NamedTuple):
@@ -159,28 +162,112 @@ class _Items(NamedTuple):
     first_pos: jax.Array  # i32[W] KV position of the item's first token
 
 
-def _plan_items(
-    q_start: jax.Array, q_len: jax.Array, kv_lens: jax.Array, selected: jax.Array, rows: int, num_items: int
-) -> _Items:
+class _Units(NamedTuple):
+    """The flat (item, page group) work list; item i owns units ends[i] - per_item[i] .. ends[i] - 1."""
+
+    per_item: jax.Array  # i32[W] units of each item
+    ends: jax.Array  # i32[W] cumulative sum of per_item
+    first_page: jax.Array  # i32[W] page-table slot of each item's first visible key
+    last_pos: jax.Array  # i32[W] position of each item's last token
+
+
+_STATIC = ("sm_scale", "sliding_window", "pages_per_unit", "units_per_iter")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _ragged_paged_attention_jnp(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    pages_per_unit: int | None = None,  # tuning overrides; tests use tiny ones to exercise the loop
+    units_per_iter: int | None = None,
+):
+    n, hq, _ = q.shape
+    max_seqs = page_indices.shape[0]
+    if hq % (kv_pages.shape[2] // 2):
+        raise ValueError(f"{hq} query heads is not a multiple of {kv_pages.shape[2] // 2} kv heads")
+    # Entries past num_seqs may be garbage: those sequences get no tokens.
+    q_start = cu_q_lens[:-1]
+    q_len = jnp.where(jnp.arange(max_seqs) < num_seqs[0], cu_q_lens[1:] - q_start, 0)
+
+    # Two passes, each with a static item count that fits any batch of these shapes:
+    #  short sequences: one item per token, so at most min(N, S * (_PER_TOKEN_BELOW - 1)) items;
+    #  long sequences: sum of ceil(q_len / R) <= N // R + (number of long sequences).
+    short = q_len < _PER_TOKEN_BELOW
+    passes = (
+        (1, short, min(n, max_seqs * (_PER_TOKEN_BELOW - 1))),
+        (_CHUNK_ROWS, ~short, n // _CHUNK_ROWS + min(max_seqs, n // _PER_TOKEN_BELOW)),
+    )
+    out = jnp.zeros(q.shape, q.dtype)  # padding rows stay 0
+    for rows, selected, num_items in passes:
+        if num_items == 0:
+            continue  # e.g. a batch too small to hold a long sequence
+        items = _plan_items(q_start, q_len, kv_lens, selected, rows, num_items)
+        values = _attend_items(
+            q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter
+        )
+        out = _scatter_items(out, items, values)
+    return out
+
+
+def _bucket(ends: jax.Array, i: jax.Array) -> jax.Array:
+    """For each i, the first k with i < ends[k] (ends = inclusive cumsum of counts): i's owner."""
+    return jnp.searchsorted(ends, i, side="right", method="compare_all")  # small arrays: no loop
+
+
+def _plan_items(q_start, q_len, kv_lens, selected, rows: int, num_items: int) -> _Items:
     """Cut each selected sequence's tokens into items of `rows` tokens; pad the list to `num_items`."""
     per_seq = jnp.where(selected, -(-q_len // rows), 0)
     ends = jnp.cumsum(per_seq)
     w = jnp.arange(num_items)
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), q_len.shape[0] - 1)
-    offset = (w - (ends[seq] - per_seq[seq])) * rows  # token offset of the item within its sequence
-    n_rows = jnp.where(w < ends[-1], jnp.clip(q_len[seq] - offset, 0, rows), 0)
+    seq = jnp.minimum(_bucket(ends, w), q_len.shape[0] - 1)
+    # One gather of a per-sequence table instead of one per field (fewer ops to compile).
+    table = jnp.stack([ends - per_seq, q_len, q_start, kv_lens])
+    first_item, seq_q_len, seq_q_start, seq_kv_len = table[:, seq]
+    offset = (w - first_item) * rows  # the item's first token within its sequence
     return _Items(
         seq=seq.astype(jnp.int32),
-        start=(q_start[seq] + offset).astype(jnp.int32),
-        rows=n_rows.astype(jnp.int32),
-        first_pos=(kv_lens[seq] - q_len[seq] + offset).astype(jnp.int32),
+        start=(seq_q_start + offset).astype(jnp.int32),
+        rows=jnp.where(w < ends[-1], jnp.clip(seq_q_len - offset, 0, rows), 0).astype(jnp.int32),
+        first_pos=(seq_kv_len - seq_q_len + offset).astype(jnp.int32),
     )
 
 
-def _units_per_iteration(rows: int, keys: int, hq: int, hkv: int, d: int, max_units: int) -> int:
-    """How many (item, page group) units one loop iteration handles, from a memory budget."""
-    floats = keys * 2 * hkv * d + 2 * rows * hq * keys + 2 * rows * hq * d  # kv, scores+probs, q+pv
-    return max(1, min(max_units, _ITER_BYTES // (4 * floats)))
+def _plan_units(items: _Items, page_size: int, pages_per_unit: int, sliding_window: int | None) -> _Units:
+    """Each item spans pages from its first token's first visible key to its last token."""
+    last_pos = items.first_pos + items.rows - 1
+    first_key = jnp.zeros_like(items.first_pos)
+    if sliding_window is not None:
+        first_key = jnp.maximum(items.first_pos - sliding_window + 1, 0)
+    first_page = first_key // page_size
+    span = last_pos // page_size - first_page + 1
+    per_item = jnp.where(items.rows > 0, -(-span // pages_per_unit), 0)
+    return _Units(per_item=per_item, ends=jnp.cumsum(per_item), first_page=first_page, last_pos=last_pos)
+
+
+def _units_per_iteration(rows: int, keys: int, hq: int, hkv: int, d: int) -> int:
+    """B, from the memory budget: gathered K/V, scores and probabilities, query rows and p @ V."""
+    floats = keys * 2 * hkv * d + 2 * rows * hq * keys + 2 * rows * hq * d
+    return max(1, _ITER_BYTES // (4 * floats))
+
+
+def _gather_kv(kv_pages, page_indices, seq, page0, pages_per_unit: int):
+    """K and V [B, Hkv, keys, D] (float32) of pages page0 .. page0 + G - 1 of each unit's sequence.
+
+    Page-table slots past the end are clamped; their keys lie beyond the item and are masked.
+    """
+    _, page_size, combined, d = kv_pages.shape
+    slots = jnp.minimum(page0[:, None] + jnp.arange(pages_per_unit), page_indices.shape[1] - 1)
+    kv = jnp.take(kv_pages, page_indices[seq[:, None], slots], axis=0, mode="clip").astype(jnp.float32)
+    # Heads before keys, so the matmuls are plain batched matmuls (~3x faster on XLA:CPU).
+    kv = kv.reshape(page0.shape[0], pages_per_unit * page_size, combined // 2, 2, d).transpose(0, 2, 3, 1, 4)
+    return kv[:, :, 0], kv[:, :, 1]
 
 
 def _attend_items(
@@ -191,119 +278,84 @@ def _attend_items(
     rows: int,
     sm_scale: float,
     sliding_window: int | None,
+    pages_per_unit: int | None,
+    units_per_iter: int | None,
 ) -> jax.Array:
-    """Attention output [W, rows, Hq, D] (float32) for every item row; rows past items.rows are junk."""
+    """Attention output [W, rows, Hq, D] (float32) of every item row; rows past items.rows are junk."""
     n, hq, d = q.shape
     _, page_size, combined, _ = kv_pages.shape
     hkv, pages_per_seq = combined // 2, page_indices.shape[1]
     group = hq // hkv
     num_items = items.seq.shape[0]
-    pages_per_unit = min(pages_per_seq, max(1, _KEYS_PER_UNIT // page_size))
+    pages_per_unit = min(pages_per_seq, pages_per_unit or max(1, _KEYS_PER_UNIT // page_size))
     keys = pages_per_unit * page_size
-
-    # Page span of each item: from the first visible key of its first token to its last token.
-    last_pos = items.first_pos + items.rows - 1
-    first_key = jnp.zeros_like(items.first_pos)
-    if sliding_window is not None:
-        first_key = jnp.maximum(items.first_pos - sliding_window + 1, 0)
-    first_page = first_key // page_size
-    span = last_pos // page_size - first_page + 1
-    units_per_item = jnp.where(items.rows > 0, -(-span // pages_per_unit), 0)
-    unit_ends = jnp.cumsum(units_per_item)
+    units = _plan_units(items, page_size, pages_per_unit, sliding_window)
     max_units = num_items * -(-pages_per_seq // pages_per_unit)
-    per_iter = _units_per_iteration(rows, keys, hq, hkv, d, max_units)
-    num_iters = -(-unit_ends[-1] // per_iter)
+    per_iter = min(max_units, units_per_iter or _units_per_iteration(rows, keys, hq, hkv, d))
 
+    # Query rows of an item as [Hkv, rows * group, D] to match K/V's [Hkv, keys, D].
     token = jnp.minimum(items.start[:, None] + jnp.arange(rows), n - 1)
     q_items = (q[token].astype(jnp.float32) * sm_scale).reshape(num_items, rows, hkv, group, d)
-    row_ids = jnp.arange(rows)
+    q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(num_items, hkv, rows * group, d)
+
+    # What a unit needs of its item, as one table so the loop gathers it once.
+    item_table = jnp.stack(
+        [items.seq, units.first_page, units.ends - units.per_item, items.first_pos, units.last_pos]
+    )
 
     def body(it, state):
-        m, l, acc = state
         unit = it * per_iter + jnp.arange(per_iter)
-        live = unit < unit_ends[-1]
-        item = jnp.minimum(jnp.searchsorted(unit_ends, unit, side="right"), num_items - 1)
-        page0 = first_page[item] + (unit - (unit_ends[item] - units_per_item[item])) * pages_per_unit
-
-        # Gather the unit's pages; slots past the page table are clamped and masked out below.
-        slots = jnp.minimum(page0[:, None] + jnp.arange(pages_per_unit), pages_per_seq - 1)
-        pages = page_indices[items.seq[item][:, None], slots]
-        kv = jnp.take(kv_pages, pages, axis=0, mode="clip").astype(jnp.float32)
-        kv = kv.reshape(per_iter, keys, hkv, 2, d)
-        k, v = kv[..., 0, :], kv[..., 1, :]
+        live = unit < units.ends[-1]
+        item = jnp.minimum(_bucket(units.ends, unit), num_items - 1)
+        seq, first_page, first_unit, first_pos, last_pos = item_table[:, item]
+        page0 = first_page + (unit - first_unit) * pages_per_unit
+        k, v = _gather_kv(kv_pages, page_indices, seq, page0, pages_per_unit)
 
         key_pos = page0[:, None] * page_size + jnp.arange(keys)  # [B, keys]
-        row_pos = items.first_pos[item][:, None] + row_ids  # [B, rows]
+        row_pos = first_pos[:, None] + jnp.arange(rows)  # [B, rows]
         visible = (key_pos[:, None, :] <= row_pos[:, :, None]) & live[:, None, None]
         if sliding_window is not None:
             visible &= key_pos[:, None, :] > row_pos[:, :, None] - sliding_window
+        visible = jnp.repeat(visible, group, axis=1)[:, None]  # [B, 1, rows * group, keys]
         # Slots past the item's last token may hold anything (unwritten or recycled pages, even NaN):
-        # zero V there so masked probabilities (0) times V stay 0.
-        v = jnp.where((key_pos <= last_pos[item][:, None])[:, :, None, None], v, 0.0)
+        # zero V there so that masked probabilities (0) times V stay 0.
+        v = jnp.where((key_pos <= last_pos[:, None])[:, None, :, None], v, 0.0)
 
-        visible = visible[:, :, None, None, :]  # [B, rows, 1, 1, keys]
-        s = jnp.einsum("brhgd,bkhd->brhgk", q_items[item], k)
-        s = jnp.where(visible, s, _MASKED)
+        s = jnp.where(visible, jnp.einsum("bhqd,bhkd->bhqk", q_items[item], k), _MASKED)
+        return _fold_units(state, jnp.where(live, item, num_items), s, visible, v)
 
-        # Fold into the items' online-softmax state. Several units of one item can share an
-        # iteration (they are adjacent in the list): max-scatter the new maxima, rescale each touched
-        # item's old sums once (at its first unit), then add every unit's contribution.
-        target = jnp.where(live, item, num_items)  # num_items -> dropped
-        m_new = m.at[target].max(s.max(axis=-1), mode="drop")
-        m_unit = m_new[item]
-        p = jnp.where(visible, jnp.exp(s - m_unit[..., None]), 0.0)
-        first = jnp.concatenate([jnp.ones((1,), bool), item[1:] != item[:-1]])
-        rescale_target = jnp.where(first, target, num_items)
-        alpha = jnp.exp(m[item] - m_unit)
-        l = l.at[rescale_target].multiply(alpha, mode="drop").at[target].add(p.sum(axis=-1), mode="drop")
-        acc = acc.at[rescale_target].multiply(alpha[..., None], mode="drop")
-        acc = acc.at[target].add(jnp.einsum("brhgk,bkhd->brhgd", p, v), mode="drop")
-        return m_new, l, acc
-
-    state_shape = (num_items, rows, hkv, group)
-    init = (
-        jnp.full(state_shape, _MASKED, jnp.float32),
-        jnp.zeros(state_shape, jnp.float32),
-        jnp.zeros((*state_shape, d), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows that saw no key stay 0
+    state_shape = (num_items, hkv, rows * group)
+    init = (jnp.full(state_shape, _MASKED, jnp.float32), jnp.zeros((*state_shape, d + 1), jnp.float32))
+    _, acc = jax.lax.fori_loop(0, -(-units.ends[-1] // per_iter), body, init)
+    l = acc[..., d:]
+    out = acc[..., :d] / jnp.where(l == 0.0, 1.0, l)  # rows that saw no key stay 0
+    out = out.reshape(num_items, hkv, rows, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(num_items, rows, hq, d)
+
+
+def _fold_units(state, target, s, visible, v):
+    """Online-softmax update of the items' state with B units' scores s [B, Hkv, rows, keys].
+
+    State: running max m and acc = [sum of exp * V | sum of exp] (one array, so one scatter updates
+    both). target[b] is unit b's item (out of range for dead units: their scatters are dropped).
+    Several units of one item can share an iteration (they are adjacent in the list), so: max-scatter
+    the new maxima, rescale each touched item's acc once (at its first unit), then add every unit's part.
+    """
+    m, acc = state
+    m_new = m.at[target].max(s.max(axis=-1), mode="drop")
+    item = jnp.minimum(target, m.shape[0] - 1)
+    m_item = m_new[item]
+    p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
+    first = jnp.concatenate([jnp.ones((1,), bool), target[1:] != target[:-1]])
+    alpha = jnp.exp(m[item] - m_item)[..., None]
+    acc = acc.at[jnp.where(first, target, m.shape[0])].multiply(alpha, mode="drop")
+    part = jnp.concatenate([jnp.einsum("bhqk,bhkd->bhqd", p, v), p.sum(axis=-1, keepdims=True)], axis=-1)
+    return m_new, acc.at[target].add(part, mode="drop")
 
 
 def _scatter_items(out: jax.Array, items: _Items, values: jax.Array) -> jax.Array:
     """Write each item's real rows into out [N, Hq, D]; junk rows are dropped."""
-    n = out.shape[0]
-    rows = values.shape[1]
+    n, rows = out.shape[0], values.shape[1]
     r = jnp.arange(rows)
     token = jnp.where(r < items.rows[:, None], items.start[:, None] + r, n)
     return out.at[token.reshape(-1)].set(values.reshape(-1, *out.shape[1:]).astype(out.dtype), mode="drop")
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
-def _ragged_paged_attention_jnp(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window):
-    n, hq, _ = q.shape
-    num_seqs_max = page_indices.shape[0]
-    if hq % (kv_pages.shape[2] // 2):
-        raise ValueError(f"{hq} query heads is not a multiple of {kv_pages.shape[2] // 2} kv heads")
-    # Entries past num_seqs may be garbage: give those sequences no tokens.
-    live = jnp.arange(num_seqs_max) < num_seqs[0]
-    q_start = cu_q_lens[:-1]
-    q_len = jnp.where(live, cu_q_lens[1:] - q_start, 0)
-
-    out = jnp.zeros(q.shape, q.dtype)
-    # Two passes with static item counts large enough for any batch of this shape:
-    #  short sequences (decode): one item per token, at most min(N, S * (_PER_TOKEN_BELOW - 1)) items;
-    #  long sequences (prefill chunks): sum of ceil(q_len / R) <= N // R + min(S, N // _PER_TOKEN_BELOW).
-    short = q_len < _PER_TOKEN_BELOW
-    passes = (
-        (1, short, min(n, num_seqs_max * (_PER_TOKEN_BELOW - 1))),
-        (_CHUNK_ROWS, ~short, n // _CHUNK_ROWS + min(num_seqs_max, n // _PER_TOKEN_BELOW)),
-    )
-    for rows, selected, num_items in passes:
-        if num_items == 0:
-            continue  # e.g. a batch too small to hold a long sequence
-        items = _plan_items(q_start, q_len, kv_lens, selected, rows, num_items)
-        values = _attend_items(q, kv_pages, page_indices, items, rows, sm_scale, sliding_window)
-        out = _scatter_items(out, items, values)
-    return out

@@ -15,37 +15,41 @@ HIDDEN, INTER = 32, 16
 
 
 def dense_reference(x, ids, weights, gate_up, down):
-    """Every expert on every token, weighted by the dense [T, E] routing matrix (zero where unrouted)."""
+    """Every expert on every token in float32 numpy, weighted by the dense [T, E] routing matrix."""
+    x, weights, gate_up, down = (np.asarray(a, np.float32) for a in (x, weights, gate_up, down))
     num_experts = gate_up.shape[0]
-    routing = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(ids, num_experts, dtype=jnp.float32))
-    h = jnp.einsum("th,eih->tei", x, gate_up)
-    gate, up = jnp.split(h, 2, axis=-1)
-    out = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, down)
-    return jnp.einsum("teh,te->th", out, routing)
+    one_hot = np.asarray(ids)[..., None] == np.arange(num_experts)  # [T, k, E]
+    routing = np.einsum("tk,tke->te", weights, one_hot.astype(np.float32))  # zero where unrouted
+    gate, up = np.split(np.einsum("th,eih->tei", x, gate_up), 2, axis=-1)
+    act = gate / (1.0 + np.exp(-gate)) * up
+    out = np.einsum("tei,ehi->teh", act, down)
+    return np.einsum("teh,te->th", out, routing)
 
 
+# Inputs come from numpy: building them with eager jax ops compiles each op per shape (seconds per case).
 def make_weights(num_experts, hidden=HIDDEN, inter=INTER, seed=0, dtype=jnp.float32):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    gate_up = jax.random.normal(k1, (num_experts, 2 * inter, hidden)) / np.sqrt(hidden)
-    down = jax.random.normal(k2, (num_experts, hidden, inter)) / np.sqrt(inter)
-    return gate_up.astype(dtype), down.astype(dtype)
+    rng = np.random.default_rng(seed)
+    gate_up = rng.standard_normal((num_experts, 2 * inter, hidden), np.float32) / np.sqrt(hidden)
+    down = rng.standard_normal((num_experts, hidden, inter), np.float32) / np.sqrt(inter)
+    return jnp.asarray(gate_up, dtype), jnp.asarray(down, dtype)
 
 
 def make_tokens(tokens, num_experts, top_k, routing, hidden=HIDDEN, seed=1):
-    """x [T, H] and top-k routing; `routing` picks which experts can receive tokens."""
-    kx, kl = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(kx, (tokens, hidden))
-    logits = jax.random.normal(kl, (tokens, num_experts))
-    if routing == "random":
-        pass
-    elif routing == "half_idle":  # experts 1, 3, 5, ... receive no tokens
-        logits = jnp.where(jnp.arange(num_experts) % 2 == 1, -1e9, logits)
-    elif routing == "same_k":  # every token picks experts 0..k-1: one group holds all T tokens each
-        logits = jnp.where(jnp.arange(num_experts) < top_k, 10.0 + logits, logits)
-    else:
+    """x [T, H] and softmax top-k routing; `routing` picks which experts can receive tokens."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, hidden), np.float32)
+    logits = rng.standard_normal((tokens, num_experts), np.float32)
+    if routing == "half_idle":  # experts 1, 3, 5, ... receive no tokens
+        logits[:, 1::2] = -1e9
+    elif routing == "same_k":  # every token picks experts 0..k-1: each of their groups holds all T tokens
+        logits[:, :top_k] += 10.0
+    elif routing != "random":
         raise ValueError(routing)
-    weights, ids = moe.route_softmax_topk(logits, top_k, renormalize=False)
-    return x, ids, weights
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    return jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(weights)
 
 
 @functools.partial(jax.jit, static_argnames="impl")
@@ -54,18 +58,21 @@ def routed_experts(x, ids, weights, gate_up, down, impl):
     return moe.routed_experts(x, ids, weights, gate_up, down, impl=impl)
 
 
+# Every token count with every expert count, and every (experts, top_k) pair, in 12 shapes.
+TOKENS, EXPERTS, TOP_KS = (1, 3, 37, 130), (4, 8, 16), (1, 2, 4)
 SHAPES = [
-    (tokens, experts, top_k)
-    for tokens in (1, 3, 37, 130)
-    for experts in (4, 8, 16)
-    for top_k in (1, 2, 4)
+    (tokens, experts, TOP_KS[(i + j) % 3])
+    for i, tokens in enumerate(TOKENS)
+    for j, experts in enumerate(EXPERTS)
 ]
+ROUTINGS = ("random", "half_idle", "same_k")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("tokens,experts,top_k", SHAPES)
-def test_matches_dense_reference(impl, tokens, experts, top_k):
-    routing = ("random", "half_idle", "same_k")[(tokens + experts + top_k) % 3]
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,routing", [(*shape, ROUTINGS[i % 3]) for i, shape in enumerate(SHAPES)]
+)
+def test_matches_dense_reference(impl, tokens, experts, top_k, routing):
     x, ids, weights = make_tokens(tokens, experts, top_k, routing)
     gate_up, down = make_weights(experts)
     got = routed_experts(x, ids, weights, gate_up, down, impl=impl)
@@ -91,7 +98,8 @@ def test_tiled_any_tile_size(rows):
     """Groups spanning several tiles, single-row tiles and tiles larger than every group."""
     x, ids, weights = make_tokens(130, 8, 4, "half_idle")
     gate_up, down = make_weights(8)
-    got = moe._experts_tiled(x, ids, weights, gate_up, down, m=rows)
+    tiled = jax.jit(functools.partial(moe._experts_tiled, m=rows))
+    got = tiled(x, ids, weights, gate_up, down)
     np.testing.assert_allclose(got, dense_reference(x, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
@@ -99,7 +107,7 @@ def test_tiled_any_tile_size(rows):
 def test_tile_layout_tiles_never_straddle_experts(routing):
     tokens, experts, top_k, m = 37, 16, 4, 8
     _, ids, _ = make_tokens(tokens, experts, top_k, routing)
-    row_of, row_token, tile_expert, used = jax.tree.map(np.asarray, moe._tile_layout(ids, experts, m))
+    row_of, row_token, tile_expert, used = jax.tree.map(np.asarray, jax.jit(moe._tile_layout, static_argnums=(1, 2))(ids, experts, m))
     flat = np.asarray(ids).reshape(-1)
     sizes = np.bincount(flat, minlength=experts)
     assert used == sum(-(-s // m) for s in sizes)
@@ -164,9 +172,12 @@ def test_default_impl_and_forced_impl(monkeypatch):
     x, ids, weights = make_tokens(37, 8, 2, "random")  # 74 assignments: tiled by default on CPU
     gate_up, down = make_weights(8)
     want = dense_reference(x, ids, weights, gate_up, down)
-    np.testing.assert_allclose(moe.routed_experts(x, ids, weights, gate_up, down), want, atol=1e-5)
+    # A fresh jit per call, so each traces with the environment of the moment.
+    default = jax.jit(lambda *args: moe.routed_experts(*args))(x, ids, weights, gate_up, down)
+    np.testing.assert_allclose(default, want, atol=1e-5, rtol=1e-5)
     monkeypatch.setenv(moe.IMPL_ENV_VAR, "sorted")
-    np.testing.assert_allclose(moe.routed_experts(x, ids, weights, gate_up, down), want, atol=1e-5)
+    forced = jax.jit(lambda *args: moe.routed_experts(*args))(x, ids, weights, gate_up, down)
+    np.testing.assert_allclose(forced, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="unknown MoE impl"):
         moe.routed_experts(x, ids, weights, gate_up, down, impl="dense")
 

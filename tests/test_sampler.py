@@ -333,7 +333,9 @@ def test_greedy_with_penalties_picks_argmax_of_penalised_logits():
     assert out.token_ids[0] == 6
     # Frequency penalty over the output: 3.0 - 3 * 0.5 = 1.5 < 2.0.
     params = [SamplingParams.greedy(frequency_penalty=0.5)]
-    out = _sample(params, logits, generated=[3], prompt_token_ids_list=[[]], output_token_ids_list=[[4, 4, 4]])
+    out = _sample(
+        params, logits, generated=[3], prompt_token_ids_list=[[]], output_token_ids_list=[[4, 4, 4]]
+    )
     assert out.token_ids[0] == 6
 
 
@@ -436,36 +438,39 @@ def test_prompt_logprobs():
 def test_stop_string_is_trimmed_with_text_after_it():
     p = SamplingParams(stop=["world"], max_tokens=100)
     # The stop string spans the previous and the new text.
-    assert check_stop([10, 11], "Hello wor", "ld!", p, [EOS]) == (True, "stop", "Hello ")
+    assert check_stop([10, 11], "Hello wor", "ld!", p, [EOS]) == (True, "stop", "Hello ", "world")
     p = SamplingParams(stop=["STOP", "x"], max_tokens=100)
     # The earliest match wins; everything from it on is dropped.
-    assert check_stop([10, 11], "ab", "cSTOPx yz", p, [EOS]) == (True, "stop", "abc")
+    assert check_stop([10, 11], "ab", "cSTOPx yz", p, [EOS]) == (True, "stop", "abc", "STOP")
     p = SamplingParams(stop="STOP", include_stop_str_in_output=True, max_tokens=100)
-    assert check_stop([10, 11], "ab", "cSTOPxyz", p, [EOS]) == (True, "stop", "abcSTOP")
+    assert check_stop([10, 11], "ab", "cSTOPxyz", p, [EOS]) == (True, "stop", "abcSTOP", "STOP")
     # No match: the full text, not finished.
-    assert check_stop([10], "ab", "c", SamplingParams(stop="zz"), [EOS]) == (False, None, "abc")
+    assert check_stop([10], "ab", "c", SamplingParams(stop="zz"), [EOS]) == (False, None, "abc", None)
 
 
 def test_eos_stop_token_ids_and_length():
     p = SamplingParams(max_tokens=5, stop_token_ids=[42])
-    assert check_stop([1, EOS], "hi", "</s>", p, [EOS]) == (True, "stop", "hi")
-    assert check_stop([1, EOS], "hi", "", p, EOS) == (True, "stop", "hi")  # single int accepted
-    assert check_stop([1, 42], "hi", "!", p, [EOS]) == (True, "stop", "hi")
-    assert check_stop([1, 2, 3, 4, 5], "abcd", "e", p, [EOS]) == (True, "length", "abcde")
-    assert check_stop([1, 2, 3, 4], "abc", "d", p, [EOS]) == (False, None, "abcd")
+    assert check_stop([1, EOS], "hi", "</s>", p, [EOS]) == (True, "stop", "hi", None)
+    assert check_stop([1, EOS], "hi", "", p, EOS) == (True, "stop", "hi", None)  # single int accepted
+    assert check_stop([1, 42], "hi", "!", p, [EOS]) == (True, "stop", "hi", 42)
+    # The stop token's text is kept with include_stop_str_in_output.
+    keep = SamplingParams(stop_token_ids=[42], include_stop_str_in_output=True)
+    assert check_stop([1, 42], "hi", "!", keep, [EOS]) == (True, "stop", "hi!", 42)
+    assert check_stop([1, 2, 3, 4, 5], "abcd", "e", p, [EOS]) == (True, "length", "abcde", None)
+    assert check_stop([1, 2, 3, 4], "abc", "d", p, [EOS]) == (False, None, "abcd", None)
 
 
 def test_ignore_eos_continues_past_eos():
     p = SamplingParams(max_tokens=5, ignore_eos=True)
-    assert check_stop([1, EOS], "hi", "", p, [EOS]) == (False, None, "hi")
-    assert check_stop([1, EOS, 3, EOS, 4], "hi", "x", p, [EOS]) == (True, "length", "hix")
+    assert check_stop([1, EOS], "hi", "", p, [EOS]) == (False, None, "hi", None)
+    assert check_stop([1, EOS, 3, EOS, 4], "hi", "x", p, [EOS]) == (True, "length", "hix", None)
 
 
 def test_min_tokens_suppresses_eos_and_stop_strings():
     p = SamplingParams(min_tokens=3, max_tokens=10, stop=["."], stop_token_ids=[42])
-    assert check_stop([EOS], "", "", p, [EOS]) == (False, None, "")
-    assert check_stop([1, 42], "a", "b", p, [EOS]) == (False, None, "ab")
-    assert check_stop([1, 2], "a", ".", p, [EOS]) == (False, None, "a.")
+    assert check_stop([EOS], "", "", p, [EOS]) == (False, None, "", None)
+    assert check_stop([1, 42], "a", "b", p, [EOS]) == (False, None, "ab", None)
+    assert check_stop([1, 2], "a", ".", p, [EOS]) == (False, None, "a.", None)
     # From the third token on, stop conditions apply again (only new text is searched).
-    assert check_stop([1, 2, EOS], "a.", "", p, [EOS]) == (True, "stop", "a.")
-    assert check_stop([1, 2, 3], "a.b", ".c", p, [EOS]) == (True, "stop", "a.b")
+    assert check_stop([1, 2, EOS], "a.", "", p, [EOS]) == (True, "stop", "a.", None)
+    assert check_stop([1, 2, 3], "a.b", ".c", p, [EOS]) == (True, "stop", "a.b", ".")

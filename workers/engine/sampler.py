@@ -223,7 +223,7 @@ def _banned_tokens(
     banned: dict[int, list[int]] = {}
     for row, (params, count) in enumerate(zip(params_list, generated_counts)):
         if count < params.min_tokens:
-            ids = list(params.stop_token_ids) + list(eos_token_ids)
+            ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             if ids:
                 banned[row] = ids
     if not banned:
@@ -441,6 +441,8 @@ class StopCheck(NamedTuple):
     finished: bool
     reason: Literal["stop", "length"] | None
     text: str  # the whole output text so far, trimmed when a stop condition removes text
+    # What ended it, as vLLM reports it: the stop string or stop token id; None for EOS/length.
+    stop_reason: str | int | None = None
 
 
 def check_stop(
@@ -458,6 +460,8 @@ def check_stop(
     3. a stop string -> "stop", text from the stop string on dropped (kept with
        include_stop_str_in_output, text after it is dropped either way);
     4. max_tokens reached -> "length".
+
+    Returns StopCheck(finished, reason, text, stop_reason); `text` is the whole output text.
     """
     text = text_so_far + new_text
     count = len(output_ids)
@@ -467,30 +471,34 @@ def check_stop(
         eos_token_ids = (eos_token_ids,)
 
     last = output_ids[-1]
-    if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
-        return StopCheck(True, "stop", text if params.include_stop_str_in_output else text_so_far)
+    token_text = text if params.include_stop_str_in_output else text_so_far
+    if not params.ignore_eos and last in eos_token_ids:
+        return StopCheck(True, "stop", token_text)
+    if last in params.stop_token_ids:
+        return StopCheck(True, "stop", token_text, last)
 
-    cut = _stop_string_cut(text, len(new_text), params)
-    if cut is not None:
-        return StopCheck(True, "stop", text[:cut])
+    match = _stop_string_match(text, len(new_text), params)
+    if match is not None:
+        cut, stop = match
+        return StopCheck(True, "stop", text[:cut], stop)
 
     if count >= params.max_tokens:
         return StopCheck(True, "length", text)
     return StopCheck(False, None, text)
 
 
-def _stop_string_cut(text: str, new_chars: int, params: SamplingParams) -> int | None:
-    """Where to cut `text` for the earliest stop string that ends in the new text, or None.
+def _stop_string_match(text: str, new_chars: int, params: SamplingParams) -> tuple[int, str] | None:
+    """(where to cut `text`, stop string) for the earliest stop string overlapping the new text.
 
     Only matches overlapping the new text are searched: earlier ones would have stopped earlier.
     """
-    best: tuple[int, int] | None = None
+    best: tuple[int, str] | None = None
     for stop in params.stop:
         start = max(0, len(text) - new_chars - len(stop) + 1)
         index = text.find(stop, start)
         if index != -1 and (best is None or index < best[0]):
-            best = (index, len(stop))
+            best = (index, stop)
     if best is None:
         return None
-    index, length = best
-    return index + length if params.include_stop_str_in_output else index
+    index, stop = best
+    return (index + len(stop) if params.include_stop_str_in_output else index), stop

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -74,6 +75,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
 

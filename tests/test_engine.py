@@ -1,0 +1,249 @@
+"""The engine end to end on CPU: greedy parity with transformers, batching invariance, prefix caching,
+preemption, aborts that never leak blocks, seeded sampling, compile counting, and input validation."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from hf_checkpoints import save_hf_checkpoint
+from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from workers.engine.block_hash import block_hashes
+from workers.engine.kv_events import KVEventKind
+from workers.models.make_model import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Small static-shape grid so each engine compiles only a handful of programs.
+ENGINE_ARGS = dict(
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    token_buckets=[8, 64],
+    page_buckets=[4, 16],
+    compilation_cache_dir=None,
+)
+
+FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], num_hidden_layers=3, head_dim=24),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=48, norm_topk_prob=True),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny") / "m", "qwen3_moe", "tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny) -> LLM:
+    return LLM(str(tiny), **ENGINE_ARGS)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_generate_equals_transformers(family, tmp_path):
+    d = save_hf_checkpoint(tmp_path / family, family, **FAMILIES[family])
+    llm = LLM(str(d), **ENGINE_ARGS)
+    batch = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45, 1, 90, 33], list(range(1, 30))]
+    ours = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    for prompt, out in zip(batch, ours):
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+
+
+def test_sliding_window_generation_matches_transformers_forward(tmp_path):
+    """With a sliding window, transformers' own `generate` drifts from its full forward once the
+    sequence is past the window (its sliding cache); the model definition is the full forward, so the
+    engine's greedy tokens must be the argmax of transformers' logits over the generated sequence."""
+    d = save_hf_checkpoint(tmp_path / "sw", "mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=12)
+    llm = LLM(str(d), **ENGINE_ARGS)
+    batch = [list(range(1, 30)), [8, 2, 77, 45, 1, 90, 33]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    for prompt, out in zip(batch, llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].numpy()
+        assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_concurrent_requests_equal_alone(llm):
+    batch = prompts(16, seed=1)
+    together = llm.generate(batch, GREEDY)
+    for prompt, out in zip(batch[:6], together[:6]):
+        alone = llm.generate([prompt], GREEDY)[0]
+        assert alone.token_ids == out.token_ids
+    assert len({tuple(o.token_ids) for o in together}) > 1
+
+
+def test_chunked_prefill_matches_a_single_chunk(tiny):
+    """A 100-token prompt over a 64-token step budget is prefilled in two chunks."""
+    prompt = prompts(1, seed=2, lo=100, hi=101)[0]
+    chunked = LLM(str(tiny), **ENGINE_ARGS).generate([prompt], GREEDY)[0]
+    whole = LLM(str(tiny), **{**ENGINE_ARGS, "max_num_batched_tokens": 128, "token_buckets": [8, 128]}).generate([prompt], GREEDY)[0]
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_prefix_cache_hit_reports_cached_tokens(llm):
+    prompt = prompts(1, seed=3, lo=37, hi=38)[0]  # 4 full blocks of 8 + 5 tokens
+    first = llm.generate([prompt], GREEDY)[0]
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 32
+    assert again.token_ids == first.token_ids
+    # A prompt that is entirely cached (a multiple of the block size) recomputes only its last
+    # token, into a copy of the shared last block.
+    exact = prompts(1, seed=4, lo=24, hi=25)[0]
+    a = llm.generate([exact], GREEDY)[0]
+    b = llm.generate([exact], GREEDY)[0]
+    assert b.num_cached_tokens == 23 and b.token_ids == a.token_ids
+
+
+def test_preemption_with_tiny_kv_pool_gives_identical_outputs(tiny, llm):
+    batch = prompts(8, seed=5, lo=20, hi=50)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = llm.generate(batch, params)
+    small = LLM(str(tiny), **{**ENGINE_ARGS, "num_kv_blocks": 20, "enable_prefix_caching": False})
+    got = small.generate(batch, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert small.engine.preemptions > 0
+    assert small.engine.kv.num_free_blocks == 20
+
+
+def test_random_requests_and_aborts_never_leak_blocks(tiny):
+    engine = EngineCore(EngineConfig(model=str(tiny), num_kv_blocks=48, **ENGINE_ARGS), show_progress=False)
+    rng = random.Random(7)
+    live: list[str] = []
+    for i, prompt in enumerate(prompts(200, seed=8, lo=1, hi=70)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.8, max_tokens=rng.randrange(1, 20), seed=i))
+        live.append(f"r{i}")
+        for _ in range(rng.randrange(0, 3)):
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        if live and rng.random() < 0.3:
+            engine.abort(live.pop(rng.randrange(len(live))))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert all(c == 0 for c in engine.kv.pool.ref_cnt)
+
+
+def test_seeded_sampling_reproducible_alone_or_in_a_batch(llm):
+    batch = prompts(5, seed=9)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(5)]
+    together = llm.generate(batch, params)
+    alone = llm.generate([batch[2]], params[2])[0]
+    assert alone.token_ids == together[2].token_ids
+    assert llm.generate([batch[2]], params[2])[0].text == alone.text
+    other_seed = llm.generate([batch[2]], params[2].model_copy(update={"seed": 5}))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_logprobs_and_stop_strings(llm):
+    prompt = prompts(1, seed=10)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 8
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert token in lp and len(lp) in (3, 4)
+        assert lp[token] == pytest.approx(max(lp.values()))  # greedy picks the most likely token
+    stop_at = out.text[2:4]
+    if stop_at:
+        stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop=[stop_at], ignore_eos=True))[0]
+        assert stopped.finish_reason == "stop" and stop_at not in stopped.text
+        assert out.text.startswith(stopped.text)
+
+
+def test_no_recompilation_after_warmup(tiny):
+    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, **ENGINE_ARGS), show_progress=False)
+    traced = engine.runner.num_traces
+    assert traced == 4  # 2 token buckets x 2 page buckets
+    for i, prompt in enumerate(prompts(12, seed=11, lo=1, hi=100)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0 if i % 2 else 0.7, max_tokens=10))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.num_traces == traced
+
+
+def test_kv_events_describe_the_cache(tiny):
+    engine = EngineCore(EngineConfig(model=str(tiny), num_kv_blocks=17, enable_prefix_caching=True, **{**ENGINE_ARGS, "warmup": False}), show_progress=False)
+    sub = engine.events.subscribe()
+    prompt = prompts(1, seed=12, lo=40, hi=41)[0]
+    engine.add_request("a", prompt, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    events = sub.drain()
+    stored = [e.block_hash for e in events if e.kind is KVEventKind.STORED]
+    # The router computes the same hashes from the prompt alone.
+    assert stored[:5] == block_hashes(prompt, 8, engine.config.model_name)
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[1].parent_hash == events[0].block_hash
+    # Another long request evicts cached blocks: REMOVED events follow, sequence stays gap-free.
+    engine.add_request("b", prompts(1, seed=13, lo=120, hi=121)[0], SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    more = sub.drain()
+    assert any(e.kind is KVEventKind.REMOVED for e in more)
+    assert [e.seq for e in events + more] == list(range(len(events) + len(more)))
+    engine.kv.clear_prefix_cache()
+    assert sub.drain()[-1].kind is KVEventKind.CLEARED
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=5), "stop"),
+    ],
+)
+def test_bad_sampling_parameters_raise_value_error(params, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**params)
+
+
+def test_bad_prompts_raise_value_error(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 128], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 512]], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    assert not llm.engine.has_unfinished()  # nothing half-added
+
+
+def test_generate_cli(tiny):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", str(tiny), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    ok = run("--prompt", "Hello there", "--max-tokens", "5", "--temperature", "0", "--json", "--ignore-eos")
+    assert ok.returncode == 0, ok.stderr
+    import json
+
+    result = json.loads(ok.stdout)
+    assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+    for bad, word in [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"), (["--max-tokens", "0"], "max_tokens")]:
+        proc = run("--prompt", "hi", *bad)
+        assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr
+    proc = run("--token-ids", "1,2,99999")
+    assert proc.returncode == 2 and "outside the vocabulary" in proc.stderr

@@ -1,0 +1,288 @@
+"""The engine core: one synchronous step loop over scheduler -> runner -> sampler -> outputs.
+
+`EngineCore` is single-threaded and runs without Ray; `AsyncEngine` (async_engine.py) drives it from a
+background thread for the Serve workers, and `LLM` (llm.py) for offline batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from workers.models import LoadedModel, load_model
+from workers.models.tokenizer import Tokenizer
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .kv_events import KVEventPublisher
+from .request import Request, RequestStatus
+from .runner import ModelRunner, kv_bytes_per_block
+from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_logprobs, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("moray.engine")
+
+MAX_LOGPROBS = 20
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    new_token_ids: list[int]  # the tokens this update adds
+    text: str  # the whole output text so far (empty without a tokenizer)
+    delta_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None = None  # per output token: {token id: logprob}, top-N + chosen
+    prompt_logprobs: list | None = None  # per prompt position (None at 0): {token id: Logprob}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    num_tokens_in_flight: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list | None = None
+    pending: list[int] = field(default_factory=list)  # new tokens not yet reported
+
+
+def setup_compilation_cache(path: str | None) -> None:
+    """A persistent XLA compilation cache: a restarted worker skips the compiles it already did."""
+    if path and not jax.config.jax_compilation_cache_dir:
+        Path(path).expanduser().mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LoadedModel | None = None,
+        tokenizer: Tokenizer | None = None,
+        show_progress: bool = True,
+    ):
+        self.config = config
+        setup_compilation_cache(config.compilation_cache_dir)
+        self.model = model or load_model(config.model, config.dtype, config.load_format, seed=config.seed, show_progress=show_progress)
+        self.cfg = self.model.cfg
+        self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config.model)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
+        self.max_model_len = config.max_model_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.events = KVEventPublisher(config.worker_id)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
+        self._states: dict[str, _RequestState] = {}
+        self._finished_outside_step: list[RequestOutput] = []
+        self._step_counter = 0
+        self._rng = np.random.default_rng(config.seed)
+        self.prefix_queries = self.prefix_hits = 0
+        if config.warmup:
+            self.warmup(show_progress)
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        for t in prompt_token_ids:
+            if not 0 <= int(t) < self.cfg.vocab_size:
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        for t in params.stop_token_ids:
+            if t >= self.cfg.vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        self.validate(prompt, params)
+        request = Request(request_id, prompt, params)
+        self._states[request_id] = _RequestState(
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            [] if params.logprobs is not None else None,
+        )
+        if params.prompt_logprobs is not None:
+            self._states[request_id].prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request now and frees its KV blocks; its final output (reason "abort") comes with the next step."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finished_outside_step.append(self._output(request, [], ""))
+        self._states.pop(request_id, None)
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+            kv_usage=self.kv.usage,
+            num_tokens_in_flight=sum(r.num_tokens for r in running),
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+        )
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._finished_outside_step = self._finished_outside_step, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        self.runner.copy_blocks(sched.block_copies)
+        logits = self.runner.run(self.runner.prepare(sched))
+        sampling_rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]
+        sampled = self._sample(logits, [sched.scheduled[i].request for i in sampling_rows], sampling_rows) if sampling_rows else None
+        for item in sched.scheduled:
+            self.scheduler.advance(item)
+        for j, i in enumerate(sampling_rows):
+            out = self._append_token(sched.scheduled[i].request, sampled, j)
+            if out is not None:
+                outputs.append(out)
+        self._step_counter += 1
+        return outputs
+
+    def _sample(self, logits: jax.Array, requests: list[Request], rows: list[int]) -> dict:
+        bucket = logits.shape[0]
+        order = np.zeros((bucket,), np.int32)
+        order[: len(rows)] = rows
+        params = [r.sampling_params for r in requests]
+        uses_penalties = any(p.uses_penalties for p in params)
+        batch = build_sampling_batch(
+            params,
+            [len(r.output_token_ids) for r in requests],
+            bucket,
+            logits.shape[1],
+            prompt_token_ids_list=[r.prompt_token_ids for r in requests] if uses_penalties else None,
+            output_token_ids_list=[r.output_token_ids for r in requests] if uses_penalties else None,
+            step_seed=int(self._rng.integers(0, 2**63)),
+            eos_token_ids=self.eos_token_ids,
+        )
+        num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
+        out: SamplerOutput = sample(logits[order], batch, num_logprobs)
+        return jax.tree.map(np.asarray, out._asdict())
+
+    def _append_token(self, request: Request, sampled: dict, j: int) -> RequestOutput | None:
+        state = self._states[request.request_id]
+        token = int(sampled["token_ids"][j])
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+            self.prefix_queries += request.num_prompt_tokens
+            self.prefix_hits += max(request.num_cached_tokens, 0)
+        request.output_token_ids.append(token)
+        state.pending.append(token)
+        params = request.sampling_params
+        if state.logprobs is not None:
+            top = {int(t): float(lp) for t, lp in zip(sampled["top_logprob_ids"][j][: params.logprobs], sampled["top_logprobs"][j][: params.logprobs])}
+            top[token] = float(sampled["token_logprob"][j])
+            state.logprobs.append(top)
+        before = state.detokenizer.text
+        delta = state.detokenizer.update(request.output_token_ids)
+        stop = check_stop(request.output_token_ids, before, delta, params, self.eos_token_ids)
+        if not stop.finished and request.num_tokens >= self.max_model_len:
+            stop = stop._replace(finished=True, reason="length")
+        if stop.finished:
+            state.detokenizer.text = stop.text
+            if stop.reason == "stop":
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            else:
+                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+            delta = stop.text[len(before) :] if stop.text.startswith(before) else ""
+        out = self._output(request, state.pending, delta)
+        state.pending = []
+        if stop.finished:
+            self._states.pop(request.request_id, None)
+        return out
+
+    def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
+        state = self._states.get(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            new_token_ids=list(new_tokens),
+            text=state.detokenizer.text if state else "",
+            delta_text=delta,
+            finished=request.status.finished,
+            finish_reason=request.status.value if request.status.finished else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            logprobs=list(state.logprobs) if state and state.logprobs is not None else None,
+            prompt_logprobs=state.prompt_logprobs if state else None,
+        )
+
+    def _prompt_logprobs(self, prompt: list[int], k: int):
+        """Logprobs of each prompt token given its prefix, from a contiguous forward over the prompt."""
+        from workers.models import prompt_logits
+
+        logits = prompt_logits(self.model, [prompt])[0]
+        return prompt_logprobs(logits, prompt, k)
+
+    # ---------------------------------------------------------------- warm-up
+
+    def warmup(self, show_progress: bool = True) -> float:
+        """Compiles every step bucket and the greedy and plain-sampling sampler variants."""
+        greedy, plain = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+
+        def sample_variants(logits):
+            for p in (greedy, plain):
+                batch = build_sampling_batch([p], [0], logits.shape[0], logits.shape[1], step_seed=0, eos_token_ids=self.eos_token_ids)
+                sample(logits, batch, 0)
+
+        return self.runner.warmup(sample_variants, show_progress)
+
+
+def _maybe_tokenizer(model_dir: str) -> Tokenizer | None:
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(model_dir)
+    return None
