@@ -89,6 +89,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Commands that live in their own module: each module defines `add_arguments(parser)` and
+# `run(args) -> int`, and must be cheap to import (import jax and friends inside `run`).
+MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module, help)
+}
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    # `moray bench NAME`: (module, help)
+}
+
+
+def _add_module_commands(sub, commands: dict[str, tuple[str, str]]) -> None:
+    import importlib
+
+    for name, (module_name, help_text) in commands.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(fn=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moray", description="MoE serving on Ray: tools and servers")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress and timings")
@@ -125,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--json", action="store_true", help="print text, token ids, logprobs and finish reason as JSON")
     p.set_defaults(fn=cmd_generate)
+
+    _add_module_commands(sub, MODULE_COMMANDS)
+    bench = sub.add_parser("bench", help="benchmarks that write JSON results")
+    _add_module_commands(bench.add_subparsers(dest="bench", required=True), BENCH_COMMANDS)
     return parser
 
 

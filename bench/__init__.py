@@ -1,0 +1,1 @@
+"""Benchmarks run through `moray bench NAME`; each writes a JSON result file."""

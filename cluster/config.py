@@ -1,0 +1,173 @@
+"""`ClusterConfig`: one schema for `moray serve --config`, `cluster.deploy`, `moray serve-config` and the
+Helm chart's `serveConfigV2`. It embeds the engine's own `EngineConfig`.
+
+Unknown keys are rejected and every error names the field path (e.g. `decode.replicas`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from workers.engine.config import EngineConfig
+
+TPU_CHIPS_PER_HOST = {"v4": 4, "v5e": 4, "v5p": 4, "v6e": 4, "v7x": 4}
+_TOPOLOGY = re.compile(r"^\d+x\d+(x\d+)?$")
+
+
+class ConfigError(ValueError):
+    """A cluster config that cannot be used; the message names the field path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class TPUConfig(_Strict):
+    type: Literal["v4", "v5e", "v5p", "v6e", "v7x"] = "v6e"
+    topology: str = Field(default="2x4", description="slice topology, e.g. 2x4, 4x4, 2x2x1")
+
+    @field_validator("topology")
+    @classmethod
+    def _topology(cls, v: str) -> str:
+        if not _TOPOLOGY.match(v):
+            raise ValueError(f"topology must look like 2x4 or 2x2x1, got {v!r}")
+        return v
+
+    @property
+    def chips(self) -> int:
+        n = 1
+        for d in self.topology.split("x"):
+            n *= int(d)
+        return n
+
+    @property
+    def hosts(self) -> int:
+        """Hosts per slice: one replica spans all of them."""
+        return max(1, self.chips // TPU_CHIPS_PER_HOST[self.type])
+
+    @property
+    def chips_per_host(self) -> int:
+        return min(self.chips, TPU_CHIPS_PER_HOST[self.type])
+
+
+class ResourcesConfig(_Strict):
+    cpus: float = Field(default=1.0, ge=0)
+    memory_gb: float | None = Field(default=None, gt=0)
+    tpu: TPUConfig | None = None
+
+
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    target_ongoing_requests: float = Field(default=16, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
+class PoolConfig(_Strict):
+    replicas: int = Field(default=1, ge=0)
+    autoscaling: AutoscalingConfig | None = None
+    resources: ResourcesConfig = ResourcesConfig()
+    # Processes (hosts) per replica; on TPU it follows the slice topology.
+    hosts_per_replica: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    # Per-pool engine settings layered over the cluster's `engine` (e.g. a larger max_num_seqs for decode).
+    engine_overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _hosts_from_tpu(self) -> "PoolConfig":
+        if self.resources.tpu is not None:
+            self.hosts_per_replica = self.resources.tpu.hosts
+        return self
+
+
+class RouterConfig(_Strict):
+    policy: Literal["kv-aware", "least-loaded", "round-robin", "session-sticky"] = "kv-aware"
+    # Conditional disaggregation: prefill on the decode worker when fewer uncached tokens than this.
+    remote_prefill_min_tokens: int = Field(default=256, ge=0)
+    cache_weight: float = Field(default=1.0, ge=0)
+    load_weight: float = Field(default=1.0, ge=0)
+    session_bonus_blocks: float = Field(default=4.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0)
+    exploration: float = Field(default=0.0, ge=0, le=1)
+    heartbeat_ttl_s: float = Field(default=10.0, gt=0)
+
+
+class KVIndexConfig(_Strict):
+    backend: str = Field(default="memory", description='"memory", or a redis:// / rediss:// URL')
+    timeout_s: float = Field(default=0.05, gt=0)
+    stream_maxlen: int = Field(default=100_000, ge=100)
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError('backend must be "memory" or a redis://, rediss:// or unix:// URL')
+        return v
+
+
+class ServerConfig(_Strict):
+    host: str = "0.0.0.0"
+    http_port: int = Field(default=8000, ge=1, le=65535)
+    grpc_port: int = Field(default=9000, ge=1, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="bearer tokens; empty disables auth")
+    api_keys_env: str | None = Field(default=None, description="env var holding comma-separated keys")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class ClusterConfig(_Strict):
+    name: str = Field(default="moray", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    engine: EngineConfig
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    router: RouterConfig = RouterConfig()
+    kv_index: KVIndexConfig = KVIndexConfig()
+    server: ServerConfig = ServerConfig()
+    # Serve lifecycle: model load and compile can take minutes on TPU.
+    health_check_period_s: float = Field(default=10.0, gt=0)
+    health_check_timeout_s: float = Field(default=60.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(default=30.0, ge=0)
+
+    def engine_for(self, pool: Literal["prefill", "decode"], worker_id: str) -> EngineConfig:
+        overrides = getattr(self, pool).engine_overrides
+        return EngineConfig(**{**self.engine.model_dump(), **overrides, "worker_id": worker_id})
+
+
+def format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{path}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_cluster_config(data: dict[str, Any]) -> ClusterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("the cluster config must be a mapping")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    return parse_cluster_config(data or {})
