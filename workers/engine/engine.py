@@ -50,6 +50,15 @@ class RequestOutput:
     prompt_logprobs: list | None = None  # per prompt position (None at 0): {token id: Logprob}
 
 
+@dataclass(frozen=True)
+class KVImport:
+    """The decode side of a prefill -> decode handoff: the prefill worker's first token and its hit."""
+
+    first_token: int
+    num_cached_tokens: int = 0
+    first_logprobs: dict[int, float] | None = None
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -60,6 +69,8 @@ class EngineStats:
     num_tokens_in_flight: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_held: int = 0  # finished prefills whose KV awaits export
+    num_importing: int = 0  # handoffs whose KV is still arriving
 
 
 @dataclass
@@ -129,23 +140,87 @@ class EngineCore:
             if t >= self.cfg.vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        hold_kv: bool = False,
+        kv_import: KVImport | None = None,
+    ) -> None:
+        """Queues a request. `hold_kv` keeps its blocks after it finishes, for `export_kv`;
+        `kv_import` makes it wait for its prompt's KV via `import_kv` instead of prefilling."""
         params = params or SamplingParams()
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         self.validate(prompt, params)
-        request = Request(request_id, prompt, params)
-        self._states[request_id] = _RequestState(
+        request = Request(request_id, prompt, params, hold_kv=hold_kv)
+        state = self._states[request_id] = _RequestState(
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             [] if params.logprobs is not None else None,
         )
         if params.prompt_logprobs is not None:
-            self._states[request_id].prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
-        self.scheduler.add(request)
+            state.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
+        if kv_import is None:
+            self.scheduler.add(request)
+        else:
+            self._start_import(request, state, kv_import)
+
+    # ---------------------------------------------------------------- KV handoff
+
+    def _start_import(self, request: Request, state: _RequestState, kv_import: KVImport) -> None:
+        """Allocates the prompt's blocks (reusing our own cached prefix) and waits for the rest."""
+        request.output_token_ids = [int(kv_import.first_token)]
+        state.detokenizer.update(request.output_token_ids)  # already streamed by the prefill side
+        if state.logprobs is not None and kv_import.first_logprobs:
+            state.logprobs.append(dict(kv_import.first_logprobs))
+        prompt_len = request.num_prompt_tokens
+        prefix = self.kv.cached_prefix(request)[: prompt_len // self.kv.block_size]
+        request.num_computed_tokens = len(prefix) * self.kv.block_size
+        request.num_cached_tokens = kv_import.num_cached_tokens
+        if self.kv.allocate(request, prompt_len - request.num_computed_tokens, prefix) is None:
+            request.num_computed_tokens = 0  # no room now: recompute locally instead, losing nothing
+            self.scheduler.add(request)
+            return
+        request.kv_import_from_block = len(prefix)
+        request.pending_kv_layers = set(range(self.cfg.num_layers))
+        self.scheduler.add_importing(request)
+
+    def import_kv(self, request_id: str, layer_start: int, data: np.ndarray) -> bool:
+        """Writes layers [layer_start, layer_start + len(data)) of the prompt's KV
+        ([layers, prompt blocks, page, 2*Hkv, D]); the request runs once every layer arrived.
+        Returns False when the request no longer waits for KV (aborted, or recomputing locally)."""
+        request = self.scheduler.importing.get(request_id)
+        if request is None:
+            return False
+        first = request.kv_import_from_block
+        num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
+        if data.shape[1] != num_blocks:
+            raise ValueError(f"KV chunk has {data.shape[1]} blocks; the prompt needs {num_blocks}")
+        self.runner.scatter_blocks(request.block_ids[first:num_blocks], layer_start, data[:, first:num_blocks])
+        request.pending_kv_layers -= set(range(layer_start, layer_start + data.shape[0]))
+        if not request.pending_kv_layers:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.scheduler.admit_imported(request)
+        return True
+
+    def export_kv(self, request_id: str, layer_start: int, layer_end: int) -> np.ndarray:
+        """The prompt KV of a finished `hold_kv` request for layers [start, end), on the host."""
+        request = self.scheduler.held.get(request_id)
+        if request is None:
+            raise KeyError(f"no held KV for request {request_id!r}")
+        num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
+        return self.runner.gather_blocks(request.block_ids[:num_blocks], layer_start, layer_end)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Frees a held request's blocks (after export, or when the handoff was abandoned)."""
+        return self.scheduler.release_held(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stops a request now and frees its KV blocks; its final output (reason "abort") comes with the next step."""
+        if self.release_kv(request_id):
+            return
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return
@@ -158,6 +233,7 @@ class EngineCore:
         return self.scheduler.num_preemptions
 
     def has_unfinished(self) -> bool:
+        """Work the step loop can make progress on (importing requests wait for `import_kv`)."""
         return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
 
     def stats(self) -> EngineStats:
@@ -171,6 +247,8 @@ class EngineCore:
             num_tokens_in_flight=sum(r.num_tokens for r in running),
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
+            num_held=len(self.scheduler.held),
+            num_importing=len(self.scheduler.importing),
         )
 
     # ---------------------------------------------------------------- the step

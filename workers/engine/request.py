@@ -38,6 +38,11 @@ class Request:
     # Hashes of the full blocks of all_token_ids, extended as blocks fill.
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prefill-only requests (disaggregation) keep their blocks after finishing until exported.
+    hold_kv: bool = False
+    # Decode side of a handoff: layers of the prompt's KV still to import (None when not importing).
+    pending_kv_layers: set[int] | None = None
+    kv_import_from_block: int = 0
     # Per-request generator position for seeded sampling: how many tokens were sampled.
     first_token_time: float | None = None
 

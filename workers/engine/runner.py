@@ -138,6 +138,26 @@ class ModelRunner:
             dst = jnp.asarray([c.dst for c in copies], jnp.int32)
             self.kv_pages = self._copy(self.kv_pages, src, dst)
 
+    def _padded_ids(self, block_ids: list[int], pad_value: int) -> np.ndarray:
+        n = pick_bucket(self.page_buckets, max(len(block_ids), 1))
+        ids = np.full((n,), pad_value, np.int32)
+        ids[: len(block_ids)] = block_ids
+        return ids
+
+    def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> np.ndarray:
+        """KV of `block_ids` for layers [start, end) on the host: [layers, blocks, page, 2*Hkv, D]."""
+        ids = self._padded_ids(block_ids, 0)
+        out = _gather_jit(self.kv_pages[layer_start:layer_end], ids)
+        return np.asarray(out)[:, : len(block_ids)]
+
+    def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray) -> None:
+        """Writes host KV [layers, blocks, ...] into `block_ids` for layers starting at `layer_start`."""
+        ids = self._padded_ids(block_ids, self.num_blocks)
+        padded = np.zeros((data.shape[0], len(ids), *data.shape[2:]), data.dtype)
+        padded[:, : len(block_ids)] = data
+        end = layer_start + data.shape[0]
+        self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
+
     def dummy_inputs(self, n: int, p: int) -> StepInputs:
         """Inputs of bucket shape (n tokens, p pages) that compute nothing real (all tokens padding)."""
         s = self.seqs_for(n)
@@ -168,8 +188,25 @@ class ModelRunner:
         return elapsed
 
 
+def _gather_blocks(kv_pages, ids):
+    return jnp.stack([pages[ids] for pages in kv_pages])
+
+
+def _scatter_blocks(kv_pages, ids, data):
+    # Padded ids point past the pool and are dropped.
+    return [pages.at[ids].set(d, mode="drop") for pages, d in zip(kv_pages, data)]
+
+
 def _copy_pages(kv_pages, src, dst):
     return [pages.at[dst].set(pages[src]) for pages in kv_pages]
+
+
+_gather_jit = jax.jit(_gather_blocks)
+_scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
+
+
+_gather_jit = jax.jit(_gather_blocks)
+_scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
 
 
 def kv_bytes_per_block(model: LoadedModel, block_size: int) -> int:

@@ -49,6 +49,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Finished prefill-only requests whose blocks wait to be exported; and decode-side requests
+        # whose blocks are allocated but whose KV is still arriving.
+        self.held: dict[str, Request] = {}
+        self.importing: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -65,9 +69,31 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.importing.pop(request.request_id, None)
         request.status = status
-        self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    def release_held(self, request_id: str) -> bool:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request is not None
+
+    def add_importing(self, request: Request) -> None:
+        """A request whose KV arrives from a prefill worker; it is not schedulable until it has."""
+        self.requests[request.request_id] = request
+        self.importing[request.request_id] = request
+
+    def admit_imported(self, request: Request) -> None:
+        """All of its KV arrived: it runs next, ahead of new prompts."""
+        self.importing.pop(request.request_id, None)
+        request.pending_kv_layers = None
+        self.kv.cache_full_blocks(request)
+        self.waiting.appendleft(request)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -107,14 +133,18 @@ class Scheduler:
         # 2. Waiting requests, in order, while budget and sequence slots remain.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv.cached_prefix(request)
-            hit = len(prefix) * self.kv.block_size
-            # The last token is always computed: its logits give the first sampled token.
-            request.num_computed_tokens = min(hit, request.num_tokens - 1)
+            if request.block_ids:  # KV imported from a prefill worker: blocks already allocated
+                prefix = []
+            else:
+                prefix = self.kv.cached_prefix(request)
+                hit = len(prefix) * self.kv.block_size
+                # The last token is always computed: its logits give the first sampled token.
+                request.num_computed_tokens = min(hit, request.num_tokens - 1)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.kv.allocate(request, n, prefix)
             if copies is None:
-                request.num_computed_tokens = 0
+                if not request.block_ids:
+                    request.num_computed_tokens = 0
                 break  # the pool is full; wait for running requests to finish
             self.waiting.popleft()
             if request.num_cached_tokens < 0:

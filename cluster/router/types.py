@@ -1,0 +1,122 @@
+"""The router's vocabulary: requests, decisions, worker loads, and the `KVIndex` protocol both index
+backends (memory, Redis) implement.
+
+Block hashes are the engine's own (`workers.engine.block_hash.block_hashes`, extra_keys = the served
+model name), so what the router expects a worker to hold and what that worker actually caches can never
+disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterable, Literal, NamedTuple, Protocol, runtime_checkable
+
+from workers.engine.kv_events import KVEvent
+
+Role = Literal["prefill", "decode", "both"]
+DEVICE_TIER = "device"
+
+
+class IndexUnavailable(RuntimeError):
+    """The index cannot be reached now (Redis down, timed out, refused our credentials, or the circuit
+    breaker is open). The router routes by load alone when it sees this."""
+
+
+class NoWorkersAvailable(RuntimeError):
+    """No live worker can take the request (every heartbeat has expired)."""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks
+    prompt_len: int  # tokens, including a partial trailing block the hashes do not cover
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode_worker: str
+    prefill_worker: str | None  # None: the decode worker prefills locally
+    expected_cached_tokens: int  # prefix tokens the worker that prefills should find in its cache
+    reason: str  # which branch decided: kv-aware, session, explore, least-loaded, round-robin, degraded, ...
+    best_cached_tokens: int = 0  # the most prefix tokens any live candidate held
+    uncached_tokens: int = 0  # prompt tokens the chosen prefill side must compute
+    cost: float = 0.0  # the chosen decode worker's cost (blocks)
+    degraded: bool = False  # decided without the KV index
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's heartbeat: the load the policy balances, and how far its KV events have got."""
+
+    worker_id: str
+    role: Role = "both"
+    inflight_prefill_tokens: int = 0  # prompt tokens admitted but not yet prefilled (queued or running)
+    active_decode_blocks: int = 0  # KV blocks held by running sequences
+    kv_usage: float = 0.0  # fraction of the KV pool in use
+    num_waiting: int = 0  # requests queued for admission
+    epoch: int = 0  # the worker's KV event epoch (changes when the engine restarts)
+    last_seq: int = -1  # the last KV event sequence number the worker emitted
+    ts: float = 0.0  # wall-clock time the load was measured (seconds)
+    index_lag_s: float = 0.0  # how old the worker's last shipped KV events were when they left it
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "WorkerLoad":
+        """Parses a dict of strings (a Redis HASH) or of native values; unknown keys are ignored."""
+        kw = {}
+        for f in fields(WorkerLoad):
+            if f.name in d:
+                v = d[f.name]
+                kw[f.name] = v if f.type in ("str", "Role") else (float(v) if f.type == "float" else int(v))
+        return WorkerLoad(**kw)
+
+
+class PrefixMatch(NamedTuple):
+    """A worker's longest cached prefix of a request: `blocks` leading blocks, of which `offloaded` sit
+    only in a slower tier (host DRAM, disk), which the policy credits partially."""
+
+    blocks: int
+    offloaded: int = 0
+
+
+@dataclass
+class Lookup:
+    """Everything one routing decision reads from the index, fetched together (one Redis round trip)."""
+
+    matches: dict[str, PrefixMatch]  # live workers with a non-empty prefix match
+    loads: dict[str, WorkerLoad]  # every live worker
+    session_workers: list[str] = field(default_factory=list)
+
+
+@runtime_checkable
+class KVIndex(Protocol):
+    """Which worker caches which block, who is alive, and how loaded.
+
+    Per-worker consistency: events carry (epoch, seq). A new epoch, a gap in seq, or a `cleared` event
+    purges the worker's entries; entries re-accumulate from the events that follow. Workers whose
+    heartbeat is older than the TTL are not live: their entries are never returned.
+    """
+
+    def apply(self, events: Iterable[KVEvent]) -> None: ...
+
+    def longest_prefix(self, block_hashes: list[int]) -> dict[str, int]: ...
+
+    def lookup(self, block_hashes: list[int], session_id: str | None = None) -> Lookup: ...
+
+    def heartbeat(self, load: WorkerLoad) -> None: ...
+
+    def live_workers(self) -> dict[str, WorkerLoad]: ...
+
+    def remove_worker(self, worker_id: str) -> None: ...
+
+    def note_speculative(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None: ...
+
+    def record_session(self, session_id: str, worker_id: str) -> None: ...
+
+    def session_workers(self, session_id: str) -> list[str]: ...
+
+    def load_snapshot(self, worker_id: str, epoch: int, last_seq: int, blocks: list[tuple[int, str]], reset: bool = True) -> None: ...
