@@ -92,6 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # Commands that live in their own module: each module defines `add_arguments(parser)` and
 # `run(args) -> int`, and must be cheap to import (import jax and friends inside `run`).
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("cluster.serve_cli", "start a local cluster (or deploy onto a running one) and serve"),
+    "serve-config": ("cluster.serve_config_cli", "print the Serve config (serve deploy / KubeRay) for a cluster config"),
     # name: (module, help)
 }
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {

@@ -100,12 +100,27 @@ class RouterConfig(_Strict):
     temperature: float = Field(default=0.0, ge=0)
     exploration: float = Field(default=0.0, ge=0, le=1)
     heartbeat_ttl_s: float = Field(default=10.0, gt=0)
+    # Cost terms (cluster/router/policy.py): blocks credited per host-tier block, blocks per queued request.
+    host_tier_credit: float = Field(default=0.75, ge=0, le=1)
+    queue_weight: float = Field(default=1.0, ge=0)
+    speculative_ttl_s: float = Field(default=2.0, ge=0, description="how long a decision counts as cached on the chosen workers")
+    session_ttl_s: float = Field(default=600.0, gt=0)
+    seed: int | None = Field(default=None, description="seeds temperature/exploration sampling (tests, benchmarks)")
 
 
 class KVIndexConfig(_Strict):
     backend: str = Field(default="memory", description='"memory", or a redis:// / rediss:// URL')
     timeout_s: float = Field(default=0.05, gt=0)
     stream_maxlen: int = Field(default=100_000, ge=100)
+    retry_interval_s: float = Field(default=1.0, gt=0, description="how often an unreachable Redis is probed")
+    password_env: str | None = Field(default=None, description="env var holding the Redis password (instead of the URL)")
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_check_hostname: bool = True
+    # Worker-side event sink: a batch leaves when this many events wait or this much time passed.
+    sink_batch_size: int = Field(default=512, ge=1)
+    sink_flush_interval_s: float = Field(default=0.01, gt=0)
 
     @field_validator("backend")
     @classmethod
@@ -135,6 +150,8 @@ class ClusterConfig(_Strict):
     router: RouterConfig = RouterConfig()
     kv_index: KVIndexConfig = KVIndexConfig()
     server: ServerConfig = ServerConfig()
+    # KV handoff granularity: layers per chunk sent from a prefill to a decode worker.
+    handoff_layers_per_chunk: int = Field(default=1, ge=1)
     # Serve lifecycle: model load and compile can take minutes on TPU.
     health_check_period_s: float = Field(default=10.0, gt=0)
     health_check_timeout_s: float = Field(default=60.0, gt=0)

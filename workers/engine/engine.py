@@ -69,6 +69,7 @@ class EngineStats:
     num_tokens_in_flight: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_pending_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
     num_held: int = 0  # finished prefills whose KV awaits export
     num_importing: int = 0  # handoffs whose KV is still arriving
 
@@ -205,6 +206,15 @@ class EngineCore:
             self.scheduler.admit_imported(request)
         return True
 
+    def recompute_instead_of_import(self, request_id: str) -> None:
+        """The KV will not arrive (prefill worker gone): prefill locally instead, losing nothing."""
+        request = self.scheduler.importing.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.pending_kv_layers = None
+            self.scheduler.waiting.append(request)
+
     def export_kv(self, request_id: str, layer_start: int, layer_end: int) -> np.ndarray:
         """The prompt KV of a finished `hold_kv` request for layers [start, end), on the host."""
         request = self.scheduler.held.get(request_id)
@@ -247,6 +257,9 @@ class EngineCore:
             num_tokens_in_flight=sum(r.num_tokens for r in running),
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
+            num_pending_prefill_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in [*self.scheduler.waiting, *running]
+            ),
             num_held=len(self.scheduler.held),
             num_importing=len(self.scheduler.importing),
         )

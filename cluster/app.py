@@ -1,0 +1,85 @@
+"""The Serve application, built from one `ClusterConfig`.
+
+    Ingress (HTTP + gRPC, router) --> PrefillServer pool --KV chunks--> DecodeServer pool --> stream back
+
+`build_app(args)` is the application builder used by `moray serve`, `cluster.deploy` and the Serve
+config `moray serve-config` prints (import path `cluster.app:build_app`, args = the cluster config).
+In `colocated` mode there is no prefill pool: decode replicas prefill locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from .config import ClusterConfig, PoolConfig, parse_cluster_config
+from .ingress import Ingress
+from .servers import DecodeServer, PrefillServer
+from .targeting import REQUEST_ROUTER_CLASS
+
+APP_IMPORT_PATH = "cluster.app:build_app"
+GRPC_SERVICERS = [
+    "protos.moray.v1.moray_pb2_grpc.add_MorayServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
+    """Serve deployment options of a worker pool: replicas or autoscaling, resources, timeouts."""
+    actor: dict[str, Any] = {"num_cpus": pool.resources.cpus}
+    if pool.resources.memory_gb:
+        actor["memory"] = int(pool.resources.memory_gb * 2**30)
+    if pool.resources.tpu is not None:
+        actor["resources"] = {"TPU": pool.resources.tpu.chips_per_host}
+    opts: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        # Model load and XLA warm-up can take minutes: probe health deliberately, not on defaults.
+        "health_check_period_s": cfg.health_check_period_s,
+        "health_check_timeout_s": cfg.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        "request_router_config": RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS),
+    }
+    if pool.autoscaling is not None:
+        opts["autoscaling_config"] = {
+            "min_replicas": pool.autoscaling.min_replicas,
+            "max_replicas": pool.autoscaling.max_replicas,
+            "target_ongoing_requests": pool.autoscaling.target_ongoing_requests,
+        }
+    else:
+        opts["num_replicas"] = pool.replicas
+    return opts
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    cfg = parse_cluster_config(args)
+    cfg_dict = cfg.model_dump(mode="json")
+    decode_deployment = serve.deployment(DecodeServer).options(name="DecodeServer", **pool_options(cfg, cfg.decode))
+    if cfg.mode == "colocated":
+        prefill = None
+        decode = decode_deployment.bind(cfg_dict, None)
+    else:
+        prefill_deployment = serve.deployment(PrefillServer).options(name="PrefillServer", **pool_options(cfg, cfg.prefill))
+        prefill = prefill_deployment.bind(cfg_dict)
+        decode = decode_deployment.bind(cfg_dict, prefill)
+    ingress = Ingress.options(
+        name="Ingress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+    )
+    return ingress.bind(cfg_dict, prefill, decode)
+
+
+def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
+    """A Serve config (for `serve deploy` / KubeRay's serveConfigV2) running this cluster."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": cfg.server.host, "port": cfg.server.http_port, "request_timeout_s": cfg.server.request_timeout_s},
+        "grpc_options": {"port": cfg.server.grpc_port, "grpc_servicer_functions": GRPC_SERVICERS},
+        "applications": [
+            {"name": cfg.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": cfg.model_dump(mode="json")}
+        ],
+    }

@@ -1,0 +1,175 @@
+"""The OpenAI-compatible wire format: request models (validated) and response/chunk builders.
+
+Only protocol lives here; what happens to a request is `orchestrator.py`'s business.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from workers.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI-style body; never a stack trace for the client."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # OpenAI clients send fields we ignore (e.g. `metadata`, `store`); unknown keys are allowed but
+    # every known one is type-checked.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM-style extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, logprobs: int | None, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+            "n": self.n,
+            "stop": self.stop,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+        }
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        return SamplingParams(**fields)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v):
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            out.append({**(m.model_extra or {}), "role": role, "content": m.text()})
+        return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(tokens: list[str], entries: list[dict[int, float]], chosen: list[int], decode) -> dict:
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.get(t) for e, t in zip(entries, chosen)],
+        "top_logprobs": [{decode(k): v for k, v in e.items()} for e in entries],
+        "text_offset": [],
+    }
+
+
+def chat_logprobs(chosen: list[int], entries: list[dict[int, float]], top_n: int, decode) -> dict:
+    content = []
+    for token, entry in zip(chosen, entries):
+        text = decode(token)
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.get(token),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": decode(k), "logprob": v, "bytes": list(decode(k).encode())} for k, v in top],
+            }
+        )
+    return {"content": content}
+
+
+def created() -> int:
+    return int(time.time())

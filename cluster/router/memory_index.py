@@ -1,0 +1,261 @@
+"""`MemoryKVIndex`: the KV index in one process (the default for a single router replica; also the
+worker-side mirror `RedisKVEventSink` resynchronises Redis from, and what `KVEventStreamConsumer` fills).
+
+Thread-safe: events may arrive from an engine thread (`KVEventPublisher.add_listener`) or a stream
+consumer thread while the router looks up from another.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterable
+
+from workers.engine.kv_events import KVEvent, KVEventKind
+
+from .types import DEVICE_TIER, Lookup, PrefixMatch, WorkerLoad
+
+_DEVICE = 1  # tier bit of device-resident blocks; other tiers get the next bits
+
+
+class MemoryKVIndex:
+    def __init__(
+        self,
+        heartbeat_ttl_s: float = 10.0,
+        session_ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_purge: Callable[[str, str], None] | None = None,
+        on_event_lag: Callable[[str, float], None] | None = None,
+    ):
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.session_ttl_s = session_ttl_s
+        self.clock = clock
+        self.on_purge = on_purge  # (worker, "gap" | "epoch" | "cleared" | "removed")
+        self.on_event_lag = on_event_lag  # (worker, seconds between an event's timestamp and its arrival)
+        self._lock = threading.RLock()
+        self._tier_bits: dict[str, int] = {DEVICE_TIER: _DEVICE}
+        self._holders: dict[int, dict[str, int]] = {}  # block hash -> {worker: tier bits}
+        self._by_worker: dict[str, dict[int, int]] = {}  # worker -> {block hash: tier bits}, for purges
+        self._state: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
+        self._loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> (load, arrival time)
+        self._spec: dict[int, dict[str, float]] = {}  # block hash -> {worker: expiry}
+        self._spec_expiry: deque[tuple[float, list[int]]] = deque()  # (expiry, hashes), for sweeping
+        self._sessions: dict[str, dict[str, float]] = {}  # session -> {worker: expiry}
+        self._session_expiry: deque[tuple[float, str]] = deque()
+
+    # ---------------------------------------------------------------- events
+
+    def apply(self, events: Iterable[KVEvent | dict]) -> None:
+        wall, e = time.time(), None
+        with self._lock:
+            for e in events:
+                if isinstance(e, dict):
+                    e = KVEvent.from_dict(e)
+                self._apply_one(e)
+            # Lag is reported per batch (its newest event), not per event: cheap and what a dashboard needs.
+            if self.on_event_lag is not None and e is not None and e.timestamp:
+                self.on_event_lag(e.worker_id, wall - e.timestamp)
+
+    def _apply_one(self, e: KVEvent) -> None:
+        w = e.worker_id
+        state = self._state.get(w)
+        if state is None or state[0] != e.epoch:
+            if state is not None:
+                self._purge(w, "epoch")  # the engine restarted: everything it had is gone
+        elif e.seq <= state[1]:
+            return  # already applied (a replay overlapping what we had)
+        elif e.seq != state[1] + 1:
+            self._purge(w, "gap")  # lost events: what we hold for this worker may be wrong
+        self._state[w] = (e.epoch, e.seq)
+        if e.kind == KVEventKind.STORED:
+            self._add(w, e.block_hash, e.tier)
+            spec = self._spec.get(e.block_hash)
+            if spec is not None:
+                spec.pop(w, None)
+        elif e.kind == KVEventKind.REMOVED:
+            self._remove(w, e.block_hash, e.tier)
+        elif e.kind == KVEventKind.CLEARED:
+            self._purge(w, "cleared")
+
+    def _bit(self, tier: str) -> int:
+        bit = self._tier_bits.get(tier)
+        if bit is None:
+            bit = self._tier_bits[tier] = 1 << len(self._tier_bits)
+        return bit
+
+    def _add(self, w: str, h: int, tier: str) -> None:
+        bit = self._bit(tier)
+        holders = self._holders.setdefault(h, {})
+        holders[w] = holders.get(w, 0) | bit
+        mine = self._by_worker.setdefault(w, {})
+        mine[h] = mine.get(h, 0) | bit
+
+    def _remove(self, w: str, h: int, tier: str) -> None:
+        bit = self._bit(tier)
+        holders = self._holders.get(h)
+        if holders is None or w not in holders:
+            return
+        bits = holders[w] & ~bit
+        mine = self._by_worker[w]
+        if bits:
+            holders[w] = mine[h] = bits
+        else:
+            del holders[w], mine[h]
+            if not holders:
+                del self._holders[h]
+
+    def _purge(self, w: str, reason: str | None = None) -> None:
+        mine = self._by_worker.pop(w, None)
+        if mine:
+            for h in mine:
+                holders = self._holders[h]
+                del holders[w]
+                if not holders:
+                    del self._holders[h]
+        if reason is not None and self.on_purge is not None:
+            self.on_purge(w, reason)
+
+    def load_snapshot(self, worker_id: str, epoch: int, last_seq: int, blocks: list[tuple[int, str]], reset: bool = True) -> None:
+        """Replaces (or, with reset=False, extends) what a worker holds: a resync after lost events."""
+        with self._lock:
+            if reset:
+                self._purge(worker_id)
+            for h, tier in blocks:
+                self._add(worker_id, h, tier)
+            self._state[worker_id] = (epoch, last_seq)
+
+    def export_worker(self, worker_id: str) -> tuple[int, int, list[tuple[int, str]]]:
+        """(epoch, last seq, [(hash, tier)]) of one worker: the snapshot a resync ships."""
+        with self._lock:
+            epoch, seq = self._state.get(worker_id, (0, -1))
+            names = {bit: tier for tier, bit in self._tier_bits.items()}
+            blocks = [
+                (h, names[bit])
+                for h, bits in self._by_worker.get(worker_id, {}).items()
+                for bit in names
+                if bits & bit
+            ]
+            return epoch, seq, blocks
+
+    def position(self, worker_id: str) -> tuple[int, int] | None:
+        """(epoch, last applied seq) of a worker, or None if the index knows nothing of it."""
+        with self._lock:
+            return self._state.get(worker_id)
+
+    # ---------------------------------------------------------------- liveness and load
+
+    def heartbeat(self, load: WorkerLoad) -> None:
+        with self._lock:
+            self._loads[load.worker_id] = (load, self.clock())
+
+    def live_workers(self) -> dict[str, WorkerLoad]:
+        now = self.clock()
+        with self._lock:
+            return {w: load for w, (load, at) in self._loads.items() if now - at <= self.heartbeat_ttl_s}
+
+    def drop_heartbeat(self, worker_id: str) -> None:
+        """The worker is no longer live (its entries stay, valid if it returns in the same epoch)."""
+        with self._lock:
+            self._loads.pop(worker_id, None)
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self._lock:
+            self._purge(worker_id, "removed")
+            self._state.pop(worker_id, None)
+            self._loads.pop(worker_id, None)
+
+    def remove_dead_workers(self) -> list[str]:
+        """Forgets workers whose heartbeat expired (their entries are already ignored; this frees memory)."""
+        with self._lock:
+            live = self.live_workers()
+            dead = [w for w in set(self._by_worker) | set(self._loads) if w not in live]
+            for w in dead:
+                self.remove_worker(w)
+            return dead
+
+    # ---------------------------------------------------------------- lookups
+
+    def lookup(self, block_hashes: list[int], session_id: str | None = None) -> Lookup:
+        with self._lock:
+            live = self.live_workers()
+            return Lookup(self._match(block_hashes, live), live, self.session_workers(session_id) if session_id else [])
+
+    def longest_prefix(self, block_hashes: list[int]) -> dict[str, int]:
+        with self._lock:
+            return {w: m.blocks for w, m in self._match(block_hashes, self.live_workers()).items()}
+
+    def _match(self, block_hashes: list[int], live: dict) -> dict[str, PrefixMatch]:
+        """Walks the chain once for all workers: each drops out at its first missing block."""
+        now = self.clock()
+        matches: dict[str, PrefixMatch] = {}
+        active: dict[str, int] | None = None  # worker -> offloaded blocks so far, for workers still matching
+        for i, h in enumerate(block_hashes):
+            holders = self._holders.get(h, {})
+            spec = self._spec.get(h)
+            if active is None:
+                first = set(holders)
+                if spec:
+                    first.update(w for w, exp in spec.items() if exp > now)
+                active = {w: 0 for w in first if w in live}
+            for w in list(active):
+                bits = holders.get(w, 0)
+                if bits & _DEVICE or (spec and spec.get(w, 0) > now):
+                    continue
+                if bits:
+                    active[w] += 1  # only in a slower tier
+                    continue
+                matches[w] = PrefixMatch(i, active.pop(w))
+            if not active:
+                break
+        for w, off in (active or {}).items():
+            matches[w] = PrefixMatch(len(block_hashes), off)
+        return {w: m for w, m in matches.items() if m.blocks}
+
+    # ---------------------------------------------------------------- decisions and sessions
+
+    def note_speculative(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
+        """The chosen worker is about to compute these blocks: count them as cached for `ttl_s`, so the
+        next request with the same prefix follows before the real events arrive."""
+        now = self.clock()
+        expiry = now + ttl_s
+        with self._lock:
+            self._sweep_spec(now)
+            for h in block_hashes:
+                self._spec.setdefault(h, {})[worker_id] = expiry
+            if block_hashes:
+                self._spec_expiry.append((expiry, block_hashes))
+
+    def _sweep_spec(self, now: float) -> None:
+        while self._spec_expiry and self._spec_expiry[0][0] <= now:
+            _, hashes = self._spec_expiry.popleft()
+            for h in hashes:
+                spec = self._spec.get(h)
+                if spec is not None:
+                    for w in [w for w, exp in spec.items() if exp <= now]:
+                        del spec[w]
+                    if not spec:
+                        del self._spec[h]
+
+    def record_session(self, session_id: str, worker_id: str) -> None:
+        now = self.clock()
+        with self._lock:
+            while self._session_expiry and self._session_expiry[0][0] <= now:
+                _, s = self._session_expiry.popleft()
+                workers = self._sessions.get(s)
+                if workers is not None and max(workers.values()) <= now:
+                    del self._sessions[s]
+            self._sessions.setdefault(session_id, {})[worker_id] = now + self.session_ttl_s
+            self._session_expiry.append((now + self.session_ttl_s, session_id))
+
+    def session_workers(self, session_id: str) -> list[str]:
+        now = self.clock()
+        with self._lock:
+            return sorted(w for w, exp in self._sessions.get(session_id, {}).items() if exp > now)
+
+    def record_decision(self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None) -> None:
+        """A decision's bookkeeping in one call: speculative entries and the session record."""
+        for w in workers:
+            self.note_speculative(w, block_hashes, ttl_s)
+            if session_id:
+                self.record_session(session_id, w)

@@ -1,0 +1,208 @@
+"""Routing policies: small classes behind one interface, each giving every candidate a cost (lower wins).
+
+The kv-aware cost of a candidate worker `w`, in KV blocks (the unit both cache and load are measured in):
+
+    cost(w) = cache_weight * uncached_blocks(w)
+            + load_weight  * (active_decode_blocks(w) + inflight_prefill_tokens(w) / block_size)
+            + queue_weight * num_waiting(w)
+            - session_bonus_blocks            (only if w served this session before)
+
+    uncached_blocks(w) = prompt_len / block_size - (device blocks matched + host_tier_credit * offloaded)
+
+Why these terms: uncached blocks are the prefill work the choice creates (a host-tier block still needs a
+copy to the device, hence the 0.75 credit); active decode blocks are what each decode step streams, so
+they measure how much a new sequence slows a worker's tokens; in-flight prefill tokens and queued
+requests are work the new request waits behind. With the default weights (1, 1, 1) a cached block is
+worth exactly one block of load: a prefix cached on a busy worker wins until that worker carries as
+much extra load as the prefix would cost to recompute elsewhere, and then the prefix is replicated to a
+second worker instead of piling onto the first (the "death spiral" of pure affinity). The session bonus
+is a few blocks: it breaks near-ties toward the worker that holds a conversation's KV, never an override.
+
+kv_usage is exported as a metric but not scored: it is active_decode_blocks / pool size, already counted.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from random import Random
+from typing import Literal
+
+from .types import Lookup, PrefixMatch, RouteRequest, WorkerLoad
+
+Stage = Literal["decode", "prefill"]
+_NO_MATCH = PrefixMatch(0, 0)
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    cache_weight: float = 1.0
+    load_weight: float = 1.0
+    queue_weight: float = 1.0
+    host_tier_credit: float = 0.75
+    session_bonus_blocks: float = 4.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "CostWeights":
+        return cls(cfg.cache_weight, cfg.load_weight, cfg.queue_weight, cfg.host_tier_credit, cfg.session_bonus_blocks)
+
+
+@dataclass
+class RoutingContext:
+    """What one decision knows: the request, the index's answer, and the loads (with this router's own
+    recent decisions added, see `router.PendingLoad`)."""
+
+    request: RouteRequest
+    block_size: int
+    weights: CostWeights
+    lookup: Lookup
+
+    @property
+    def loads(self) -> dict[str, WorkerLoad]:
+        return self.lookup.loads
+
+    @property
+    def prompt_blocks(self) -> float:
+        return self.request.prompt_len / self.block_size
+
+    def match(self, w: str) -> PrefixMatch:
+        return self.lookup.matches.get(w, _NO_MATCH)
+
+    def cached_tokens(self, w: str) -> int:
+        return min(self.request.prompt_len, self.match(w).blocks * self.block_size)
+
+    def uncached_blocks(self, w: str) -> float:
+        m = self.match(w)
+        credited = m.blocks - m.offloaded * (1.0 - self.weights.host_tier_credit)
+        return max(0.0, self.prompt_blocks - credited)
+
+    def load_blocks(self, w: str) -> float:
+        load = self.loads[w]
+        return load.active_decode_blocks + load.inflight_prefill_tokens / self.block_size
+
+    def in_session(self, w: str) -> bool:
+        return w in self.lookup.session_workers
+
+    def cost(self, w: str) -> float:
+        wt = self.weights
+        return (
+            wt.cache_weight * self.uncached_blocks(w)
+            + wt.load_weight * self.load_blocks(w)
+            + wt.queue_weight * self.loads[w].num_waiting
+            - (wt.session_bonus_blocks if self.in_session(w) else 0.0)
+        )
+
+
+class Policy:
+    """Gives candidates a cost; `Router` picks the cheapest (ties broken per request, reproducibly)."""
+
+    name: str = ""
+    # kv-aware only: softmax temperature and exploration apply (others are meant to be predictable).
+    stochastic: bool = False
+
+    def costs(self, ctx: RoutingContext, candidates: list[str], stage: Stage) -> dict[str, float]:
+        raise NotImplementedError
+
+    def branch(self, ctx: RoutingContext, chosen: str, candidates: list[str], stage: Stage) -> str:
+        """The label of what decided (a metrics label and RouteDecision.reason)."""
+        return self.name
+
+
+class KVAwarePolicy(Policy):
+    name = "kv-aware"
+    stochastic = True
+
+    def costs(self, ctx, candidates, stage):
+        return {w: ctx.cost(w) for w in candidates}
+
+    def branch(self, ctx, chosen, candidates, stage):
+        best_cached = max(ctx.match(w).blocks for w in candidates)
+        if best_cached == 0:
+            return "cold"  # nothing cached anywhere: decided by load
+        if ctx.in_session(chosen) and ctx.weights.session_bonus_blocks:
+            without_bonus = min(candidates, key=lambda w: ctx.cost(w) + (ctx.weights.session_bonus_blocks if ctx.in_session(w) else 0))
+            if without_bonus != chosen:
+                return "session"  # the bonus tipped it
+        return "cache-hit" if ctx.match(chosen).blocks == best_cached else "load-balance"
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least-loaded"
+
+    def costs(self, ctx, candidates, stage):
+        wt = ctx.weights
+        return {w: ctx.load_blocks(w) + wt.queue_weight * ctx.loads[w].num_waiting for w in candidates}
+
+
+class RoundRobinPolicy(Policy):
+    name = "round-robin"
+
+    def __init__(self):
+        self._next = {"decode": 0, "prefill": 0}
+
+    def costs(self, ctx, candidates, stage):
+        ordered = sorted(candidates)
+        start = self._next[stage] % len(ordered)
+        self._next[stage] += 1
+        return {w: float((i - start) % len(ordered)) for i, w in enumerate(ordered)}
+
+
+class SessionStickyPolicy(Policy):
+    """The session's previous worker while it is not overloaded, else the least-loaded one. Overloaded:
+    its load exceeds twice the least-loaded candidate's plus `slack_blocks` (so a session does not pin a
+    conversation to a worker that fell far behind)."""
+
+    name = "session-sticky"
+
+    def __init__(self, slack_blocks: float = 64.0):
+        self.slack_blocks = slack_blocks
+        self._least = LeastLoadedPolicy()
+
+    def costs(self, ctx, candidates, stage):
+        costs = self._least.costs(ctx, candidates, stage)
+        floor = min(costs.values())
+        sticky = [w for w in candidates if ctx.in_session(w) and costs[w] <= 2 * floor + self.slack_blocks]
+        if sticky:
+            w = min(sticky, key=lambda w: costs[w])
+            costs[w] = -math.inf
+        return costs
+
+    def branch(self, ctx, chosen, candidates, stage):
+        return "session" if ctx.in_session(chosen) else "least-loaded"
+
+
+POLICIES = {p.name: p for p in (KVAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy, SessionStickyPolicy)}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}") from None
+
+
+def tiebreak(request_id: str, worker: str) -> int:
+    """A per-request, process-independent order among equal costs: replicas agree on the same request,
+    and different requests spread over tied workers instead of all taking the first."""
+    return zlib.crc32(f"{request_id}\x00{worker}".encode())
+
+
+def select(
+    costs: dict[str, float],
+    request_id: str,
+    rng: Random,
+    temperature: float = 0.0,
+    exploration: float = 0.0,
+) -> tuple[str, str | None]:
+    """The cheapest candidate; with temperature > 0 a softmax sample over -cost/temperature, and with
+    probability `exploration` a uniform pick. Returns (worker, "explore" | "sampled" | None)."""
+    ranked = sorted(costs, key=lambda w: (costs[w], tiebreak(request_id, w)))
+    if exploration and len(ranked) > 1 and rng.random() < exploration:
+        return rng.choice(ranked), "explore"
+    if temperature > 0 and len(ranked) > 1:
+        best = costs[ranked[0]]
+        weights = [math.exp(-(costs[w] - best) / temperature) for w in ranked]
+        w = rng.choices(ranked, weights)[0]
+        return w, ("sampled" if w != ranked[0] else None)
+    return ranked[0], None

@@ -1,0 +1,234 @@
+"""`Router`: one KV index + one policy -> `route(RouteRequest) -> RouteDecision`.
+
+A decision: read the index once (prefix matches for every live worker, their loads, the session's
+workers), pick the decode worker, then decide whether a remote prefill pays (only when the decode worker
+lacks at least `remote_prefill_min_tokens` of the prompt) and pick the prefill worker. Bookkeeping
+follows in one more index call: speculative entries for the blocks the chosen workers are about to
+compute, and the session record. This replica also adds the decision to its own view of those workers'
+load until their next heartbeat reports it, so a burst of decisions spreads instead of herding onto the
+worker that looked idlest a moment ago.
+
+When the index is unavailable (Redis down, timing out, refusing credentials) decisions go on by load
+alone, from the last loads seen (or equal loads over `fallback_workers`), marked degraded and counted;
+KV-aware routing resumes by itself once the index answers again.
+
+Thread-safe; `route` is synchronous and fast (memory: tens of microseconds; Redis: one round trip for
+the lookup and one for bookkeeping). From asyncio code call `await router.aroute(req)`, which keeps the
+Redis round trips off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import replace
+from random import Random
+from typing import Callable
+
+from cluster.config import KVIndexConfig, RouterConfig
+
+from .metrics import RouterMetrics
+from .policy import CostWeights, Policy, RoutingContext, make_policy, select
+from .types import IndexUnavailable, KVIndex, Lookup, NoWorkersAvailable, Role, RouteDecision, RouteRequest, WorkerLoad
+
+log = logging.getLogger("moray.router")
+
+
+class PendingLoad:
+    """Load this router replica has sent to workers that their heartbeats do not show yet.
+
+    A decision at time t is added to the worker's load until a heartbeat measured after t arrives (it
+    then includes the request), or until `ttl_s` passes (a request that never reached the worker).
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]):
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._bumps: dict[str, list[tuple[float, int, int]]] = {}  # worker -> [(t, decode blocks, prefill tokens)]
+
+    def add(self, worker: str, decode_blocks: int, prefill_tokens: int) -> None:
+        self._bumps.setdefault(worker, []).append((self.clock(), decode_blocks, prefill_tokens))
+
+    def apply(self, loads: dict[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+        horizon = self.clock() - self.ttl_s
+        out = dict(loads)
+        for w, bumps in list(self._bumps.items()):
+            load = loads.get(w)
+            seen = load.ts if load is not None else -float("inf")
+            bumps[:] = [b for b in bumps if b[0] > horizon and b[0] >= seen]
+            if not bumps:
+                del self._bumps[w]
+            elif load is not None:
+                out[w] = replace(
+                    load,
+                    active_decode_blocks=load.active_decode_blocks + sum(b[1] for b in bumps),
+                    inflight_prefill_tokens=load.inflight_prefill_tokens + sum(b[2] for b in bumps),
+                )
+        return out
+
+
+class Router:
+    def __init__(
+        self,
+        index: KVIndex,
+        config: RouterConfig | None = None,
+        *,
+        block_size: int,
+        metrics: RouterMetrics | None = None,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.time,
+        fallback_workers: dict[str, Role] | None = None,
+    ):
+        self.index = index
+        self.config = config or RouterConfig()
+        self.block_size = block_size
+        self.metrics = metrics or RouterMetrics()
+        self.policy = policy or make_policy(self.config.policy)
+        self.weights = CostWeights.from_config(self.config)
+        self.clock = clock
+        self._rng = Random(self.config.seed)
+        self._lock = threading.Lock()
+        # Pending bumps last one heartbeat TTL at most: by then a live worker has reported its real load.
+        self._pending = PendingLoad(self.config.heartbeat_ttl_s, clock)
+        self._last_loads: dict[str, WorkerLoad] = {}
+        self._fallback = dict(fallback_workers or {})
+        self._wire_index_metrics()
+
+    @classmethod
+    def from_config(
+        cls, router_cfg: RouterConfig, kv_cfg: KVIndexConfig, model: str, block_size: int, metrics: RouterMetrics | None = None, **kw
+    ) -> "Router":
+        """A router over the configured index: in-process memory, or Redis shared by all replicas."""
+        return cls(build_index(kv_cfg, model, router_cfg), router_cfg, block_size=block_size, metrics=metrics, **kw)
+
+    def _wire_index_metrics(self) -> None:
+        for attr, hook in (("on_purge", self.metrics.on_purge), ("on_event_lag", self.metrics.observe_event_lag)):
+            if hasattr(self.index, attr) and getattr(self.index, attr) is None:
+                setattr(self.index, attr, hook)
+        breaker = getattr(self.index, "breaker", None)
+        if breaker is not None and breaker.on_change is None:
+            breaker.on_change = lambda up: self.metrics.index_up.set(1 if up else 0)
+
+    def set_fallback_workers(self, workers: dict[str, Role]) -> None:
+        """Workers to spread over by equal load if the index is down before any load was ever seen."""
+        with self._lock:
+            self._fallback = dict(workers)
+
+    # ---------------------------------------------------------------- the decision
+
+    def route(self, request: RouteRequest) -> RouteDecision:
+        t0 = time.perf_counter()
+        lookup, degraded = self._lookup(request)
+        with self._lock:
+            lookup = Lookup(lookup.matches, self._pending.apply(lookup.loads), lookup.session_workers)
+            decision = self._decide(request, lookup, degraded)
+            self._note_pending(request, decision)
+        self.on_decision(request, decision)
+        self._observe(request, decision, lookup, time.perf_counter() - t0)
+        return decision
+
+    async def aroute(self, request: RouteRequest) -> RouteDecision:
+        """`route` for asyncio callers: a remote index is consulted from a worker thread."""
+        if getattr(self.index, "breaker", None) is None:
+            return self.route(request)
+        return await asyncio.to_thread(self.route, request)
+
+    def _lookup(self, request: RouteRequest) -> tuple[Lookup, bool]:
+        try:
+            lookup = self.index.lookup(request.block_hashes, request.session_id)
+        except IndexUnavailable:
+            self.metrics.degraded.inc()
+            self.metrics.index_errors.labels("lookup").inc()
+            with self._lock:
+                loads = dict(self._last_loads) or {
+                    # ts=0: every pending bump counts, so degraded decisions still spread.
+                    w: WorkerLoad(w, role, ts=0.0) for w, role in self._fallback.items()
+                }
+            return Lookup({}, loads), True
+        with self._lock:
+            self._last_loads = lookup.loads
+        return lookup, False
+
+    def _decide(self, request: RouteRequest, lookup: Lookup, degraded: bool) -> RouteDecision:
+        loads = lookup.loads
+        if not loads:
+            raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
+        ctx = RoutingContext(request, self.block_size, self.weights, lookup)
+        # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
+        decoders = sorted(w for w, l in loads.items() if l.role in ("decode", "both")) or sorted(loads)
+        decode, reason = self._choose(ctx, decoders, "decode")
+        if degraded:
+            reason = "degraded"
+
+        # Then prefill: remote only when the decode worker would compute enough of the prompt itself.
+        prefill = None
+        uncached = request.prompt_len - ctx.cached_tokens(decode)
+        if uncached >= self.config.remote_prefill_min_tokens:
+            prefillers = sorted(w for w, l in loads.items() if l.role == "prefill" and w != decode)
+            if prefillers:
+                prefill, _ = self._choose(ctx, prefillers, "prefill")
+        side = prefill or decode
+        return RouteDecision(
+            decode_worker=decode,
+            prefill_worker=prefill,
+            expected_cached_tokens=ctx.cached_tokens(side),
+            reason=reason,
+            best_cached_tokens=max((ctx.cached_tokens(w) for w in loads), default=0),
+            uncached_tokens=request.prompt_len - ctx.cached_tokens(side),
+            cost=ctx.cost(decode),
+            degraded=degraded,
+        )
+
+    def _choose(self, ctx: RoutingContext, candidates: list[str], stage) -> tuple[str, str]:
+        costs = self.policy.costs(ctx, candidates, stage)
+        stochastic = self.policy.stochastic
+        worker, how = select(
+            costs, ctx.request.request_id, self._rng,
+            self.config.temperature if stochastic else 0.0,
+            self.config.exploration if stochastic else 0.0,
+        )
+        return worker, how or self.policy.branch(ctx, worker, candidates, stage)
+
+    def _note_pending(self, request: RouteRequest, d: RouteDecision) -> None:
+        prompt_blocks = -(-request.prompt_len // self.block_size)
+        self._pending.add(d.decode_worker, prompt_blocks, 0 if d.prefill_worker else d.uncached_tokens)
+        if d.prefill_worker:
+            self._pending.add(d.prefill_worker, 0, d.uncached_tokens)
+
+    def on_decision(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """Index bookkeeping: the chosen workers are about to hold the prompt's blocks (speculative
+        entries, so the next request with this prefix follows at once) and served this session."""
+        if decision.degraded:
+            return  # the index is down; nothing to write, and no request should wait on it
+        workers = [decision.decode_worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
+        try:
+            self.index.record_decision(workers, request.block_hashes, self.config.speculative_ttl_s, request.session_id)
+        except IndexUnavailable:
+            self.metrics.index_errors.labels("record").inc()
+
+    def _observe(self, request: RouteRequest, d: RouteDecision, lookup: Lookup, seconds: float) -> None:
+        m = self.metrics
+        m.decision_seconds.observe(seconds)
+        m.decisions.labels(self.policy.name, d.reason).inc()
+        m.prefill.labels("remote" if d.prefill_worker else "local").inc()
+        m.prompt_tokens.inc(request.prompt_len)
+        m.cached_best.inc(d.best_cached_tokens)
+        m.cached_chosen.inc(d.expected_cached_tokens)
+        m.maybe_update_loads(lookup.loads)
+
+    def record_reuse(self, tokens: int) -> None:
+        """What an engine actually reused for a routed request (its output's num_cached_tokens)."""
+        self.metrics.reused.inc(max(0, tokens))
+
+
+def build_index(kv_cfg: KVIndexConfig, model: str, router_cfg: RouterConfig | None = None) -> KVIndex:
+    router_cfg = router_cfg or RouterConfig()
+    if kv_cfg.backend == "memory":
+        from .memory_index import MemoryKVIndex
+
+        return MemoryKVIndex(heartbeat_ttl_s=router_cfg.heartbeat_ttl_s, session_ttl_s=router_cfg.session_ttl_s)
+    from .redis_index import RedisKVIndex
+
+    return RedisKVIndex.from_config(kv_cfg, model, router_cfg)

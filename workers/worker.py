@@ -1,0 +1,219 @@
+"""Prefill and decode workers: one engine each, with the handoff protocol between them.
+
+These classes know nothing of Ray Serve; `cluster/app.py` wraps them in deployments and supplies the
+transport (how a decode worker fetches a KV chunk from a prefill worker).
+
+Handoff: the prefill worker computes the uncached part of the prompt, samples the first token and
+holds the prompt's KV blocks. The decode worker allocates blocks, fetches the KV in chunks of layers
+(all chunk requests in flight at once, each imported as it arrives) and continues decoding. Held KV
+that nobody fetches is released after `hold_timeout_s`, so a vanished decode side leaks nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
+from workers.engine.engine import KVImport, RequestOutput
+from workers.engine.sampler import check_stop
+from workers.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("moray.worker")
+
+FetchChunk = Callable[[int, int], Awaitable[np.ndarray]]
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    worker_id: str
+    first_token: int
+    text: str  # the first token's text (trimmed if it completed a stop string)
+    finished: bool  # the first token already ends the request
+    finish_reason: str | None
+    num_cached_tokens: int
+    prompt_len: int
+    num_layers: int
+    first_logprobs: dict[int, float] | None = None
+    prefill_time_s: float = 0.0
+
+
+@dataclass
+class HandoffStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    chunks: int = 0
+
+
+@dataclass
+class WorkerCounters:
+    handoffs: int = 0
+    handoff_bytes: int = 0
+    handoff_seconds: float = 0.0
+    held_released_by_timeout: int = 0
+    import_failures: int = 0
+    history: list[HandoffStats] = field(default_factory=list)
+
+
+class EngineWorker:
+    role = "both"
+
+    def __init__(self, engine_config: EngineConfig, show_progress: bool = False, engine: AsyncEngine | None = None):
+        self.config = engine_config
+        self.worker_id = engine_config.worker_id
+        self.engine = engine or AsyncEngine(engine_config, show_progress=show_progress)
+        self.counters = WorkerCounters()
+
+    @property
+    def num_layers(self) -> int:
+        return self.engine.core.cfg.num_layers
+
+    def load(self) -> dict:
+        s = self.engine.stats()
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_usage": s.kv_usage,
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "tokens_in_flight": s.num_tokens_in_flight,
+            "pending_prefill_tokens": s.num_pending_prefill_tokens,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_held": s.num_held,
+            "num_importing": s.num_importing,
+            "epoch": self.engine.core.events.epoch,
+            "handoffs": self.counters.handoffs,
+            "handoff_bytes": self.counters.handoff_bytes,
+            "handoff_seconds": self.counters.handoff_seconds,
+            "healthy": self.engine.healthy,
+        }
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Prefill and decode locally (colocated mode, or a short uncached prompt)."""
+        async for out in self.engine.generate(request_id, prompt, params):
+            yield out
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    def __init__(self, engine_config: EngineConfig, hold_timeout_s: float = 60.0, **kw):
+        super().__init__(engine_config, **kw)
+        self.hold_timeout_s = hold_timeout_s
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> PrefillResult:
+        start = time.perf_counter()
+        first_only = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1), "stop": ()})
+        out = None
+        async for out in self.engine.generate(request_id, prompt, first_only, hold_kv=True):
+            pass
+        token = out.token_ids[0]
+        eos = self.engine.core.eos_token_ids
+        stop = check_stop([token], "", out.text, params, eos)
+        result = PrefillResult(
+            request_id=request_id,
+            worker_id=self.worker_id,
+            first_token=token,
+            text=stop.text,
+            finished=stop.finished,
+            finish_reason=stop.reason,
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_len=len(prompt),
+            num_layers=self.num_layers,
+            first_logprobs=out.logprobs[0] if out.logprobs else None,
+            prefill_time_s=time.perf_counter() - start,
+        )
+        if result.finished:
+            await self.engine.release_kv(request_id)
+        else:
+            asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, request_id)
+        return result
+
+    def _expire_hold(self, request_id: str) -> None:
+        def release(core):
+            if core.release_kv(request_id):
+                self.counters.held_released_by_timeout += 1
+                log.warning("released unclaimed KV of %s after %.0fs", request_id, self.hold_timeout_s)
+
+        if self.engine.healthy:
+            self.engine.submit(release)
+
+    async def kv_chunk(self, request_id: str, layer_start: int, layer_end: int) -> np.ndarray:
+        return await self.engine.export_kv(request_id, layer_start, layer_end)
+
+    async def release(self, request_id: str) -> bool:
+        return await self.engine.release_kv(request_id)
+
+
+def layer_chunks(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
+    step = max(1, layers_per_chunk)
+    return [(l, min(l + step, num_layers)) for l in range(0, num_layers, step)]
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
+    def __init__(self, engine_config: EngineConfig, layers_per_chunk: int = 1, **kw):
+        super().__init__(engine_config, **kw)
+        self.layers_per_chunk = layers_per_chunk
+
+    async def generate_from_prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        handoff: PrefillResult,
+        fetch_chunk: FetchChunk,
+        release: Callable[[], Awaitable[object]] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Continues a request prefilled elsewhere: imports its KV chunk by chunk, then decodes."""
+        kv_import = KVImport(handoff.first_token, handoff.num_cached_tokens, handoff.first_logprobs)
+        stream = await self.engine.add_request(request_id, prompt, params, kv_import=kv_import)
+        importer = asyncio.create_task(self._import_all(request_id, fetch_chunk, release))
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+            if not importer.done():
+                importer.cancel()
+
+    async def _import_all(self, request_id: str, fetch_chunk: FetchChunk, release) -> None:
+        start = time.perf_counter()
+        stats = HandoffStats()
+
+        async def one(layer_start: int, layer_end: int) -> None:
+            data = await fetch_chunk(layer_start, layer_end)
+            stats.bytes += data.nbytes
+            stats.chunks += 1
+            await self.engine.import_kv(request_id, layer_start, data)
+
+        try:
+            await asyncio.gather(*(one(a, b) for a, b in layer_chunks(self.num_layers, self.layers_per_chunk)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any transport failure: recompute locally
+            log.warning("KV import for %s failed (%s); prefilling locally", request_id, e)
+            self.counters.import_failures += 1
+            self.engine.submit(lambda c: c.recompute_instead_of_import(request_id))
+        finally:
+            if release is not None:
+                try:
+                    await release()
+                except Exception:  # noqa: BLE001 - the hold timeout frees it anyway
+                    pass
+        stats.seconds = time.perf_counter() - start
+        self.counters.handoffs += 1
+        self.counters.handoff_bytes += stats.bytes
+        self.counters.handoff_seconds += stats.seconds
+        self.counters.history = (self.counters.history + [stats])[-256:]
