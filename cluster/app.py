@@ -26,6 +26,10 @@ GRPC_SERVICERS = [
 ]
 
 
+# Quiet by default: no per-call access log lines (workers report to the router several times a second).
+LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
+
+
 def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
     """Serve deployment options of a worker pool: replicas or autoscaling, resources, timeouts."""
     actor: dict[str, Any] = {"num_cpus": pool.resources.cpus}
@@ -41,6 +45,7 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "request_router_config": RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS),
+        "logging_config": LOGGING,
     }
     if pool.autoscaling is not None:
         opts["autoscaling_config"] = {
@@ -68,6 +73,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         name="Ingress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1000,
+        logging_config=LOGGING,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     )
     return ingress.bind(cfg_dict, prefill, decode)

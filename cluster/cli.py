@@ -94,10 +94,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("cluster.serve_cli", "start a local cluster (or deploy onto a running one) and serve"),
     "serve-config": ("cluster.serve_config_cli", "print the Serve config (serve deploy / KubeRay) for a cluster config"),
+    "quantize": ("workers.models.quantize", "write a compressed-tensors W4A16/FP8/MXFP8 checkpoint (numpy only)"),
     # name: (module, help)
 }
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     # `moray bench NAME`: (module, help)
+    "route": ("bench.route", "routing decision latency and throughput, memory and Redis KV index"),
+    "memory": ("bench.memory", "weight memory, decode speed and quality of W4A16/FP8/MXFP8 vs unquantised"),
+    "engine": ("bench.engine", "engine decode/prefill tokens/s, roofline ratio, and transformers side by side"),
 }
 
 

@@ -5,7 +5,6 @@ JSON, types, model name, chat messages, prompt length, token ids, sampling param
 HTTP 4xx with an OpenAI-style body, or gRPC INVALID_ARGUMENT / UNAUTHENTICATED / NOT_FOUND.
 """
 
-from __future__ import annotations
 
 import json
 import logging
@@ -30,7 +29,8 @@ from . import openai_api as oa
 from .config import ClusterConfig, parse_cluster_config
 from .metrics import FrontendMetrics
 from .orchestrator import Chunk, Orchestrator, RequestTrace
-from .routing import build_router
+from .router.types import RouteDecision
+from .routing import NoWorkersAvailable, build_router
 
 log = logging.getLogger("moray.cluster")
 
@@ -43,6 +43,7 @@ class PreparedRequest:
     prompt: list[int]
     params: SamplingParams
     session_id: str | None
+    decision: RouteDecision | None = None
 
 
 @serve.deployment
@@ -140,16 +141,24 @@ class Ingress:
 
     # ------------------------------------------------------------------ running a request
 
+    async def decide(self, req: PreparedRequest) -> PreparedRequest:
+        try:
+            req.decision = await self.orchestrator.route(req.request_id, req.prompt, req.session_id)
+        except NoWorkersAvailable:
+            raise oa.APIError(503, "no worker is ready yet; retry shortly", "service_unavailable") from None
+        return req
+
     async def run(self, req: PreparedRequest, api_name: str) -> AsyncIterator[Chunk]:
         trace = RequestTrace()
         outcome = "error"
         tokens = 0
         try:
-            async for chunk in self.orchestrator.stream(req.request_id, req.prompt, req.params, req.session_id, trace):
+            async for chunk in self.orchestrator.stream(req.request_id, req.prompt, req.params, req.decision, trace):
                 tokens = chunk.completion_tokens
                 if chunk.finished:
                     outcome = chunk.finish_reason or "stop"
                     self.metrics.cached_tokens.inc(chunk.num_cached_tokens)
+                    self.router.record_reuse(chunk.num_cached_tokens)
                 yield chunk
         except BaseException:
             outcome = "cancelled" if outcome == "error" else outcome
@@ -197,7 +206,7 @@ class Ingress:
     async def completions(self, request: Request):
         try:
             body = await self._parse(request, oa.CompletionRequest)
-            req = self.prepare_completion(body, request.headers.get("x-session-id"))
+            req = await self.decide(self.prepare_completion(body, request.headers.get("x-session-id")))
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         if body.stream:
@@ -208,7 +217,7 @@ class Ingress:
     async def chat_completions(self, request: Request):
         try:
             body = await self._parse(request, oa.ChatCompletionRequest)
-            req = self.prepare_chat(body, request.headers.get("x-session-id"))
+            req = await self.decide(self.prepare_chat(body, request.headers.get("x-session-id")))
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         if body.stream:
@@ -346,9 +355,15 @@ class Ingress:
 
     @staticmethod
     def _grpc_fail(context, e: oa.APIError) -> None:
-        code = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND}.get(e.status, grpc.StatusCode.INVALID_ARGUMENT)
+        """Sets the status on the context and re-raises: Serve keeps a status set before an exception."""
+        code = {
+            401: grpc.StatusCode.UNAUTHENTICATED,
+            404: grpc.StatusCode.NOT_FOUND,
+            503: grpc.StatusCode.UNAVAILABLE,
+        }.get(e.status, grpc.StatusCode.INVALID_ARGUMENT)
         context.set_code(code)
         context.set_details(e.message)
+        raise e
 
     @staticmethod
     def _pb_logprobs(chunk: Chunk) -> list:
@@ -358,7 +373,7 @@ class Ingress:
 
     async def Generate(self, request: moray_pb2.GenerateRequest, grpc_context=None):
         try:
-            req = self._grpc_prepare(request, grpc_context)
+            req = await self.decide(self._grpc_prepare(request, grpc_context))
         except oa.APIError as e:
             self._grpc_fail(grpc_context, e)
             return
@@ -373,7 +388,7 @@ class Ingress:
 
     async def Complete(self, request: moray_pb2.GenerateRequest, grpc_context=None) -> moray_pb2.CompleteResponse:
         try:
-            req = self._grpc_prepare(request, grpc_context)
+            req = await self.decide(self._grpc_prepare(request, grpc_context))
         except oa.APIError as e:
             self._grpc_fail(grpc_context, e)
             return moray_pb2.CompleteResponse()

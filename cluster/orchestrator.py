@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from workers.engine.block_hash import block_hashes
@@ -50,17 +50,18 @@ class Orchestrator:
         self.model_name = model_name
         self.colocated = colocated
 
-    def route(self, request_id: str, prompt: list[int], session_id: str | None) -> RouteDecision:
+    async def route(self, request_id: str, prompt: list[int], session_id: str | None) -> RouteDecision:
+        """Raises `NoWorkersAvailable` when no worker has registered (yet)."""
         hashes = block_hashes(prompt, self.block_size, self.model_name)
-        decision = self.router.route(RouteRequest(request_id, hashes, len(prompt), session_id))
-        if self.colocated:
-            decision.prefill_worker = None
+        decision = await self.router.aroute(RouteRequest(request_id, hashes, len(prompt), session_id))
+        if self.colocated and decision.prefill_worker is not None:
+            decision = replace(decision, prefill_worker=None)
         return decision
 
     async def stream(
-        self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None, trace: RequestTrace
+        self, request_id: str, prompt: list[int], params: SamplingParams, decision: RouteDecision, trace: RequestTrace
     ) -> AsyncIterator[Chunk]:
-        decision = trace.decision = self.route(request_id, prompt, session_id)
+        trace.decision = decision
         if decision.prefill_worker is not None:
             trace.remote_prefill = True
             result = await _cancellable(

@@ -19,6 +19,7 @@ from .config import ClusterConfig
 log = logging.getLogger("moray.cluster")
 
 REPORT_INTERVAL_S = 0.1
+MAX_PENDING_EVENTS = 200_000
 INGRESS_DEPLOYMENT = "Ingress"
 
 
@@ -33,12 +34,22 @@ class WorkerReporter:
         self._handle = None
         self._pending: list[KVEvent] = []
         self._warned = False
+        self._sink = None
+        if config.kv_index.backend != "memory":
+            from .router.publisher import RedisKVEventSink
+
+            self._sink = RedisKVEventSink.from_config(
+                config.kv_index, config.router, config.engine.model_name, worker.worker_id, role=worker.role
+            )
+            self._sink.attach(worker.engine.core.events).start()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._sink is not None:
+            self._sink.close()
 
     def _run(self) -> None:
         while not self._stop.wait(REPORT_INTERVAL_S):
@@ -50,10 +61,20 @@ class WorkerReporter:
                     self._warned = True
 
     def _report_once(self) -> None:
-        self._pending += self._subscription.drain()
+        if self._sink is not None:
+            from .routing import worker_load
+
+            self._sink.set_load(worker_load(self.worker.load()))
+            self._subscription.drain()  # events travel through the sink; only health goes to the router
+        else:
+            self._pending += self._subscription.drain()
+            if len(self._pending) > MAX_PENDING_EVENTS:
+                # The router is unreachable for long: drop the backlog; the sequence gap makes the
+                # router purge this worker's entries and rebuild from the events that follow.
+                self._pending = []
         if self._handle is None:
             self._handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, self.app_name)
-        events = [e.to_dict() for e in self._pending]
+        events = [e.to_dict() for e in self._pending] if self._sink is None else []
         self._handle.report.remote(self.worker.load(), events).result(timeout_s=5)
         self._pending = []  # delivered; on failure they are resent with the next report
         self._warned = False

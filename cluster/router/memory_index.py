@@ -19,7 +19,20 @@ from .types import DEVICE_TIER, Lookup, PrefixMatch, WorkerLoad
 _DEVICE = 1  # tier bit of device-resident blocks; other tiers get the next bits
 
 
+def _slots(mask: int):
+    """The set bits of a mask, as slot numbers."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
 class MemoryKVIndex:
+    """Blocks map to bitmasks of worker slots (a worker's slot is its bit), so a chain walk over every
+    worker is one dict lookup and a few integer operations per block, and the index holds no per-block
+    container objects for the garbage collector to traverse. Slots are never reused (worker ids are
+    stable across restarts)."""
+
     def __init__(
         self,
         heartbeat_ttl_s: float = 10.0,
@@ -35,11 +48,14 @@ class MemoryKVIndex:
         self.on_event_lag = on_event_lag  # (worker, seconds between an event's timestamp and its arrival)
         self._lock = threading.RLock()
         self._tier_bits: dict[str, int] = {DEVICE_TIER: _DEVICE}
-        self._holders: dict[int, dict[str, int]] = {}  # block hash -> {worker: tier bits}
+        self._slot: dict[str, int] = {}  # worker -> slot
+        self._names: list[str] = []  # slot -> worker
+        self._any: dict[int, int] = {}  # block hash -> slots holding it in any tier
+        self._off: dict[int, int] = {}  # block hash -> slots holding it only in slower tiers (rare)
         self._by_worker: dict[str, dict[int, int]] = {}  # worker -> {block hash: tier bits}, for purges
         self._state: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
         self._loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> (load, arrival time)
-        self._spec: dict[int, dict[str, float]] = {}  # block hash -> {worker: expiry}
+        self._spec: dict[int, dict[int, float]] = {}  # block hash -> {slot: expiry}
         self._spec_expiry: deque[tuple[float, list[int]]] = deque()  # (expiry, hashes), for sweeping
         self._sessions: dict[str, dict[str, float]] = {}  # session -> {worker: expiry}
         self._session_expiry: deque[tuple[float, str]] = deque()
@@ -72,47 +88,57 @@ class MemoryKVIndex:
             self._add(w, e.block_hash, e.tier)
             spec = self._spec.get(e.block_hash)
             if spec is not None:
-                spec.pop(w, None)
+                spec.pop(self._slot[w], None)
         elif e.kind == KVEventKind.REMOVED:
             self._remove(w, e.block_hash, e.tier)
         elif e.kind == KVEventKind.CLEARED:
             self._purge(w, "cleared")
 
-    def _bit(self, tier: str) -> int:
+    def _slot_bit(self, w: str) -> int:
+        slot = self._slot.get(w)
+        if slot is None:
+            slot = self._slot[w] = len(self._names)
+            self._names.append(w)
+        return 1 << slot
+
+    def _tier_bit(self, tier: str) -> int:
         bit = self._tier_bits.get(tier)
         if bit is None:
             bit = self._tier_bits[tier] = 1 << len(self._tier_bits)
         return bit
 
+    def _set_masks(self, h: int, b: int, tiers: int) -> None:
+        """Makes slot bit `b` in the block's masks agree with the worker's tier bits for it."""
+        for masks, present in ((self._any, tiers), (self._off, tiers and not tiers & _DEVICE)):
+            mask = masks.get(h, 0)
+            mask = mask | b if present else mask & ~b
+            if mask:
+                masks[h] = mask
+            else:
+                masks.pop(h, None)
+
     def _add(self, w: str, h: int, tier: str) -> None:
-        bit = self._bit(tier)
-        holders = self._holders.setdefault(h, {})
-        holders[w] = holders.get(w, 0) | bit
         mine = self._by_worker.setdefault(w, {})
-        mine[h] = mine.get(h, 0) | bit
+        tiers = mine[h] = mine.get(h, 0) | self._tier_bit(tier)
+        self._set_masks(h, self._slot_bit(w), tiers)
 
     def _remove(self, w: str, h: int, tier: str) -> None:
-        bit = self._bit(tier)
-        holders = self._holders.get(h)
-        if holders is None or w not in holders:
+        mine = self._by_worker.get(w)
+        if not mine or h not in mine:
             return
-        bits = holders[w] & ~bit
-        mine = self._by_worker[w]
-        if bits:
-            holders[w] = mine[h] = bits
+        tiers = mine[h] & ~self._tier_bit(tier)
+        if tiers:
+            mine[h] = tiers
         else:
-            del holders[w], mine[h]
-            if not holders:
-                del self._holders[h]
+            del mine[h]
+        self._set_masks(h, self._slot_bit(w), tiers)
 
     def _purge(self, w: str, reason: str | None = None) -> None:
         mine = self._by_worker.pop(w, None)
         if mine:
+            b = self._slot_bit(w)
             for h in mine:
-                holders = self._holders[h]
-                del holders[w]
-                if not holders:
-                    del self._holders[h]
+                self._set_masks(h, b, 0)
         if reason is not None and self.on_purge is not None:
             self.on_purge(w, reason)
 
@@ -187,30 +213,49 @@ class MemoryKVIndex:
 
     def _match(self, block_hashes: list[int], live: dict) -> dict[str, PrefixMatch]:
         """Walks the chain once for all workers: each drops out at its first missing block."""
+        live_mask = 0
+        for w in live:
+            if w in self._slot:
+                live_mask |= 1 << self._slot[w]
+        any_, off_, spec_ = self._any, self._off, self._spec
         now = self.clock()
-        matches: dict[str, PrefixMatch] = {}
-        active: dict[str, int] | None = None  # worker -> offloaded blocks so far, for workers still matching
+        found: dict[int, PrefixMatch] = {}
+        offloaded: dict[int, int] = {}  # slot -> blocks it holds only in a slower tier
+        active = None  # slots holding every block so far
         for i, h in enumerate(block_hashes):
-            holders = self._holders.get(h, {})
-            spec = self._spec.get(h)
+            held = any_.get(h, 0) & live_mask
+            slow = off_.get(h, 0) if off_ else 0
+            # Speculative entries matter only where they change something: on the first block (they may
+            # add a worker) or where a still-matching worker lacks the block on its device.
+            if spec_ and (active is None or active & ~held or active & slow):
+                spec = self._spec_mask(h, now)
+                held |= spec & live_mask
+                slow &= ~spec
             if active is None:
-                first = set(holders)
-                if spec:
-                    first.update(w for w, exp in spec.items() if exp > now)
-                active = {w: 0 for w in first if w in live}
-            for w in list(active):
-                bits = holders.get(w, 0)
-                if bits & _DEVICE or (spec and spec.get(w, 0) > now):
-                    continue
-                if bits:
-                    active[w] += 1  # only in a slower tier
-                    continue
-                matches[w] = PrefixMatch(i, active.pop(w))
-            if not active:
-                break
-        for w, off in (active or {}).items():
-            matches[w] = PrefixMatch(len(block_hashes), off)
-        return {w: m for w, m in matches.items() if m.blocks}
+                active = held
+            dropped = active & ~held
+            if dropped:
+                for slot in _slots(dropped):
+                    found[slot] = PrefixMatch(i, offloaded.get(slot, 0))
+                active &= held
+                if not active:
+                    break
+            if active & slow:
+                for slot in _slots(active & slow):
+                    offloaded[slot] = offloaded.get(slot, 0) + 1
+        for slot in _slots(active or 0):
+            found[slot] = PrefixMatch(len(block_hashes), offloaded.get(slot, 0))
+        return {self._names[slot]: m for slot, m in found.items() if m.blocks}
+
+    def _spec_mask(self, h: int, now: float) -> int:
+        spec = self._spec.get(h)
+        if not spec:
+            return 0
+        mask = 0
+        for slot, exp in spec.items():
+            if exp > now:
+                mask |= 1 << slot
+        return mask
 
     # ---------------------------------------------------------------- decisions and sessions
 
@@ -221,8 +266,9 @@ class MemoryKVIndex:
         expiry = now + ttl_s
         with self._lock:
             self._sweep_spec(now)
+            slot = self._slot_bit(worker_id).bit_length() - 1
             for h in block_hashes:
-                self._spec.setdefault(h, {})[worker_id] = expiry
+                self._spec.setdefault(h, {})[slot] = expiry
             if block_hashes:
                 self._spec_expiry.append((expiry, block_hashes))
 
@@ -232,8 +278,8 @@ class MemoryKVIndex:
             for h in hashes:
                 spec = self._spec.get(h)
                 if spec is not None:
-                    for w in [w for w, exp in spec.items() if exp <= now]:
-                        del spec[w]
+                    for slot in [slot for slot, exp in spec.items() if exp <= now]:
+                        del spec[slot]
                     if not spec:
                         del self._spec[h]
 
@@ -253,9 +299,18 @@ class MemoryKVIndex:
         with self._lock:
             return sorted(w for w, exp in self._sessions.get(session_id, {}).items() if exp > now)
 
-    def record_decision(self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None) -> None:
-        """A decision's bookkeeping in one call: speculative entries and the session record."""
-        for w in workers:
-            self.note_speculative(w, block_hashes, ttl_s)
+    def record_decision(
+        self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None, held: list[int] | None = None
+    ) -> None:
+        """A decision's bookkeeping in one call: speculative entries for the blocks each chosen worker
+        does not hold yet (`held[i]` leading blocks it has), and the session record."""
+        for i, w in enumerate(workers):
+            self.note_speculative(w, block_hashes[held[i] if held else 0 :], ttl_s)
             if session_id:
                 self.record_session(session_id, w)
+
+    def flush(self, timeout: float = 0.0) -> bool:
+        return True  # writes are synchronous here; the same call as RedisKVIndex.flush
+
+    def close(self) -> None:
+        pass

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from random import Random
 from typing import Literal
 
@@ -50,13 +50,16 @@ class CostWeights:
 
 @dataclass
 class RoutingContext:
-    """What one decision knows: the request, the index's answer, and the loads (with this router's own
-    recent decisions added, see `router.PendingLoad`)."""
+    """What one decision knows: the request, the index's answer, and the load this router replica sent
+    to workers that their heartbeats do not show yet (`pending`: worker -> (decode blocks, prefill
+    tokens), see `router.PendingLoad`). Costs are computed once per worker and cached."""
 
     request: RouteRequest
     block_size: int
     weights: CostWeights
     lookup: Lookup
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _costs: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def loads(self) -> dict[str, WorkerLoad]:
@@ -79,19 +82,23 @@ class RoutingContext:
 
     def load_blocks(self, w: str) -> float:
         load = self.loads[w]
-        return load.active_decode_blocks + load.inflight_prefill_tokens / self.block_size
+        blocks, tokens = self.pending.get(w, (0, 0))
+        return load.active_decode_blocks + blocks + (load.inflight_prefill_tokens + tokens) / self.block_size
 
     def in_session(self, w: str) -> bool:
         return w in self.lookup.session_workers
 
     def cost(self, w: str) -> float:
-        wt = self.weights
-        return (
-            wt.cache_weight * self.uncached_blocks(w)
-            + wt.load_weight * self.load_blocks(w)
-            + wt.queue_weight * self.loads[w].num_waiting
-            - (wt.session_bonus_blocks if self.in_session(w) else 0.0)
-        )
+        c = self._costs.get(w)
+        if c is None:
+            wt = self.weights
+            c = self._costs[w] = (
+                wt.cache_weight * self.uncached_blocks(w)
+                + wt.load_weight * self.load_blocks(w)
+                + wt.queue_weight * self.loads[w].num_waiting
+                - (wt.session_bonus_blocks if self.in_session(w) else 0.0)
+            )
+        return c
 
 
 class Policy:

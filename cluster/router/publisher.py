@@ -38,7 +38,8 @@ from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
 from .memory_index import MemoryKVIndex
 from .redis_conn import describe
 from .redis_index import (
-    ALL_SCRIPTS, APPLY, SNAPSHOT, RedisKVIndex, check_worker_id, contiguous_runs, event_args, hex_hash, load_mapping, model_tag,
+    ALL_SCRIPTS, APPLY, SNAPSHOT, RedisKVIndex, check_worker_id, contiguous_runs, load_mapping, model_tag, pack_blocks, pack_events,
+    unpack_records,
 )
 from .types import IndexUnavailable, Role, WorkerLoad
 
@@ -255,7 +256,7 @@ class RedisKVEventSink:
             for run in runs:
                 e0 = run[0]
                 pipe.evalsha(APPLY.sha, 1, self.workers_key, self.tag, e0.worker_id, str(e0.epoch), e0.seq, 1,
-                             self.stream_maxlen, e0.timestamp, *event_args(run))
+                             self.stream_maxlen, e0.timestamp, *pack_events(run))
             return pipe.execute()
 
         results = self._script(send)
@@ -284,10 +285,8 @@ class RedisKVEventSink:
         def send():
             pipe = self.client.pipeline(transaction=False)
             for i, part in enumerate(parts):
-                args = [self.tag, self.worker_id, str(epoch), seq, 1 if i == 0 else 0, self.stream_maxlen]
-                for h, tier in part:
-                    args += (hex_hash(h), tier)
-                pipe.evalsha(SNAPSHOT.sha, 1, self.workers_key, *args)
+                pipe.evalsha(SNAPSHOT.sha, 1, self.workers_key, self.tag, self.worker_id, str(epoch), seq, 1 if i == 0 else 0,
+                             self.stream_maxlen, *pack_blocks(part))
             return pipe.execute()
 
         self._script(send)
@@ -369,13 +368,14 @@ class KVEventStreamConsumer:
         self._live = set(live)
         self._loads_at = time.monotonic()
 
-    def poll_once(self, block_ms: int | None = None) -> int:
+    def poll_once(self) -> int:
         """Applies what the stream gained since the last call; returns the number of entries read.
-        Raises IndexUnavailable if Redis cannot be reached."""
+        Raises IndexUnavailable if Redis cannot be reached. (Non-blocking: a blocking XREAD would have to
+        outlast the client's socket timeout.)"""
         if self.last_id is None or self._gap:
             self.bootstrap()
         try:
-            resp = self.client.xread({self.stream: self.last_id}, count=self.count, block=block_ms)
+            resp = self.client.xread({self.stream: self.last_id}, count=self.count)
         except RedisError as e:
             raise IndexUnavailable(describe(self.client, e)) from e
         n = 0
@@ -390,16 +390,15 @@ class KVEventStreamConsumer:
 
     def _apply_entry(self, f: dict) -> None:
         w, epoch, seq = f["w"], int(f["ep"]), int(f["s"])
-        parts = f["d"].split(",") if f["d"] else []
         if f["t"] == "e":
             ts = float(f["ts"])
             events = [
-                KVEvent(w, epoch, seq + i, _KINDS[parts[3 * i]], int(parts[3 * i + 1], 16), None, 0, parts[3 * i + 2], ts)
-                for i in range(len(parts) // 3)
+                KVEvent(w, epoch, seq + i, _KINDS[kind], h, None, 0, tier, ts)
+                for i, (kind, h, tier) in enumerate(unpack_records(f["tiers"], f["d"], 18))
             ]
             self.index.apply(events)
         else:
-            blocks = [(int(parts[i], 16), parts[i + 1]) for i in range(0, len(parts), 2)]
+            blocks = [(h, tier) for _, h, tier in unpack_records(f["tiers"], f["d"], 17)]
             self.index.load_snapshot(w, epoch, seq, blocks, reset=f["r"] == "1")
 
     def start(self) -> "KVEventStreamConsumer":
@@ -412,11 +411,14 @@ class KVEventStreamConsumer:
         down = False
         while not self._stop.is_set():
             try:
-                self.poll_once(block_ms=int(self.poll_interval_s * 1000))
                 if down:
-                    log.warning("KV stream consumer: Redis reachable again; reloading the index")
-                    down = False
                     self.last_id = None  # Redis may have restarted: reload rather than trust our position
+                n = self.poll_once()
+                if down:
+                    log.warning("KV stream consumer: Redis reachable again; index reloaded")
+                    down = False
+                if n < self.count:
+                    self._stop.wait(self.poll_interval_s)
             except IndexUnavailable as e:
                 if not down:
                     log.warning("KV stream consumer: %s", e)

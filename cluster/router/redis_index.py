@@ -9,37 +9,44 @@ anything that wants a local copy (`publisher.KVEventStreamConsumer`).
 Layout (every key carries the model as a hash tag `{model}`, so in a Redis Cluster a model's keys share
 one slot and the Lua scripts can touch them all; scripts declare `workers:{model}` as their key):
 
-  kv:{model}:<hash>           HASH  "<worker>@<tier>" -> generation. A block (16-hex-digit chained hash)
-                                    and who holds it in which tier (device, host, ...). An entry counts
-                                    only while its generation equals the worker's current one.
-  wblocks:{model}:<w>:<gen>   SET   "<hash>@<tier>": the reverse index of one worker generation (purges,
-                                    snapshots).
-  wstate:{model}:<w>          HASH  epoch, seq (last applied event), gen, ts: the worker's index position.
+  kv:{model}:<hash>           HASH  <worker> -> <gen> if the worker holds the block (16-hex-digit chained
+                                    hash) on its device, o<gen> if only in slower tiers (host, disk).
+                                    Counts only while <gen> is the worker's current generation.
+  wblocks:{model}:<w>:<gen>   SET   "<hash>@<tier>" per tier: the reverse index of one worker generation
+                                    (purges, snapshots, multi-tier bookkeeping).
+  wstate:{model}:<w>          HASH  epoch, seq (last applied event), gen, tiers, ts: the worker's position.
   sweep:{model}               LIST  "<w>|<gen>": superseded generations whose entries are still to delete.
-  spec:{model}:<hash>         HASH  worker -> expiry (ms, server clock), PEXPIRE ttl: speculative entries
-                                    for blocks a chosen worker is about to compute.
-  load:{model}:<w>            HASH  the worker's WorkerLoad, PEXPIRE heartbeat TTL: the heartbeat. No key,
-                                    no live worker: its entries are ignored and nothing routes to it.
+  wspec:{model}:<w>:<bucket>  SET   hashes the worker was chosen to compute (speculative entries), per
+                                    time bucket of width speculative_ttl (server clock), PEXPIRE 2 buckets:
+                                    an entry counts for between one and two ttl.
+  spec:{model}:<hash>         HASH  worker -> expiry (ms): speculative holders of a chain's first block
+                                    (how a lookup finds a worker that holds nothing of it yet).
+  load:{model}:<w>            HASH  the worker's WorkerLoad fields, PEXPIRE heartbeat TTL: the heartbeat.
+                                    No key, not live: its entries are ignored and nothing routes to it.
   workers:{model}             SET   workers that ever heartbeated (to enumerate live ones without SCAN).
   sess:{model}:<session>      HASH  worker -> last use (ms), PEXPIRE session TTL.
-  events:{model}              STREAM  one entry per batch, MAXLEN ~ stream_maxlen: t=e (events:
-                                    w, ep, s = first seq, ts, d = "kind,hash,tier,...") or t=s (snapshot:
-                                    w, ep, s = last seq, r = reset, d = "hash,tier,...").
+  events:{model}              STREAM  one entry per batch, MAXLEN ~ stream_maxlen: t=e (events: w, ep,
+                                    s = first seq, ts, tiers, d = 18-char records) or t=s (snapshot part:
+                                    w, ep, s = last seq, r = reset, tiers, d = 17-char records).
 
 Purges are O(1): a new epoch, a sequence gap, a `cleared` event or `remove_worker` bumps the worker's
 generation, which invalidates all its entries at once; the old generation's entries are deleted a few
 hundred per write call afterwards (`sweep`), so a worker with 100k cached blocks restarting never stalls
 Redis (and with it every router's lookup).
 
-Lookups: `LOOKUP` walks the request's chain server-side for every live worker at once (each drops out at
-its first miss) and returns the matches, every live worker's load and the session's workers: one round
-trip per routing decision. The server's clock (TIME) dates speculative entries, so router replicas on
-different machines agree on what has expired.
+Lookups: `LOOKUP` computes every live worker's longest cached prefix server-side (the candidates holding
+the first block, then one SMISMEMBER per candidate over the whole chain) and returns the matches, every
+live worker's load and the session's workers: one round trip per routing decision. The server's clock
+(TIME) dates speculative entries, so router replicas on different machines agree on what has expired.
 """
 
 from __future__ import annotations
 
 import re
+import struct
+import threading
+import time
+from collections import deque
 from typing import Iterable
 
 import redis
@@ -48,114 +55,187 @@ from redis.exceptions import NoScriptError, RedisError
 from workers.engine.kv_events import KVEvent, KVEventKind
 
 from .redis_conn import CircuitBreaker, LuaScript
-from .types import Lookup, PrefixMatch, WorkerLoad
+from .types import IndexUnavailable, Lookup, PrefixMatch, WorkerLoad
 
 _KIND_CODE = {KVEventKind.STORED: "s", KVEventKind.REMOVED: "r", KVEventKind.CLEARED: "c"}
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:/-]+$")
+MAX_LOOKUP_BLOCKS = 4096  # Lua unpack() limits; 64k tokens at 16 per block (longer prompts: first 4096)
 SWEEP_BUDGET = 256  # superseded entries each write script deletes (the scripts say 256 too)
 
-# Helpers shared by the scripts. ARGV[1] is always the hash tag "{model}".
+# Helpers shared by the scripts. ARGV[1] is always the hash tag "{model}". Hot paths use locals
+# (prefix strings, redis.call) because global and function lookups dominate small Lua loops.
 _LUA_COMMON = r"""
+local call = redis.call
 local tag = ARGV[1]
-local function key(kind, x) return kind .. ':' .. tag .. ':' .. x end
+local KV, SPEC, WSTATE, WBLOCKS = 'kv:' .. tag .. ':', 'spec:' .. tag .. ':', 'wstate:' .. tag .. ':', 'wblocks:' .. tag .. ':'
+local WSPEC = 'wspec:' .. tag .. ':'
+local SWEEP = 'sweep:' .. tag
 local function now_ms()
-  local t = redis.call('TIME')
+  local t = call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function split(s)
+  local out = {}
+  for t in string.gmatch(s, '[^,]+') do out[#out + 1] = t end
+  return out
 end
 -- O(1) purge: a new generation; the old one's entries stop counting and are swept later.
 local function purge(w)
-  local skey = key('wstate', w)
-  local gen = tonumber(redis.call('HGET', skey, 'gen') or '0')
-  if redis.call('EXISTS', key('wblocks', w .. ':' .. gen)) == 1 then
-    redis.call('RPUSH', 'sweep:' .. tag, w .. '|' .. gen)
-  end
-  redis.call('HSET', skey, 'gen', gen + 1)
+  local skey = WSTATE .. w
+  local gen = tonumber(call('HGET', skey, 'gen') or '0')
+  if call('EXISTS', WBLOCKS .. w .. ':' .. gen) == 1 then call('RPUSH', SWEEP, w .. '|' .. gen) end
+  call('HSET', skey, 'gen', gen + 1)
   return gen + 1
 end
 local function sweep(budget)
   while budget > 0 do
-    local item = redis.call('LINDEX', 'sweep:' .. tag, 0)
+    local item = call('LINDEX', SWEEP, 0)
     if not item then return end
     local bar = string.find(item, '|', 1, true)
     local w, g = string.sub(item, 1, bar - 1), string.sub(item, bar + 1)
-    local set = key('wblocks', w .. ':' .. g)
-    local members = redis.call('SPOP', set, budget)
+    local set = WBLOCKS .. w .. ':' .. g
+    local members = call('SPOP', set, budget)
     for _, m in ipairs(members) do
-      local at = string.find(m, '@', 1, true)
-      local k, field = key('kv', string.sub(m, 1, at - 1)), w .. string.sub(m, at)
-      if redis.call('HGET', k, field) == g then redis.call('HDEL', k, field) end
+      local k = KV .. string.sub(m, 1, 16)
+      local v = call('HGET', k, w)
+      if v == g or v == 'o' .. g then call('HDEL', k, w) end
     end
     budget = budget - #members
-    if redis.call('EXISTS', set) == 0 then redis.call('LPOP', 'sweep:' .. tag) end
+    if call('EXISTS', set) == 0 then call('LPOP', SWEEP) end
   end
+end
+-- kv:{m}:<hash> field <worker> = gen if the worker holds the block on its device, 'o'..gen if only in
+-- slower tiers. Recomputed from the worker's reverse set (members <hash>@<tier>) after each change.
+local function refresh(w, gen, h, rset, tiers)
+  if call('SISMEMBER', rset, h .. '@device') == 1 then call('HSET', KV .. h, w, gen); return end
+  for _, t in ipairs(tiers) do
+    if t ~= 'device' and call('SISMEMBER', rset, h .. '@' .. t) == 1 then call('HSET', KV .. h, w, 'o' .. gen); return end
+  end
+  call('HDEL', KV .. h, w)
+end
+-- The tiers a worker ever used (wstate field 'tiers'), extended by a batch's tier table.
+local function worker_tiers(w, batch)
+  local known = call('HGET', WSTATE .. w, 'tiers') or ''
+  local set, list = {}, split(known)
+  for _, t in ipairs(list) do set[t] = true end
+  local grew = false
+  for _, t in ipairs(batch) do
+    if not set[t] then set[t] = true; list[#list + 1] = t; grew = true end
+  end
+  if grew then call('HSET', WSTATE .. w, 'tiers', table.concat(list, ',')) end
+  return list
 end
 """
 
-# KEYS[1] workers set. ARGV: tag, session ('' = none), block hashes...
-# Returns {matches = {w, blocks, offloaded, ...}, loads = {w, {field, value, ...}, ...}, session workers}.
+# Arguments are packed (one string per list) because encoding each of a few hundred small arguments is
+# most of a call's client-side cost: block hashes as concatenated 16-hex-digit strings; events as
+# 18-character records <kind s|r|c><tier index 0-9><hash>; snapshot blocks as 17-character records
+# <tier index><hash>; tier names as a comma-separated table the indexes refer to.
+
+# KEYS[1] workers set. ARGV: tag, session ('' = none), block hashes (packed), want loads (1|0),
+# speculative bucket width (ms).
+# Returns {matches = {w, blocks, offloaded, ...}, live = {w, load fields (empty unless wanted), ...},
+# the session's workers}.
+#
+# The walk: the candidates are the live workers that hold (or are about to compute) the first block;
+# each candidate's membership of every block is one SMISMEMBER on its reverse set, and its match is the
+# run of leading hits. That is a handful of calls per request whatever the prompt length, where a
+# per-block walk costs a call per block (and ~2 us each inside Lua).
 LOOKUP = LuaScript(_LUA_COMMON + r"""
 local now = now_ms()
-local loads, gens = {}, {}
-for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local l = redis.call('HGETALL', key('load', w))
-  if #l > 0 then
-    gens[w] = redis.call('HGET', key('wstate', w), 'gen') or '0'
-    loads[#loads + 1] = w
-    loads[#loads + 1] = l
+local want = ARGV[4] == '1'
+local live, gens, ogens = {}, {}, {}
+for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
+  local l
+  if want then l = call('HGETALL', 'load:' .. tag .. ':' .. w) end
+  if (want and #l > 0) or (not want and call('EXISTS', 'load:' .. tag .. ':' .. w) == 1) then
+    local g = call('HGET', WSTATE .. w, 'gen') or '0'
+    gens[w], ogens[w] = g, 'o' .. g
+    live[#live + 1] = w
+    live[#live + 1] = l or {}
   end
 end
-local matches, active = {}, nil
-local n = #ARGV - 2
-for i = 1, n do
-  local h = ARGV[i + 2]
-  local held = {}  -- worker -> 'd' (device or speculative) | 'o' (offloaded tiers only)
-  local f = redis.call('HGETALL', key('kv', h))
+local sub = string.sub
+local hashes = ARGV[3]
+local n = #hashes / 16
+local matches = {}
+if n > 0 then
+  local h0 = sub(hashes, 1, 16)
+  local cands, seen = {}, {}
+  local f = call('HGETALL', KV .. h0)
   for j = 1, #f, 2 do
-    local at = string.find(f[j], '@', 1, true)  -- worker ids never contain '@'
-    local w = string.sub(f[j], 1, at - 1)
-    if gens[w] == f[j + 1] then
-      if string.sub(f[j], at + 1) == 'device' then held[w] = 'd' elseif held[w] == nil then held[w] = 'o' end
+    local w, v = f[j], f[j + 1]
+    if v == gens[w] or v == ogens[w] then cands[#cands + 1] = w; seen[w] = true end
+  end
+  local s = call('HGETALL', SPEC .. h0)
+  for j = 1, #s, 2 do
+    local w = s[j]
+    if gens[w] and not seen[w] and tonumber(s[j + 1]) > now then cands[#cands + 1] = w; seen[w] = true end
+  end
+  local lists = {}  -- member lists per suffix ('@device', '@host', '' for speculative sets), built once
+  local function members(suffix)
+    local m = lists[suffix]
+    if m == nil then
+      m = {}
+      for i = 1, n do m[i] = sub(hashes, i * 16 - 15, i * 16) .. suffix end
+      lists[suffix] = m
     end
+    return m
   end
-  local spec = redis.call('HGETALL', key('spec', h))
-  for j = 1, #spec, 2 do
-    if gens[spec[j]] and tonumber(spec[j + 1]) > now then held[spec[j]] = 'd' end
+  local function hit(arrays, i)
+    for _, a in ipairs(arrays) do if a[i] == 1 then return true end end
+    return false
   end
-  if active == nil then
-    active = {}
-    for w, _ in pairs(held) do active[w] = 0 end
-  end
-  local any = false
-  for w, off in pairs(active) do
-    local t = held[w]
-    if t == nil then
-      matches[#matches + 1] = w; matches[#matches + 1] = i - 1; matches[#matches + 1] = off
-      active[w] = nil
-    else
-      if t == 'o' then active[w] = off + 1 end
-      any = true
+  local bucket = math.floor(now / tonumber(ARGV[5]))
+  for _, w in ipairs(cands) do
+    local rset = WBLOCKS .. w .. ':' .. gens[w]
+    local dev = call('SMISMEMBER', rset, unpack(members('@device')))
+    local slow, spec = nil, nil  -- fetched only at the first block not on the device
+    local i, off = 1, 0
+    while i <= n do
+      if dev[i] ~= 1 then
+        if slow == nil then
+          slow = {}
+          for t in string.gmatch(call('HGET', WSTATE .. w, 'tiers') or '', '[^,]+') do
+            if t ~= 'device' then slow[#slow + 1] = call('SMISMEMBER', rset, unpack(members('@' .. t))) end
+          end
+        end
+        if hit(slow, i) then
+          off = off + 1
+        else
+          if spec == nil then
+            spec = {}
+            for b = bucket - 1, bucket do
+              local k = WSPEC .. w .. ':' .. b
+              if call('EXISTS', k) == 1 then spec[#spec + 1] = call('SMISMEMBER', k, unpack(members(''))) end
+            end
+          end
+          if not hit(spec, i) then break end
+        end
+      end
+      i = i + 1
     end
+    if i > 1 then matches[#matches + 1] = w; matches[#matches + 1] = i - 1; matches[#matches + 1] = off end
   end
-  if not any then break end
-end
-for w, off in pairs(active or {}) do
-  matches[#matches + 1] = w; matches[#matches + 1] = n; matches[#matches + 1] = off
 end
 local sess = {}
-if ARGV[2] ~= '' then sess = redis.call('HKEYS', key('sess', ARGV[2])) end
-return {matches, loads, sess}
+if ARGV[2] ~= '' then sess = call('HKEYS', 'sess:' .. tag .. ':' .. ARGV[2]) end
+return {matches, live, sess}
 """)
 
 # KEYS[1] workers set. ARGV: tag, worker, epoch, first seq, strict, stream maxlen (0 = no stream),
-# oldest event time, then (kind, hash, tier) per event, seq = first seq + position.
+# oldest event time, tier table, event records (seq = first seq + position).
 # strict=1 (the worker's sink): a gap or unknown start returns 'resync' and changes nothing; the sink
 # then ships a snapshot. strict=0: a gap purges the worker and applies what follows.
 # Returns {result, last seq}: result ok | dup | resync | gap | epoch.
 APPLY = LuaScript(_LUA_COMMON + r"""
 local w, epoch, first, strict = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5] == '1'
-local last = first + (#ARGV - 7) / 3 - 1
-local skey = key('wstate', w)
-local st = redis.call('HMGET', skey, 'epoch', 'seq', 'gen')
+local batch_tiers = split(ARGV[8])
+local recs = ARGV[9]
+local n = #recs / 18
+local last = first + n - 1
+local skey = WSTATE .. w
+local st = call('HMGET', skey, 'epoch', 'seq', 'gen')
 local gen = tonumber(st[3] or '0')
 local result, skip = 'ok', 0
 if st[1] ~= epoch then
@@ -171,88 +251,106 @@ else
     skip = seq + 1 - first
   end
 end
-local now = now_ms()
-local rset = key('wblocks', w .. ':' .. gen)
-for i = 8 + skip * 3, #ARGV, 3 do
-  local kind, h, tier = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+local tiers = worker_tiers(w, batch_tiers)
+local rset = WBLOCKS .. w .. ':' .. gen
+local sub = string.sub
+for i = skip, n - 1 do
+  local o = i * 18
+  local kind = sub(recs, o + 1, o + 1)
+  local tier = batch_tiers[tonumber(sub(recs, o + 2, o + 2)) + 1]
+  local h = sub(recs, o + 3, o + 18)
   if kind == 's' then
-    redis.call('HSET', key('kv', h), w .. '@' .. tier, gen)
-    redis.call('SADD', rset, h .. '@' .. tier)
-    redis.call('HDEL', key('spec', h), w)
+    call('SADD', rset, h .. '@' .. tier)
+    if tier == 'device' then call('HSET', KV .. h, w, gen) else refresh(w, gen, h, rset, tiers) end
   elseif kind == 'r' then
-    redis.call('HDEL', key('kv', h), w .. '@' .. tier)
-    redis.call('SREM', rset, h .. '@' .. tier)
+    if call('SREM', rset, h .. '@' .. tier) == 1 then refresh(w, gen, h, rset, tiers) end
   else
     gen = purge(w)
-    rset = key('wblocks', w .. ':' .. gen)
+    rset = WBLOCKS .. w .. ':' .. gen
   end
 end
-redis.call('HSET', skey, 'epoch', epoch, 'seq', last, 'gen', gen, 'ts', now)
-redis.call('SADD', KEYS[1], w)
+call('HSET', skey, 'epoch', epoch, 'seq', last, 'gen', gen, 'ts', now_ms())
+call('SADD', KEYS[1], w)
 if ARGV[6] ~= '0' then
-  local d = table.concat(ARGV, ',', 8)
-  redis.call('XADD', 'events:' .. tag, 'MAXLEN', '~', ARGV[6], '*', 't', 'e', 'w', w, 'ep', epoch, 's', first, 'ts', ARGV[7], 'd', d)
+  call('XADD', 'events:' .. tag, 'MAXLEN', '~', ARGV[6], '*',
+    't', 'e', 'w', w, 'ep', epoch, 's', first, 'ts', ARGV[7], 'tiers', ARGV[8], 'd', recs)
 end
 sweep(256)
 return {result, last}
 """)
 
-# KEYS[1] workers set. ARGV: tag, worker, epoch, last seq, reset (1 = replace), stream maxlen, then
-# (hash, tier) pairs. A worker's whole cache state, shipped in parts (the first with reset=1).
+# KEYS[1] workers set. ARGV: tag, worker, epoch, last seq, reset (1 = replace), stream maxlen, tier
+# table, block records. A worker's whole cache state, shipped in parts (the first with reset=1).
 SNAPSHOT = LuaScript(_LUA_COMMON + r"""
 local w, epoch, seq, reset = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local skey = key('wstate', w)
+local batch_tiers = split(ARGV[7])
+local recs = ARGV[8]
+local skey = WSTATE .. w
 local gen
-if reset == '1' then gen = purge(w) else gen = tonumber(redis.call('HGET', skey, 'gen') or '0') end
-local rset = key('wblocks', w .. ':' .. gen)
-for i = 7, #ARGV, 2 do
-  redis.call('HSET', key('kv', ARGV[i]), w .. '@' .. ARGV[i + 1], gen)
-  redis.call('SADD', rset, ARGV[i] .. '@' .. ARGV[i + 1])
+if reset == '1' then gen = purge(w) else gen = tonumber(call('HGET', skey, 'gen') or '0') end
+local tiers = worker_tiers(w, batch_tiers)
+local rset = WBLOCKS .. w .. ':' .. gen
+for i = 0, #recs / 17 - 1 do
+  local o = i * 17
+  local tier = batch_tiers[tonumber(string.sub(recs, o + 1, o + 1)) + 1]
+  local h = string.sub(recs, o + 2, o + 17)
+  call('SADD', rset, h .. '@' .. tier)
+  if tier == 'device' then call('HSET', KV .. h, w, gen) else refresh(w, gen, h, rset, tiers) end
 end
-redis.call('HSET', skey, 'epoch', epoch, 'seq', seq, 'gen', gen, 'ts', now_ms())
-redis.call('SADD', KEYS[1], w)
+call('HSET', skey, 'epoch', epoch, 'seq', seq, 'gen', gen, 'ts', now_ms())
+call('SADD', KEYS[1], w)
 if ARGV[6] ~= '0' then
-  local d = table.concat(ARGV, ',', 7)
-  redis.call('XADD', 'events:' .. tag, 'MAXLEN', '~', ARGV[6], '*', 't', 's', 'w', w, 'ep', epoch, 's', seq, 'r', reset, 'd', d)
+  call('XADD', 'events:' .. tag, 'MAXLEN', '~', ARGV[6], '*',
+    't', 's', 'w', w, 'ep', epoch, 's', seq, 'r', reset, 'tiers', ARGV[7], 'd', recs)
 end
 sweep(256)
 return gen
 """)
 
-# KEYS[1] workers set. ARGV: tag, speculative ttl ms, session ('' = none), session ttl ms, number of
-# workers, workers..., block hashes...
+# KEYS[1] workers set. ARGV: tag, speculative bucket width ms (0 = no speculative entries), session
+# ('' = none), session ttl ms, number of workers, (worker, first block it lacks) per worker, block hashes
+# (packed). Speculative entries go only on the blocks each chosen worker does not hold yet (usually a
+# short tail), into the worker's set for the current time bucket; if that starts at the first block,
+# the block's spec hash names the worker too, so a lookup finds it as a candidate.
 DECIDE = LuaScript(_LUA_COMMON + r"""
-local ttl, session, nw = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
+local width, session, nw = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local now = now_ms()
-for i = 6 + nw, #ARGV do
-  local k = key('spec', ARGV[i])
-  for j = 6, 5 + nw do redis.call('HSET', k, ARGV[j], now + ttl) end
-  redis.call('PEXPIRE', k, ttl)
+local hashes = ARGV[6 + 2 * nw]
+local n = #hashes / 16
+for j = 0, nw - 1 do
+  local w, start = ARGV[6 + 2 * j], tonumber(ARGV[7 + 2 * j])
+  if width > 0 and start < n then
+    local m = {}
+    for i = start, n - 1 do m[#m + 1] = string.sub(hashes, i * 16 + 1, i * 16 + 16) end
+    local k = WSPEC .. w .. ':' .. math.floor(now / width)
+    call('SADD', k, unpack(m))
+    call('PEXPIRE', k, 2 * width)
+    if start == 0 then
+      call('HSET', SPEC .. m[1], w, now + width)
+      call('PEXPIRE', SPEC .. m[1], width)
+    end
+  end
+  if session ~= '' then call('HSET', 'sess:' .. tag .. ':' .. session, w, now) end
 end
-if session ~= '' then
-  local k = key('sess', session)
-  for j = 6, 5 + nw do redis.call('HSET', k, ARGV[j], now) end
-  redis.call('PEXPIRE', k, ARGV[4])
-end
+if session ~= '' then call('PEXPIRE', 'sess:' .. tag .. ':' .. session, ARGV[4]) end
 return 1
 """)
 
 # KEYS[1] workers set. ARGV: tag, worker ('' = every worker without a live heartbeat).
 REMOVE = LuaScript(_LUA_COMMON + r"""
-local removed = {}
-local targets = {}
+local removed, targets = {}, {}
 if ARGV[2] ~= '' then targets = {ARGV[2]} else
-  for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-    if redis.call('EXISTS', key('load', w)) == 0 then targets[#targets + 1] = w end
+  for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
+    if call('EXISTS', 'load:' .. tag .. ':' .. w) == 0 then targets[#targets + 1] = w end
   end
 end
 for _, w in ipairs(targets) do
   purge(w)
   -- Keep the generation counter (stale entries of old generations must never count again); forget the
   -- position, so the worker's sink, if it is still alive, resynchronises with a snapshot.
-  redis.call('HSET', key('wstate', w), 'epoch', '', 'seq', -1)
-  redis.call('DEL', key('load', w))
-  redis.call('SREM', KEYS[1], w)
+  call('HSET', WSTATE .. w, 'epoch', '', 'seq', -1)
+  call('DEL', 'load:' .. tag .. ':' .. w)
+  call('SREM', KEYS[1], w)
   removed[#removed + 1] = w
 end
 sweep(256)
@@ -262,14 +360,14 @@ return removed
 # KEYS[1] workers set. ARGV: tag. Every worker's position and current blocks, and the stream's last id,
 # read atomically: a consumer loads this and then tails the stream from that id.
 READ_ALL = LuaScript(_LUA_COMMON + r"""
-local last = redis.call('XREVRANGE', 'events:' .. tag, '+', '-', 'COUNT', 1)
+local last = call('XREVRANGE', 'events:' .. tag, '+', '-', 'COUNT', 1)
 local last_id = '0-0'
 if #last > 0 then last_id = last[1][1] end
 local out = {}
-for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local st = redis.call('HMGET', key('wstate', w), 'epoch', 'seq', 'gen')
+for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
+  local st = call('HMGET', WSTATE .. w, 'epoch', 'seq', 'gen')
   if st[1] and st[1] ~= '' then
-    out[#out + 1] = {w, st[1], st[2], redis.call('SMEMBERS', key('wblocks', w .. ':' .. (st[3] or '0')))}
+    out[#out + 1] = {w, st[1], st[2], call('SMEMBERS', WBLOCKS .. w .. ':' .. (st[3] or '0'))}
   end
 end
 return {last_id, out}
@@ -278,7 +376,7 @@ return {last_id, out}
 # KEYS[1] workers set. ARGV: tag, budget. One bounded sweep step; returns the superseded sets left.
 SWEEP = LuaScript(_LUA_COMMON + r"""
 sweep(tonumber(ARGV[2]))
-return redis.call('LLEN', 'sweep:' .. tag)
+return call('LLEN', SWEEP)
 """)
 
 ALL_SCRIPTS = (LOOKUP, APPLY, SNAPSHOT, DECIDE, REMOVE, READ_ALL, SWEEP)
@@ -296,14 +394,39 @@ def check_worker_id(worker_id: str) -> str:
     return worker_id
 
 
-def hex_hash(h: int) -> str:
-    return format(h, "016x")
+def pack_hashes(hashes: list[int]) -> str:
+    """Block hashes as one string of 16-hex-digit fields (one C call, however long the prompt)."""
+    return struct.pack(f">{len(hashes)}Q", *hashes).hex()
 
 
-def event_args(events: list[KVEvent]) -> list[str]:
+def _tier_table(tiers: dict[str, int]) -> str:
+    if len(tiers) > 10:
+        raise ValueError(f"at most 10 KV tiers are supported, got {sorted(tiers)}")
+    return ",".join(tiers)
+
+
+def pack_events(events: list[KVEvent]) -> tuple[str, str]:
+    """(tier table, 18-character records) for APPLY."""
+    tiers: dict[str, int] = {}
+    recs = [f"{_KIND_CODE[e.kind]}{tiers.setdefault(e.tier, len(tiers))}{(e.block_hash or 0):016x}" for e in events]
+    return _tier_table(tiers), "".join(recs)
+
+
+def pack_blocks(blocks: list[tuple[int, str]]) -> tuple[str, str]:
+    """(tier table, 17-character records) for SNAPSHOT."""
+    tiers: dict[str, int] = {}
+    recs = [f"{tiers.setdefault(tier, len(tiers))}{h:016x}" for h, tier in blocks]
+    return _tier_table(tiers), "".join(recs)
+
+
+def unpack_records(tiers: str, recs: str, width: int) -> list[tuple[str, int, str]]:
+    """Decodes event (width 18) or block (width 17) records: [(kind or '', hash, tier)]."""
+    names = tiers.split(",") if tiers else []
     out = []
-    for e in events:
-        out += (_KIND_CODE[e.kind], hex_hash(e.block_hash or 0), e.tier)
+    for o in range(0, len(recs), width):
+        r = recs[o : o + width]
+        kind, r = (r[0], r[1:]) if width == 18 else ("", r)
+        out.append((kind, int(r[1:], 16), names[int(r[0])]))
     return out
 
 
@@ -347,6 +470,10 @@ class RedisKVIndex:
         retry_interval_s: float = 1.0,
         on_purge=None,
         on_availability=None,
+        async_writes: bool = True,
+        max_queued_writes: int = 10_000,
+        load_cache_s: float = 0.25,
+        speculative_ttl_s: float = 2.0,
     ):
         self.client = client
         self.model = model
@@ -357,6 +484,18 @@ class RedisKVIndex:
         self.stream_maxlen = stream_maxlen
         self.on_purge = on_purge  # (worker, reason) for gaps and epoch changes seen by `apply`
         self.breaker = CircuitBreaker(client, retry_interval_s, on_availability)
+        self.load_cache_s = load_cache_s
+        # Speculative entries live in time buckets of this width (see the layout): one to two widths.
+        self._spec_width_ms = max(1, int(speculative_ttl_s * 1000))
+        self._loads: dict[str, WorkerLoad] = {}
+        self._loads_at = -float("inf")
+        self.async_writes = async_writes
+        self.max_queued_writes = max_queued_writes
+        self._writes: deque[list] = deque()
+        self._write_cv = threading.Condition()
+        self._queued = self._written = 0
+        self._closing = False
+        self._writer: threading.Thread | None = None
 
     @classmethod
     def from_config(cls, kv_cfg, model: str, router_cfg=None, **kw) -> "RedisKVIndex":
@@ -365,6 +504,7 @@ class RedisKVIndex:
         if router_cfg is not None:
             kw.setdefault("heartbeat_ttl_s", router_cfg.heartbeat_ttl_s)
             kw.setdefault("session_ttl_s", router_cfg.session_ttl_s)
+            kw.setdefault("speculative_ttl_s", router_cfg.speculative_ttl_s)
         return cls(connect_from_config(kv_cfg), model, stream_maxlen=kv_cfg.stream_maxlen, retry_interval_s=kv_cfg.retry_interval_s, **kw)
 
     def _run(self, script: LuaScript, args: list) -> object:
@@ -388,7 +528,7 @@ class RedisKVIndex:
             for run in runs:
                 e0 = run[0]
                 pipe.evalsha(APPLY.sha, 1, self.workers_key, self.tag, e0.worker_id, str(e0.epoch), e0.seq, 0,
-                             self.stream_maxlen, e0.timestamp, *event_args(run))
+                             self.stream_maxlen, e0.timestamp, *pack_events(run))
             return pipe.execute()
 
         results = self.breaker.call(lambda: self._with_scripts(send))
@@ -406,10 +546,7 @@ class RedisKVIndex:
             return fn()
 
     def load_snapshot(self, worker_id: str, epoch: int, last_seq: int, blocks: list[tuple[int, str]], reset: bool = True) -> None:
-        args = [worker_id, str(epoch), last_seq, 1 if reset else 0, self.stream_maxlen]
-        for h, tier in blocks:
-            args += (hex_hash(h), tier)
-        self._run(SNAPSHOT, args)
+        self._run(SNAPSHOT, [worker_id, str(epoch), last_seq, 1 if reset else 0, self.stream_maxlen, *pack_blocks(blocks)])
 
     # ---------------------------------------------------------------- liveness and load
 
@@ -425,6 +562,7 @@ class RedisKVIndex:
             pipe.execute()
 
         self.breaker.call(send)
+        self._loads_at = -float("inf")  # this process changed a load: re-read on the next lookup
 
     def live_workers(self) -> dict[str, WorkerLoad]:
         return self.lookup([]).loads
@@ -443,8 +581,19 @@ class RedisKVIndex:
     # ---------------------------------------------------------------- lookups
 
     def lookup(self, block_hashes: list[int], session_id: str | None = None) -> Lookup:
-        matches_flat, loads_flat, sess = self._run(LOOKUP, [session_id or "", *map(hex_hash, block_hashes)])
-        loads = {loads_flat[i]: parse_load(loads_flat[i], loads_flat[i + 1]) for i in range(0, len(loads_flat), 2)}
+        """One round trip. Loads change only with heartbeats (every few seconds), so their values are
+        re-read at most every `load_cache_s`; liveness is checked on every call."""
+        packed = pack_hashes(block_hashes[:MAX_LOOKUP_BLOCKS])
+        want = time.monotonic() - self._loads_at >= self.load_cache_s
+        matches_flat, live, sess = self._run(LOOKUP, [session_id or "", packed, 1 if want else 0, self._spec_width_ms])
+        names = live[::2]
+        if want:
+            self._loads = {w: parse_load(w, fields) for w, fields in zip(names, live[1::2])}
+            self._loads_at = time.monotonic()
+        elif any(w not in self._loads for w in names):  # a worker joined since: read its load now
+            self._loads_at = -float("inf")
+            return self.lookup(block_hashes, session_id)
+        loads = {w: self._loads[w] for w in names}
         matches = {
             matches_flat[i]: PrefixMatch(int(matches_flat[i + 1]), int(matches_flat[i + 2]))
             for i in range(0, len(matches_flat), 3)
@@ -456,9 +605,76 @@ class RedisKVIndex:
 
     # ---------------------------------------------------------------- decisions and sessions
 
-    def record_decision(self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None) -> None:
-        self._run(DECIDE, [int(ttl_s * 1000), session_id or "", int(self.session_ttl_s * 1000), len(workers), *workers,
-                           *map(hex_hash, block_hashes)])
+    def record_decision(
+        self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None, held: list[int] | None = None
+    ) -> None:
+        """Speculative entries (blocks `held[i]` onward for `workers[i]`) and the session record, in one
+        script call. Speculative entries last one to two `speculative_ttl_s` (time buckets); any
+        ttl_s > 0 asks for them. With async_writes (the default) the call is queued for the writer thread, which
+        pipelines whatever accumulated: the decision does not wait for a second round trip."""
+        held = held or [0] * len(workers)
+        args = [self.tag, self._spec_width_ms if ttl_s > 0 else 0, session_id or "", int(self.session_ttl_s * 1000), len(workers)]
+        for w, start in zip(workers, held):
+            args += (w, start)
+        args.append(pack_hashes(block_hashes))
+        if not self.async_writes:
+            self.breaker.call(lambda: DECIDE(self.client, [self.workers_key], args))
+            return
+        self.breaker.guard()  # Redis down: fail now, do not queue
+        if len(self._writes) >= self.max_queued_writes:
+            raise IndexUnavailable("KV index write queue full")
+        with self._write_cv:
+            self._writes.append(args)
+            self._queued += 1
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="moray-kv-index-writer", daemon=True)
+                self._writer.start()
+            self._write_cv.notify()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._write_cv:
+                while not self._writes and not self._closing:
+                    self._write_cv.wait()
+                if self._closing and not self._writes:
+                    return
+                batch = list(self._writes)
+                self._writes.clear()
+
+            def send():
+                pipe = self.client.pipeline(transaction=False)
+                for args in batch:
+                    pipe.evalsha(DECIDE.sha, 1, self.workers_key, *args)
+                pipe.execute()
+
+            try:
+                self.breaker.call(lambda: self._with_scripts(send))
+            except IndexUnavailable:
+                pass  # bookkeeping is best effort: lost speculative entries only cost some affinity
+            with self._write_cv:
+                self._written += len(batch)
+                self._write_cv.notify_all()
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Waits until every queued bookkeeping write was sent (or dropped because Redis is down)."""
+        deadline = time.monotonic() + timeout
+        with self._write_cv:
+            target = self._queued
+            while self._written < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._write_cv.wait(remaining)
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        with self._write_cv:
+            self._closing = True
+            self._write_cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(2)
+            self._writer = None
 
     def note_speculative(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
         self.record_decision([worker_id], block_hashes, ttl_s, None)

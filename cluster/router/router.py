@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import replace
+from collections import deque
 from random import Random
 from typing import Callable
 
@@ -41,31 +41,37 @@ class PendingLoad:
 
     A decision at time t is added to the worker's load until a heartbeat measured after t arrives (it
     then includes the request), or until `ttl_s` passes (a request that never reached the worker).
+    Bumps arrive in time order, so expiring them is popping from the left of a deque with running sums.
     """
 
     def __init__(self, ttl_s: float, clock: Callable[[], float]):
         self.ttl_s = ttl_s
         self.clock = clock
-        self._bumps: dict[str, list[tuple[float, int, int]]] = {}  # worker -> [(t, decode blocks, prefill tokens)]
+        self._bumps: dict[str, deque[tuple[float, int, int]]] = {}  # worker -> (t, decode blocks, prefill tokens)
+        self._sums: dict[str, list[int]] = {}  # worker -> [decode blocks, prefill tokens] over its bumps
 
     def add(self, worker: str, decode_blocks: int, prefill_tokens: int) -> None:
-        self._bumps.setdefault(worker, []).append((self.clock(), decode_blocks, prefill_tokens))
+        self._bumps.setdefault(worker, deque()).append((self.clock(), decode_blocks, prefill_tokens))
+        sums = self._sums.setdefault(worker, [0, 0])
+        sums[0] += decode_blocks
+        sums[1] += prefill_tokens
 
-    def apply(self, loads: dict[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+    def pending(self, loads: dict[str, WorkerLoad]) -> dict[str, tuple[int, int]]:
+        """worker -> (decode blocks, prefill tokens) not yet in its reported load."""
         horizon = self.clock() - self.ttl_s
-        out = dict(loads)
+        out = {}
         for w, bumps in list(self._bumps.items()):
             load = loads.get(w)
-            seen = load.ts if load is not None else -float("inf")
-            bumps[:] = [b for b in bumps if b[0] > horizon and b[0] >= seen]
-            if not bumps:
-                del self._bumps[w]
-            elif load is not None:
-                out[w] = replace(
-                    load,
-                    active_decode_blocks=load.active_decode_blocks + sum(b[1] for b in bumps),
-                    inflight_prefill_tokens=load.inflight_prefill_tokens + sum(b[2] for b in bumps),
-                )
+            cutoff = max(horizon, load.ts) if load is not None else horizon
+            sums = self._sums[w]
+            while bumps and bumps[0][0] < cutoff:
+                _, blocks, tokens = bumps.popleft()
+                sums[0] -= blocks
+                sums[1] -= tokens
+            if bumps:
+                out[w] = (sums[0], sums[1])
+            else:
+                del self._bumps[w], self._sums[w]
         return out
 
 
@@ -122,10 +128,9 @@ class Router:
         t0 = time.perf_counter()
         lookup, degraded = self._lookup(request)
         with self._lock:
-            lookup = Lookup(lookup.matches, self._pending.apply(lookup.loads), lookup.session_workers)
-            decision = self._decide(request, lookup, degraded)
+            decision = self._decide(request, lookup, self._pending.pending(lookup.loads), degraded)
             self._note_pending(request, decision)
-        self.on_decision(request, decision)
+        self.on_decision(request, decision, {w: m.blocks for w, m in lookup.matches.items()})
         self._observe(request, decision, lookup, time.perf_counter() - t0)
         return decision
 
@@ -151,11 +156,11 @@ class Router:
             self._last_loads = lookup.loads
         return lookup, False
 
-    def _decide(self, request: RouteRequest, lookup: Lookup, degraded: bool) -> RouteDecision:
+    def _decide(self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool) -> RouteDecision:
         loads = lookup.loads
         if not loads:
             raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
-        ctx = RoutingContext(request, self.block_size, self.weights, lookup)
+        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending)
         # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
         decoders = sorted(w for w, l in loads.items() if l.role in ("decode", "both")) or sorted(loads)
         decode, reason = self._choose(ctx, decoders, "decode")
@@ -175,7 +180,7 @@ class Router:
             prefill_worker=prefill,
             expected_cached_tokens=ctx.cached_tokens(side),
             reason=reason,
-            best_cached_tokens=max((ctx.cached_tokens(w) for w in loads), default=0),
+            best_cached_tokens=min(request.prompt_len, max((m.blocks for m in lookup.matches.values()), default=0) * self.block_size),
             uncached_tokens=request.prompt_len - ctx.cached_tokens(side),
             cost=ctx.cost(decode),
             degraded=degraded,
@@ -197,14 +202,18 @@ class Router:
         if d.prefill_worker:
             self._pending.add(d.prefill_worker, 0, d.uncached_tokens)
 
-    def on_decision(self, request: RouteRequest, decision: RouteDecision) -> None:
+    def on_decision(self, request: RouteRequest, decision: RouteDecision, held: dict[str, int] | None = None) -> None:
         """Index bookkeeping: the chosen workers are about to hold the prompt's blocks (speculative
-        entries, so the next request with this prefix follows at once) and served this session."""
+        entries, so the next request with this prefix follows at once) and served this session.
+        `held`: leading blocks each worker already holds (no speculative entry needed for those)."""
+        held = held or {}
         if decision.degraded:
             return  # the index is down; nothing to write, and no request should wait on it
         workers = [decision.decode_worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
         try:
-            self.index.record_decision(workers, request.block_hashes, self.config.speculative_ttl_s, request.session_id)
+            self.index.record_decision(
+                workers, request.block_hashes, self.config.speculative_ttl_s, request.session_id, held=[held.get(w, 0) for w in workers]
+            )
         except IndexUnavailable:
             self.metrics.index_errors.labels("record").inc()
 
@@ -217,6 +226,13 @@ class Router:
         m.cached_best.inc(d.best_cached_tokens)
         m.cached_chosen.inc(d.expected_cached_tokens)
         m.maybe_update_loads(lookup.loads)
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Waits for queued index bookkeeping (Redis writes are asynchronous); tests and shutdown."""
+        return self.index.flush(timeout)
+
+    def close(self) -> None:
+        self.index.close()
 
     def record_reuse(self, tokens: int) -> None:
         """What an engine actually reused for a routed request (its output's num_cached_tokens)."""

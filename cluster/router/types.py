@@ -67,12 +67,11 @@ class WorkerLoad:
     @staticmethod
     def from_dict(d: dict) -> "WorkerLoad":
         """Parses a dict of strings (a Redis HASH) or of native values; unknown keys are ignored."""
-        kw = {}
-        for f in fields(WorkerLoad):
-            if f.name in d:
-                v = d[f.name]
-                kw[f.name] = v if f.type in ("str", "Role") else (float(v) if f.type == "float" else int(v))
-        return WorkerLoad(**kw)
+        return WorkerLoad(**{k: _LOAD_PARSERS[k](v) for k, v in d.items() if k in _LOAD_PARSERS})
+
+
+# One parser per WorkerLoad field (on every Redis lookup; kept off the dataclass machinery).
+_LOAD_PARSERS = {f.name: {"float": float, "int": int}.get(f.type, str) for f in fields(WorkerLoad)}
 
 
 class PrefixMatch(NamedTuple):
@@ -118,5 +117,17 @@ class KVIndex(Protocol):
     def record_session(self, session_id: str, worker_id: str) -> None: ...
 
     def session_workers(self, session_id: str) -> list[str]: ...
+
+    def record_decision(
+        self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None, held: list[int] | None = None
+    ) -> None:
+        """`note_speculative` for each chosen worker (from block `held[i]` on) + `record_session`, at once."""
+        ...
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Waits until writes queued by record_decision have reached the index."""
+        ...
+
+    def close(self) -> None: ...
 
     def load_snapshot(self, worker_id: str, epoch: int, last_seq: int, blocks: list[tuple[int, str]], reset: bool = True) -> None: ...

@@ -74,6 +74,11 @@ class KVEventPublisher:
         self._subscriptions: list[KVEventSubscription] = []
         self._listeners: list[Callable[[KVEvent], None]] = []
 
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last event emitted (-1 before the first)."""
+        return self._seq - 1
+
     def subscribe(self, maxlen: int = 1_000_000) -> KVEventSubscription:
         sub = KVEventSubscription(maxlen)
         self._subscriptions.append(sub)

@@ -4,13 +4,30 @@ One file per family (`qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`), each exposin
 `config_from_hf(raw) -> ModelConfig`, `plan(cfg) -> ModelWeights of WeightSpec` and
 `forward(weights, cfg, tokens, positions, cache) -> (logits, cache)`. Adding a family (DeepSeek-V3 with
 MLA, the Qwen3-Next hybrid) means adding one such file and registering it below.
+
+The families and the loader import jax, so they load on first use (PEP 562): jax-free submodules such as
+`quantize` (a `moray` subcommand) stay cheap to import.
 """
 
-from . import mixtral, qwen2_moe, qwen3_moe
-from .config import ModelConfig, ModelLoadError
-from .model import LoadedModel, default_dtype, load_config, load_model, prompt_logits
+from importlib import import_module
 
-FAMILIES = {m.MODEL_TYPE: m for m in (qwen3_moe, mixtral, qwen2_moe)}
+from .config import ModelConfig, ModelLoadError
+
+_FROM_MODEL = ("LoadedModel", "default_dtype", "load_config", "load_model", "prompt_logits")
+
+
+def __getattr__(name: str):
+    if name == "FAMILIES":
+        from . import mixtral, qwen2_moe, qwen3_moe
+
+        value = {m.MODEL_TYPE: m for m in (qwen3_moe, mixtral, qwen2_moe)}
+    elif name in _FROM_MODEL:
+        value = getattr(import_module(".model", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FAMILIES",

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kernels.attention import causal_attention, ragged_paged_attention, write_kv
 from kernels.moe import route_softmax_topk, routed_experts
+from kernels.quant import QuantizedWeight, quantized_matmul
 
 from .config import ModelConfig
 
@@ -130,8 +131,11 @@ class PagedKVCache:
 # Numerical building blocks.
 
 
-def linear(x: Array, w: Array, bias: Array | None = None) -> Array:
-    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def linear(x: Array, w: Array | QuantizedWeight, bias: Array | None = None) -> Array:
+    if isinstance(w, QuantizedWeight):  # stays packed in HBM; dequantised tile by tile inside the matmul
+        y = quantized_matmul(x, w).astype(x.dtype)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -250,5 +254,8 @@ def decoder_forward(
         x = x.reshape(-1, x.shape[-1])[logits_indices]
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+    if isinstance(head, QuantizedWeight):  # an LM head the checkpoint's quantization_config did not ignore
+        logits = quantized_matmul(x, head)
+    else:
+        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
     return logits, cache

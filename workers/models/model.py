@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from ..progress import Progress
 from .config import ModelConfig, ModelLoadError, read_config_json
 from .layers import KVCache, ModelWeights
+from .quant import check_quantized_tensors, quantize_plan
 from .safetensors_io import CheckpointReader
 from .weights import DEFAULT_RULES, check_checkpoint, dummy_weights, load_weights, num_bytes, plan_leaves
 
@@ -99,7 +100,8 @@ def load_model(
     dtype = jnp.dtype(dtype or default_dtype())
     mesh = mesh or single_device_mesh()
     rules = DEFAULT_RULES if rules is None else rules
-    plan = family.plan(cfg)
+    raw_config = read_config_json(model_dir)
+    plan = quantize_plan(family.plan(cfg), raw_config)  # compressed-tensors leaves stay packed on device
     start = time.perf_counter()
     if load_format == "dummy":
         weights = dummy_weights(plan, mesh, rules, dtype, seed)
@@ -108,6 +110,7 @@ def load_model(
         ignorable = {k for k in reader.keys() if k.endswith(_IGNORABLE_SUFFIXES)}
         if cfg.tie_word_embeddings:
             ignorable.add("lm_head.weight")  # some exporters write the tied head anyway
+        check_quantized_tensors(plan, reader, raw_config)
         check_checkpoint(plan, reader, ignorable)
         progress = Progress(len(plan_leaves(plan)), "loading weights", enabled=show_progress)
         weights = load_weights(plan, reader, mesh, rules, dtype, progress)

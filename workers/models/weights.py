@@ -162,6 +162,27 @@ class WeightSpec:
     def shape(self) -> tuple[int, ...]:
         return self.source.shape
 
+    # Placement lives on the leaf so a leaf made of several arrays (quantised weights: packed values plus
+    # scales, `workers/models/quant.py`) can override both.
+    def load(self, reader: CheckpointReader, mesh: Mesh, rules, dtype) -> jax.Array:
+        """This leaf read straight into its sharding: each host reads only the slices its devices hold."""
+        sharding = NamedSharding(mesh, partition_spec(self.logical_axes, rules))
+        np_dtype = np.dtype(jnp.dtype(dtype))
+
+        def fetch(index: Index) -> np.ndarray:
+            return self.source.read(reader, index).astype(np_dtype, copy=False)
+
+        return jax.make_array_from_callback(self.shape, sharding, fetch)
+
+    def dummy(self, key: jax.Array, mesh: Mesh, rules, dtype) -> jax.Array:
+        """Random values of this leaf's shape and sharding (ones for norms)."""
+        sharding = NamedSharding(mesh, partition_spec(self.logical_axes, rules))
+        if self.init_scale is None:
+            make = lambda k: jnp.ones(self.shape, dtype)
+        else:
+            make = lambda k: (jax.random.normal(k, self.shape, jnp.float32) * self.init_scale).astype(dtype)
+        return jax.jit(make, out_shardings=sharding)(key)
+
 
 def linear_spec(key: str, out_dim: int, in_dim: int, axes=("out", "in")) -> WeightSpec:
     return WeightSpec(Tensor(key, (out_dim, in_dim)), axes)
@@ -208,15 +229,9 @@ def check_checkpoint(plan, reader: CheckpointReader, ignorable: set[str] = froze
 
 def load_weights(plan, reader: CheckpointReader, mesh: Mesh, rules, dtype, progress=None):
     """Reads every leaf straight into its sharding; `progress(n)` is called after each leaf."""
-    np_dtype = np.dtype(jnp.dtype(dtype))
 
     def load_leaf(spec: WeightSpec):
-        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules))
-
-        def fetch(index: Index) -> np.ndarray:
-            return spec.source.read(reader, index).astype(np_dtype, copy=False)
-
-        arr = jax.make_array_from_callback(spec.shape, sharding, fetch)
+        arr = spec.load(reader, mesh, rules, dtype)
         if progress:
             progress(1)
         return arr
@@ -228,14 +243,7 @@ def dummy_weights(plan, mesh: Mesh, rules, dtype, seed: int = 0):
     """Random weights of the right shapes and shardings, without reading a checkpoint."""
     leaves, treedef = jax.tree.flatten(plan, is_leaf=is_spec)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for spec, key in zip(leaves, keys):
-        sharding = NamedSharding(mesh, partition_spec(spec.logical_axes, rules))
-        if spec.init_scale is None:
-            make = lambda k, s=spec: jnp.ones(s.shape, dtype)
-        else:
-            make = lambda k, s=spec: (jax.random.normal(k, s.shape, jnp.float32) * s.init_scale).astype(dtype)
-        out.append(jax.jit(make, out_shardings=sharding)(key))
+    out = [spec.dummy(key, mesh, rules, dtype) for spec, key in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, out)
 
 

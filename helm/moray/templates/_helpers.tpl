@@ -142,7 +142,7 @@ The KubeRay TPU webhook checks numOfHosts == chips / google.com/tpu-per-pod, whi
 {{- end -}}
 {{- end -}}
 
-{{/* Secrets the Ray containers read: [{env, name, key}] as JSON. */}}
+{{/* The Secret with the Redis password as JSON {name, key}; empty without one. */}}
 {{- define "moray.redisPasswordSecret" -}}
 {{- if .Values.redis.enabled -}}
 {{- if .Values.redis.auth.existingSecret -}}
@@ -155,6 +155,7 @@ The KubeRay TPU webhook checks numOfHosts == chips / google.com/tpu-per-pod, whi
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret with the API keys as JSON {name, key}; empty without one. */}}
 {{- define "moray.apiKeysSecret" -}}
 {{- if .Values.apiKeys.existingSecret -}}
 {{- dict "name" .Values.apiKeys.existingSecret "key" .Values.apiKeys.existingSecretKey | toJson -}}
@@ -190,6 +191,9 @@ Secrets never appear in serveConfigV2: it is stored in clear text in the RayServ
 {{- if regexMatch "^(redis|rediss)://[^/@]*:[^/@]+@" $backend -}}
 {{- fail "cluster.kv_index.backend carries a password: serveConfigV2 is stored in clear text; put the password in a Secret (redis.auth or redis.external.passwordSecret) and give the URL without it" -}}
 {{- end -}}
+{{- if and .Values.redis.enabled .Values.redis.external.url -}}
+{{- fail "set redis.enabled (a Redis in this release) or redis.external.url (an existing one), not both" -}}
+{{- end -}}
 {{- if .Values.redis.enabled -}}
 {{- $_ := set $kv "backend" (printf "redis://%s-redis.%s.svc:%d/0" (include "moray.fullname" .) .Release.Namespace (int .Values.redis.port)) -}}
 {{- else if .Values.redis.external.url -}}
@@ -212,7 +216,10 @@ Secrets never appear in serveConfigV2: it is stored in clear text in the RayServ
 {{- $c | toJson -}}
 {{- end -}}
 
-{{/* The Serve config (serveConfigV2) as YAML. */}}
+{{/*
+The Serve config (serveConfigV2) as YAML: what cluster.app.serve_config (`moray serve-config`) writes for
+the same ClusterConfig, except proxy_location (serve.proxyLocation; see values.yaml).
+*/}}
 {{- define "moray.serveConfig" -}}
 {{- $args := include "moray.clusterArgs" . | fromJson -}}
 {{- $server := $args.server | default dict -}}
@@ -220,7 +227,7 @@ Secrets never appear in serveConfigV2: it is stored in clear text in the RayServ
 {{- if .Values.serve.runtimeEnv -}}
 {{- $_ := set $app "runtime_env" .Values.serve.runtimeEnv -}}
 {{- end -}}
-{{- $http := dict "host" (default "0.0.0.0" $server.host) "port" (int (default 8000 $server.http_port)) -}}
+{{- $http := dict "host" (default "0.0.0.0" $server.host) "port" (int (default 8000 $server.http_port)) "request_timeout_s" (default 600.0 $server.request_timeout_s) -}}
 {{- $grpc := dict "port" (int (default 9000 $server.grpc_port)) "grpc_servicer_functions" .Values.serve.grpcServicerFunctions -}}
 {{- $cfg := dict "proxy_location" .Values.serve.proxyLocation "http_options" $http "grpc_options" $grpc "applications" (list $app) -}}
 {{- toYaml $cfg -}}
@@ -317,10 +324,34 @@ Secrets never appear in serveConfigV2: it is stored in clear text in the RayServ
 {{- end }}
 {{- end -}}
 
-{{/* Init containers of a Ray pod: make-model writes the tiny test checkpoint for the CPU profile. */}}
+{{/*
+Init containers of a Ray pod: with a hostPath compile cache, one that gives the directory to the
+non-root user (the kubelet creates it owned by root); with model.source makeModel, one that writes the
+tiny test checkpoint (the CPU profile).
+*/}}
 {{- define "moray.rayInitContainers" -}}
-{{- if eq .Values.model.source "makeModel" -}}
-{{- $mm := .Values.model.makeModel -}}
+{{- $cc := .Values.compilationCache -}}
+{{- if and $cc.enabled (eq $cc.volume "hostPath") }}
+{{- $uid := int (default 1000 .Values.podSecurityContext.runAsUser) }}
+{{- $gid := int (default 100 .Values.podSecurityContext.runAsGroup) }}
+- name: xla-cache-owner
+  image: {{ include "moray.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["sh", "-c", "chown {{ $uid }}:{{ $gid }} {{ $cc.mountPath }} && chmod 0775 {{ $cc.mountPath }}"]
+  securityContext:
+    runAsUser: 0
+    runAsNonRoot: false
+    allowPrivilegeEscalation: false
+    capabilities: {drop: [ALL], add: [CHOWN, FOWNER]}
+  volumeMounts:
+    - name: xla-cache
+      mountPath: {{ $cc.mountPath }}
+  resources:
+    requests: {cpu: 50m, memory: 32Mi}
+    limits: {cpu: 100m, memory: 64Mi}
+{{- end }}
+{{- if eq .Values.model.source "makeModel" }}
+{{- $mm := .Values.model.makeModel }}
 - name: make-model
   image: {{ include "moray.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -335,7 +366,7 @@ Secrets never appear in serveConfigV2: it is stored in clear text in the RayServ
   resources:
     requests: {cpu: 500m, memory: 1Gi}
     limits: {cpu: "2", memory: 2Gi}
-{{- end -}}
+{{- end }}
 {{- end -}}
 
 {{/* Pod annotations of a Ray pod (GCSFuse sidecar injection when the model comes from GCS). */}}

@@ -1,0 +1,275 @@
+"""The serving cluster on a real local Ray: OpenAI client, gRPC, disaggregated == colocated == offline,
+KV handoff in chunks, cancellation freeing KV on both workers, and a table of bad inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy
+from protos.moray.v1 import moray_pb2, moray_pb2_grpc
+from workers.models.make_model import make_model
+
+pytest.importorskip("openai")
+import openai  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("cluster") / "tiny", "qwen3_moe", "tiny", seed=11)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    """Two applications on one Ray cluster: disaggregated at /, colocated at /colo."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions, HTTPOptions
+
+    from cluster.app import GRPC_SERVICERS, build_app
+
+    init_ray()
+    disagg = cluster_config(model_dir, name="disagg")
+    colo = cluster_config(model_dir, name="colo", mode="colocated", server=disagg["server"])
+    serve.start(
+        http_options=HTTPOptions(host="127.0.0.1", port=disagg["server"]["http_port"]),
+        grpc_options=gRPCOptions(port=disagg["server"]["grpc_port"], grpc_servicer_functions=GRPC_SERVICERS, enable_reflection=True),
+    )
+    serve.run(build_app(disagg), name="disagg", route_prefix="/", blocking=False)
+    serve.run(build_app(colo), name="colo", route_prefix="/colo", blocking=False)
+    base = f"http://127.0.0.1:{disagg['server']['http_port']}"
+    wait_healthy(base)
+    wait_healthy(base + "/colo")
+    yield {"base": base, "grpc": f"127.0.0.1:{disagg['server']['grpc_port']}", "config": disagg}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def client(cluster, prefix: str = "") -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster["base"] + prefix + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
+
+
+def test_openai_client_completions_and_chat(cluster):
+    c = client(cluster)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    out = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8
+    assert out.usage.prompt_tokens > 8
+    streamed = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in streamed) == out.choices[0].text
+
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
+
+
+def test_prefix_cache_hit_is_reported_as_cached_tokens(cluster):
+    c = client(cluster)
+    long_prompt = PROMPT * 4
+    c.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, temperature=0)
+    again = c.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 8 * (again.usage.prompt_tokens // 8) - 8
+
+
+def test_logprobs_and_seed(cluster):
+    c = client(cluster)
+    out = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
+    a = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+    b = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_disaggregated_equals_colocated_equals_offline(cluster, model_dir):
+    from workers.engine import LLM, SamplingParams
+
+    prompts = [PROMPT, "Hello", PROMPT * 3]
+    disagg, colo = client(cluster), client(cluster, "/colo")
+    llm = LLM(str(model_dir), **{k: v for k, v in cluster["config"]["engine"].items() if k != "model"}, warmup=False)
+    offline = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, expected in zip(prompts, offline):
+        for c in (disagg, colo):
+            out = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == expected.text
+
+
+def metric(cluster, name: str, prefix: str = "") -> float:
+    status, text = http_json(cluster["base"] + prefix + "/metrics", key=None)
+    assert status == 200
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_handoff_moves_kv_in_several_chunks(cluster):
+    before = metric(cluster, "moray_kv_handoff_bytes")
+    client(cluster).completions.create(model="tiny", prompt=PROMPT * 2, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while metric(cluster, "moray_kv_handoff_bytes") <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(cluster, "moray_kv_handoff_bytes") > before
+    # The tiny model has 2 layers and the handoff sends one layer per chunk.
+    assert cluster["config"].get("handoff_layers_per_chunk", 1) == 1
+    text = http_json(cluster["base"] + "/metrics", key=None)[1]
+    assert "moray_time_to_first_token_seconds_bucket" in text and 'path="disaggregated"' in text
+
+
+def worker_loads(app: str):
+    from ray import serve
+
+    loads = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        try:
+            handle = serve.get_deployment_handle(name, app)
+        except Exception:  # noqa: BLE001 - colocated apps have no prefill pool
+            continue
+        loads[name] = handle.load.remote().result(timeout_s=30)
+    return loads
+
+
+def test_cancelled_stream_frees_kv_on_both_workers(cluster):
+    async def start_and_cancel():
+        c = openai.AsyncOpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0)
+        stream = await c.completions.create(model="tiny", prompt=PROMPT * 5, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.close()
+        await c.close()
+        return got
+
+    assert asyncio.run(start_and_cancel()) == 3
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        loads = worker_loads("disagg")
+        if all(l["num_free_blocks"] == l["num_total_blocks"] and l["num_running"] == 0 and l["num_held"] == 0 for l in loads.values()):
+            break
+        time.sleep(0.5)
+    for name, l in loads.items():
+        assert l["num_free_blocks"] == l["num_total_blocks"], (name, l)
+        assert l["num_running"] == 0 and l["num_held"] == 0, (name, l)
+
+
+# ---------------------------------------------------------------------------------------- gRPC
+
+
+def grpc_channel(cluster):
+    return grpc.insecure_channel(cluster["grpc"])
+
+
+AUTH = (("authorization", f"Bearer {API_KEY}"), ("application", "disagg"))
+
+
+def test_grpc_generate_stream_complete_models_health(cluster):
+    with grpc_channel(cluster) as ch:
+        stub = moray_pb2_grpc.MorayStub(ch)
+        req = moray_pb2.GenerateRequest(model="tiny", prompt=PROMPT, sampling=moray_pb2.SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True))
+        parts = list(stub.Generate(req, metadata=AUTH, timeout=120))
+        assert parts[-1].finished and parts[-1].usage.completion_tokens == 6
+        assert sum(len(p.token_ids) for p in parts) == 6
+        full = stub.Complete(req, metadata=AUTH, timeout=120)
+        assert full.text == "".join(p.text for p in parts) and full.finish_reason == "length"
+        assert [m.id for m in stub.ListModels(moray_pb2.ListModelsRequest(), metadata=AUTH).models] == ["tiny"]
+        assert stub.Health(moray_pb2.HealthRequest(), metadata=AUTH).status == "ok"
+
+
+def test_grpc_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc_channel(cluster) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), metadata=(("application", "disagg"),), timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        responses = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30
+        )
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert "moray.v1.Moray" in names and "grpc.health.v1.Health" in names
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+BAD_HTTP = [
+    ("invalid JSON", "/v1/completions", b"{not json", API_KEY, 400, "not valid JSON"),
+    ("JSON array body", "/v1/completions", b"[1, 2]", API_KEY, 400, "JSON object"),
+    ("missing model", "/v1/completions", {"prompt": "hi"}, API_KEY, 400, "model"),
+    ("missing prompt", "/v1/completions", {"model": "tiny"}, API_KEY, 400, "prompt"),
+    ("wrong type max_tokens", "/v1/completions", {**GOOD, "max_tokens": "lots"}, API_KEY, 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {**GOOD, "max_tokens": -3}, API_KEY, 400, "max_tokens"),
+    ("temperature < 0", "/v1/completions", {**GOOD, "temperature": -1}, API_KEY, 400, "temperature"),
+    ("top_p > 1", "/v1/completions", {**GOOD, "top_p": 1.5}, API_KEY, 400, "top_p"),
+    ("n > 1", "/v1/completions", {**GOOD, "n": 3}, API_KEY, 400, "n"),
+    ("bad stop type", "/v1/completions", {**GOOD, "stop": 5}, API_KEY, 400, "stop"),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-5"}, API_KEY, 404, "gpt-5"),
+    ("prompt over the limit", "/v1/completions", {**GOOD, "prompt": list(range(1, 300))}, API_KEY, 400, "limit"),
+    ("token id outside vocab", "/v1/completions", {**GOOD, "prompt": [1, 2, 100000]}, API_KEY, 400, "vocabulary"),
+    ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, API_KEY, 400, "prompt"),
+    ("batched prompts", "/v1/completions", {**GOOD, "prompt": ["a", "b"]}, API_KEY, 400, "batched"),
+    ("missing API key", "/v1/completions", GOOD, None, 401, "API key"),
+    ("wrong API key", "/v1/completions", GOOD, "nope", 401, "invalid API key"),
+    ("oversized body", "/v1/completions", {**GOOD, "padding": "x" * (2 << 20)}, API_KEY, 413, "larger than"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, API_KEY, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, API_KEY, 400, "role"),
+    ("messages not a list", "/v1/chat/completions", {"model": "tiny", "messages": "hi"}, API_KEY, 400, "messages"),
+    ("non-text content part", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, API_KEY, 400, "text"),
+    ("top_logprobs too large", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, API_KEY, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_HTTP, ids=[c[0] for c in BAD_HTTP])
+def test_bad_http_input(cluster, case):
+    _, path, body, key, status, words = case
+    raw = body if isinstance(body, bytes) else None
+    got_status, got = http_json(cluster["base"] + path, None if raw else body, key=key, raw=raw)
+    assert got_status == status, got
+    assert words.lower() in got["error"]["message"].lower(), got
+
+
+BAD_GRPC = [
+    ("no input", moray_pb2.GenerateRequest(model="tiny"), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("temperature < 0", moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(temperature=-1)), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("max_tokens 0", moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(max_tokens=0)), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("token id outside vocab", moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[5, 99999])), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    ("unknown model", moray_pb2.GenerateRequest(model="nope", prompt="hi"), AUTH, grpc.StatusCode.NOT_FOUND, "nope"),
+    ("bad role", moray_pb2.GenerateRequest(model="tiny", messages=moray_pb2.ChatMessages(messages=[moray_pb2.ChatMessage(role="wizard", content="x")])), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    ("missing API key", moray_pb2.GenerateRequest(model="tiny", prompt="hi"), (("application", "disagg"),), grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    ("wrong API key", moray_pb2.GenerateRequest(model="tiny", prompt="hi"), (("authorization", "Bearer bad"), ("application", "disagg")), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_GRPC, ids=[c[0] for c in BAD_GRPC])
+def test_bad_grpc_input(cluster, case):
+    _, request, metadata, code, words = case
+    with grpc_channel(cluster) as ch:
+        stub = moray_pb2_grpc.MorayStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, metadata=metadata, timeout=60))
+        assert e.value.code() == code
+        assert words.lower() in e.value.details().lower()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(request, metadata=metadata, timeout=60)
+        assert e.value.code() == code
+
+
+def test_still_serving_after_bad_input(cluster):
+    out = client(cluster).completions.create(model="tiny", prompt="still alive?", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
