@@ -37,6 +37,8 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
         actor["memory"] = int(pool.resources.memory_gb * 2**30)
     if pool.resources.tpu is not None:
         actor["resources"] = {"TPU": pool.resources.tpu.chips_per_host}
+    if pool.label_selector:
+        actor["label_selector"] = dict(pool.label_selector)
     opts: dict[str, Any] = {
         "ray_actor_options": actor,
         "max_ongoing_requests": pool.max_ongoing_requests,

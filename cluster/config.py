@@ -15,8 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from workers.engine.config import EngineConfig
 
-TPU_CHIPS_PER_HOST = {"v4": 4, "v5e": 4, "v5p": 4, "v6e": 4, "v7x": 4}
-_TOPOLOGY = re.compile(r"^\d+x\d+(x\d+)?$")
+# A slice up to this many chips is one TPU VM; larger slices are hosts of 4 chips each.
+SINGLE_HOST_MAX_CHIPS = {"v4": 4, "v5e": 8, "v5p": 4, "v6e": 8, "v7x": 4}
+# v5e/v6e slices are 2-D (e.g. 2x4); v4/v5p/v7x are 3-D (e.g. 2x2x4).
+TOPOLOGY_DIMS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2, "v7x": 3}
+_TOPOLOGY = re.compile(r"^[1-9]\d*x[1-9]\d*(x[1-9]\d*)?$")
 
 
 class ConfigError(ValueError):
@@ -35,8 +38,17 @@ class TPUConfig(_Strict):
     @classmethod
     def _topology(cls, v: str) -> str:
         if not _TOPOLOGY.match(v):
-            raise ValueError(f"topology must look like 2x4 or 2x2x1, got {v!r}")
+            raise ValueError(f"topology must look like 2x4 or 2x2x1 with positive sizes, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> "TPUConfig":
+        dims = len(self.topology.split("x"))
+        if dims != TOPOLOGY_DIMS[self.type]:
+            raise ValueError(f"{self.type} topologies have {TOPOLOGY_DIMS[self.type]} dimensions, got {self.topology!r}")
+        if self.chips > SINGLE_HOST_MAX_CHIPS[self.type] and self.chips % 4:
+            raise ValueError(f"a {self.chips}-chip slice does not split into hosts of 4 chips")
+        return self
 
     @property
     def chips(self) -> int:
@@ -48,11 +60,11 @@ class TPUConfig(_Strict):
     @property
     def hosts(self) -> int:
         """Hosts per slice: one replica spans all of them."""
-        return max(1, self.chips // TPU_CHIPS_PER_HOST[self.type])
+        return 1 if self.chips <= SINGLE_HOST_MAX_CHIPS[self.type] else self.chips // 4
 
     @property
     def chips_per_host(self) -> int:
-        return min(self.chips, TPU_CHIPS_PER_HOST[self.type])
+        return self.chips // self.hosts
 
 
 class ResourcesConfig(_Strict):
@@ -80,6 +92,8 @@ class PoolConfig(_Strict):
     # Processes (hosts) per replica; on TPU it follows the slice topology.
     hosts_per_replica: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=64, ge=1)
+    # Ray node labels a replica must land on (the Helm chart labels each pool's hosts).
+    label_selector: dict[str, str] = Field(default_factory=dict)
     # Per-pool engine settings layered over the cluster's `engine` (e.g. a larger max_num_seqs for decode).
     engine_overrides: dict[str, Any] = Field(default_factory=dict)
 

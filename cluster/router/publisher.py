@@ -38,7 +38,7 @@ from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
 from .memory_index import MemoryKVIndex
 from .redis_conn import describe
 from .redis_index import (
-    ALL_SCRIPTS, APPLY, SNAPSHOT, RedisKVIndex, check_worker_id, contiguous_runs, load_mapping, model_tag, pack_blocks, pack_events,
+    ALL_SCRIPTS, APPLY, SNAPSHOT, RedisKVIndex, check_worker_id, contiguous_runs, heartbeat_commands, model_tag, pack_blocks, pack_events,
     unpack_records,
 )
 from .types import IndexUnavailable, Role, WorkerLoad
@@ -308,11 +308,8 @@ class RedisKVEventSink:
             load or WorkerLoad(self.worker_id), worker_id=self.worker_id, role=self.role,
             epoch=epoch, last_seq=seq, ts=time.time(), index_lag_s=self._lag_s,
         )
-        key = f"load:{self.tag}:{self.worker_id}"
         pipe = self.client.pipeline(transaction=False)
-        pipe.hset(key, mapping=load_mapping(load))
-        pipe.pexpire(key, int(self.heartbeat_ttl_s * 1000))
-        pipe.sadd(self.workers_key, self.worker_id)
+        heartbeat_commands(pipe, self.tag, load, self.heartbeat_ttl_s)
         pipe.hmget(f"wstate:{self.tag}:{self.worker_id}", "epoch", "seq")
         *_, (r_epoch, r_seq) = pipe.execute()
         self.stats["heartbeats"] += 1

@@ -55,7 +55,7 @@ from redis.exceptions import NoScriptError, RedisError
 from workers.engine.kv_events import KVEvent, KVEventKind
 
 from .redis_conn import CircuitBreaker, LuaScript
-from .types import IndexUnavailable, Lookup, PrefixMatch, WorkerLoad
+from .types import DEVICE_TIER, IndexUnavailable, Lookup, PrefixMatch, WorkerLoad
 
 _KIND_CODE = {KVEventKind.STORED: "s", KVEventKind.REMOVED: "r", KVEventKind.CLEARED: "c"}
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:/-]+$")
@@ -69,6 +69,10 @@ local call = redis.call
 local tag = ARGV[1]
 local KV, SPEC, WSTATE, WBLOCKS = 'kv:' .. tag .. ':', 'spec:' .. tag .. ':', 'wstate:' .. tag .. ':', 'wblocks:' .. tag .. ':'
 local WSPEC = 'wspec:' .. tag .. ':'
+local GENS, LIVE = 'gens:' .. tag, 'live:' .. tag
+-- A reverse-set member: the bare hash for a device-resident block, <hash>@<tier> for a slower tier
+-- (so the common lookup, device membership, needs no suffix on its member list).
+local function member(h, tier) if tier == 'device' then return h end return h .. '@' .. tier end
 local SWEEP = 'sweep:' .. tag
 local function now_ms()
   local t = call('TIME')
@@ -85,6 +89,7 @@ local function purge(w)
   local gen = tonumber(call('HGET', skey, 'gen') or '0')
   if call('EXISTS', WBLOCKS .. w .. ':' .. gen) == 1 then call('RPUSH', SWEEP, w .. '|' .. gen) end
   call('HSET', skey, 'gen', gen + 1)
+  call('HSET', GENS, w, gen + 1)
   return gen + 1
 end
 local function sweep(budget)
@@ -107,7 +112,7 @@ end
 -- kv:{m}:<hash> field <worker> = gen if the worker holds the block on its device, 'o'..gen if only in
 -- slower tiers. Recomputed from the worker's reverse set (members <hash>@<tier>) after each change.
 local function refresh(w, gen, h, rset, tiers)
-  if call('SISMEMBER', rset, h .. '@device') == 1 then call('HSET', KV .. h, w, gen); return end
+  if call('SISMEMBER', rset, h) == 1 then call('HSET', KV .. h, w, gen); return end
   for _, t in ipairs(tiers) do
     if t ~= 'device' and call('SISMEMBER', rset, h .. '@' .. t) == 1 then call('HSET', KV .. h, w, 'o' .. gen); return end
   end
@@ -145,15 +150,22 @@ LOOKUP = LuaScript(_LUA_COMMON + r"""
 local now = now_ms()
 local want = ARGV[4] == '1'
 local live, gens, ogens = {}, {}, {}
-for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
-  local l
-  if want then l = call('HGETALL', 'load:' .. tag .. ':' .. w) end
-  if (want and #l > 0) or (not want and call('EXISTS', 'load:' .. tag .. ':' .. w) == 1) then
-    local g = call('HGET', WSTATE .. w, 'gen') or '0'
-    gens[w], ogens[w] = g, 'o' .. g
-    live[#live + 1] = w
-    live[#live + 1] = l or {}
+local g = call('HGETALL', GENS)
+local allgens = {}
+for j = 1, #g, 2 do allgens[g[j]] = g[j + 1] end
+local function add(w, l)
+  local gen = allgens[w] or '0'
+  gens[w], ogens[w] = gen, 'o' .. gen
+  live[#live + 1] = w
+  live[#live + 1] = l
+end
+if want then  -- the load hashes themselves (their TTL is the heartbeat)
+  for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
+    local l = call('HGETALL', 'load:' .. tag .. ':' .. w)
+    if #l > 0 then add(w, l) end
   end
+else  -- liveness alone: the heartbeat deadlines, one call
+  for _, w in ipairs(call('ZRANGEBYSCORE', LIVE, now, '+inf')) do add(w, {}) end
 end
 local sub = string.sub
 local hashes = ARGV[3]
@@ -172,7 +184,7 @@ if n > 0 then
     local w = s[j]
     if gens[w] and not seen[w] and tonumber(s[j + 1]) > now then cands[#cands + 1] = w; seen[w] = true end
   end
-  local lists = {}  -- member lists per suffix ('@device', '@host', '' for speculative sets), built once
+  local lists = {}  -- member lists per suffix ('' for device blocks and speculative sets, '@host', ...)
   local function members(suffix)
     local m = lists[suffix]
     if m == nil then
@@ -189,7 +201,7 @@ if n > 0 then
   local bucket = math.floor(now / tonumber(ARGV[5]))
   for _, w in ipairs(cands) do
     local rset = WBLOCKS .. w .. ':' .. gens[w]
-    local dev = call('SMISMEMBER', rset, unpack(members('@device')))
+    local dev = call('SMISMEMBER', rset, unpack(members('')))
     local slow, spec = nil, nil  -- fetched only at the first block not on the device
     local i, off = 1, 0
     while i <= n do
@@ -260,10 +272,10 @@ for i = skip, n - 1 do
   local tier = batch_tiers[tonumber(sub(recs, o + 2, o + 2)) + 1]
   local h = sub(recs, o + 3, o + 18)
   if kind == 's' then
-    call('SADD', rset, h .. '@' .. tier)
+    call('SADD', rset, member(h, tier))
     if tier == 'device' then call('HSET', KV .. h, w, gen) else refresh(w, gen, h, rset, tiers) end
   elseif kind == 'r' then
-    if call('SREM', rset, h .. '@' .. tier) == 1 then refresh(w, gen, h, rset, tiers) end
+    if call('SREM', rset, member(h, tier)) == 1 then refresh(w, gen, h, rset, tiers) end
   else
     gen = purge(w)
     rset = WBLOCKS .. w .. ':' .. gen
@@ -294,7 +306,7 @@ for i = 0, #recs / 17 - 1 do
   local o = i * 17
   local tier = batch_tiers[tonumber(string.sub(recs, o + 1, o + 1)) + 1]
   local h = string.sub(recs, o + 2, o + 17)
-  call('SADD', rset, h .. '@' .. tier)
+  call('SADD', rset, member(h, tier))
   if tier == 'device' then call('HSET', KV .. h, w, gen) else refresh(w, gen, h, rset, tiers) end
 end
 call('HSET', skey, 'epoch', epoch, 'seq', seq, 'gen', gen, 'ts', now_ms())
@@ -350,6 +362,7 @@ for _, w in ipairs(targets) do
   -- position, so the worker's sink, if it is still alive, resynchronises with a snapshot.
   call('HSET', WSTATE .. w, 'epoch', '', 'seq', -1)
   call('DEL', 'load:' .. tag .. ':' .. w)
+  call('ZREM', LIVE, w)
   call('SREM', KEYS[1], w)
   removed[#removed + 1] = w
 end
@@ -454,6 +467,28 @@ def load_mapping(load: WorkerLoad) -> dict[str, str]:
     return {k: str(v) for k, v in load.to_dict().items() if k != "worker_id"}
 
 
+def heartbeat_commands(pipe, tag: str, load: WorkerLoad, ttl_s: float) -> None:
+    """A heartbeat: the load HASH with its TTL, the worker's deadline in live:{model} (liveness in one
+    call for lookups; scored by the server's clock), and its registration."""
+    key = f"load:{tag}:{load.worker_id}"
+    ttl_ms = int(ttl_s * 1000)
+    pipe.hset(key, mapping=load_mapping(load))
+    pipe.pexpire(key, ttl_ms)
+    pipe.eval(_HEARTBEAT_DEADLINE, 1, f"live:{tag}", load.worker_id, ttl_ms)
+    pipe.sadd(f"workers:{tag}", load.worker_id)
+
+
+# ZADD with a deadline on the server's clock (router and worker clocks may differ); also drops deadlines
+# long past so the set stays small. Short enough that EVAL (no SHA bookkeeping) is fine.
+_HEARTBEAT_DEADLINE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 3600000)
+return 1
+"""
+
+
 class RedisKVIndex:
     """The KV index in Redis. Every method raises IndexUnavailable (never a raw Redis error) when Redis
     is unreachable, slow, or refuses the credentials; the circuit breaker then short-circuits calls until
@@ -556,9 +591,7 @@ class RedisKVIndex:
         def send():
             pipe = self.client.pipeline(transaction=False)
             key = f"load:{self.tag}:{load.worker_id}"
-            pipe.hset(key, mapping=load_mapping(load))
-            pipe.pexpire(key, int(self.heartbeat_ttl_s * 1000))
-            pipe.sadd(self.workers_key, load.worker_id)
+            heartbeat_commands(pipe, self.tag, load, self.heartbeat_ttl_s)
             pipe.execute()
 
         self.breaker.call(send)
@@ -693,7 +726,7 @@ class RedisKVIndex:
             blocks = []
             for m in members:
                 h, _, tier = m.partition("@")
-                blocks.append((int(h, 16), tier))
+                blocks.append((int(h, 16), tier or DEVICE_TIER))
             out.append((w, int(epoch), int(seq), blocks))
         return last_id, out
 

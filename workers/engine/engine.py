@@ -83,12 +83,18 @@ class _RequestState:
 
 
 def setup_compilation_cache(path: str | None) -> None:
-    """A persistent XLA compilation cache: a restarted worker skips the compiles it already did."""
-    if path and not jax.config.jax_compilation_cache_dir:
+    """A persistent XLA compilation cache: a restarted worker skips the compiles it already did.
+
+    A directory already configured (e.g. JAX_COMPILATION_CACHE_DIR) wins; either way every program is
+    cached, not only those over JAX's default one-second threshold.
+    """
+    if not (path or jax.config.jax_compilation_cache_dir):
+        return
+    if not jax.config.jax_compilation_cache_dir:
         Path(path).expanduser().mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class EngineCore:
