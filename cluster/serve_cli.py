@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     if args.config is not None:
-        data = load_cluster_config(args.config).model_dump()
+        data = load_cluster_config(args.config).model_dump(exclude_unset=True)
+        if args.model is not None:
+            data["engine"]["model"] = str(args.model)
     elif args.model is not None:
         data = {"engine": {"model": str(args.model)}}
     else:
@@ -33,19 +35,23 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("server", {})["grpc_port"] = args.grpc_port
     if getattr(args, "mode", None):
         data["mode"] = args.mode
+    # Workers may run in another directory: pin the model to an absolute path.
+    data["engine"]["model"] = str(Path(data["engine"]["model"]).expanduser().resolve())
     return parse_cluster_config(data)
 
 
-def connect_ray(address: str | None) -> None:
+def connect_ray(address: str | None, verbose: bool) -> None:
     import ray
 
+    # Quiet by default: replica logs stay in Ray's log directory unless -v.
+    opts = {"logging_level": "INFO" if verbose else "WARNING", "log_to_driver": verbose}
     if address:
-        ray.init(address=address, logging_level="WARNING")
+        ray.init(address=address, **opts)
         return
     try:
-        ray.init(address="auto", logging_level="WARNING")
+        ray.init(address="auto", **opts)
     except (ConnectionError, RuntimeError):
-        ray.init(logging_level="WARNING")  # none running: start a local one
+        ray.init(**opts)  # none running: start a local one
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from .launch import ensure_local_env, how_to_call, start_serve, wait_until_healthy
 
     ensure_local_env()
-    connect_ray(args.address)
+    connect_ray(args.address, getattr(args, "verbose", False))
     import ray
     from ray import serve
 

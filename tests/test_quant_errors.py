@@ -119,8 +119,8 @@ CONFIG_CASES = {
         "quantised differently (W4A16 int4 (group 32) vs unquantised)",
     ),
     "ignored-but-packed": (
-        lambda q, raw: q["ignore"].append(r"re:.*experts\.1\.up_proj$"),
-        f"layer '{UP}': checkpoint holds quantised tensors (weight_packed, weight_scale, weight_shape) but "
+        lambda q, raw: q["ignore"].append(r"re:.*mlp\.experts\."),
+        "layer 'model.layers.0.mlp.experts.0.gate_proj': checkpoint holds quantised tensors (weight_packed, weight_scale, weight_shape) but "
         "quantization_config does not quantise this layer; refusing to load packed weights as dense",
     ),
     "no-quantization-config": (

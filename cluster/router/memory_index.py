@@ -262,6 +262,8 @@ class MemoryKVIndex:
     def note_speculative(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
         """The chosen worker is about to compute these blocks: count them as cached for `ttl_s`, so the
         next request with the same prefix follows before the real events arrive."""
+        if ttl_s <= 0 or not block_hashes:
+            return
         now = self.clock()
         expiry = now + ttl_s
         with self._lock:
@@ -269,8 +271,7 @@ class MemoryKVIndex:
             slot = self._slot_bit(worker_id).bit_length() - 1
             for h in block_hashes:
                 self._spec.setdefault(h, {})[slot] = expiry
-            if block_hashes:
-                self._spec_expiry.append((expiry, block_hashes))
+            self._spec_expiry.append((expiry, block_hashes))
 
     def _sweep_spec(self, now: float) -> None:
         while self._spec_expiry and self._spec_expiry[0][0] <= now:

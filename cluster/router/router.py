@@ -92,6 +92,7 @@ class Router:
         self.block_size = block_size
         self.metrics = metrics or RouterMetrics()
         self.policy = policy or make_policy(self.config.policy)
+        self._load_only = make_policy("least-loaded")
         self.weights = CostWeights.from_config(self.config)
         self.clock = clock
         self._rng = Random(self.config.seed)
@@ -161,9 +162,11 @@ class Router:
         if not loads:
             raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
         ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending)
+        # Without the index there is nothing to match: by load alone.
+        policy = self._load_only if degraded else self.policy
         # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
         decoders = sorted(w for w, l in loads.items() if l.role in ("decode", "both")) or sorted(loads)
-        decode, reason = self._choose(ctx, decoders, "decode")
+        decode, reason, cost = self._choose(policy, ctx, decoders, "decode")
         if degraded:
             reason = "degraded"
 
@@ -173,7 +176,7 @@ class Router:
         if uncached >= self.config.remote_prefill_min_tokens:
             prefillers = sorted(w for w, l in loads.items() if l.role == "prefill" and w != decode)
             if prefillers:
-                prefill, _ = self._choose(ctx, prefillers, "prefill")
+                prefill, _, _ = self._choose(policy, ctx, prefillers, "prefill")
         side = prefill or decode
         return RouteDecision(
             decode_worker=decode,
@@ -182,19 +185,20 @@ class Router:
             reason=reason,
             best_cached_tokens=min(request.prompt_len, max((m.blocks for m in lookup.matches.values()), default=0) * self.block_size),
             uncached_tokens=request.prompt_len - ctx.cached_tokens(side),
-            cost=ctx.cost(decode),
+            cost=cost,
             degraded=degraded,
         )
 
-    def _choose(self, ctx: RoutingContext, candidates: list[str], stage) -> tuple[str, str]:
-        costs = self.policy.costs(ctx, candidates, stage)
-        stochastic = self.policy.stochastic
+    def _choose(self, policy: Policy, ctx: RoutingContext, candidates: list[str], stage) -> tuple[str, str, float]:
+        """(worker, reason, its cost)."""
+        costs = policy.costs(ctx, candidates, stage)
+        stochastic = policy.stochastic
         worker, how = select(
             costs, ctx.request.request_id, self._rng,
             self.config.temperature if stochastic else 0.0,
             self.config.exploration if stochastic else 0.0,
         )
-        return worker, how or self.policy.branch(ctx, worker, candidates, stage)
+        return worker, how or policy.branch(ctx, worker, candidates, stage), costs[worker]
 
     def _note_pending(self, request: RouteRequest, d: RouteDecision) -> None:
         prompt_blocks = -(-request.prompt_len // self.block_size)

@@ -629,7 +629,7 @@ def check_quantized_tensors(plan, reader: CheckpointReader, raw_config: dict[str
                 if extra:
                     reason = EXTRA_TENSOR_REASONS.get(extra[0], f"unknown tensor '{m.name}.{extra[0]}'")
                     if extra[0] == "weight":
-                        reason = "holds a dense 'weight' next to its quantised tensors"
+                        reason = "quantization_config quantises this layer but the checkpoint holds a dense 'weight'"
                     raise ModelLoadError(f"layer '{m.name}' ({spec.source.scheme.label}): {reason}")
             continue
         for t in _linear_tensors(spec) or ():
