@@ -1,0 +1,239 @@
+"""`moray bench serve`: load a running server (or a local disaggregated + colocated pair) with a workload.
+
+Reports TTFT, TPOT and end-to-end latency (p50/p99), throughput, prefix-cache hit rate, and from the
+server's /metrics the KV handoff bytes/s and the handoff's share of TTFT. Prompts are token ids, so
+shared prefixes and lengths are exact whatever the tokenizer.
+
+    moray bench serve --url http://127.0.0.1:8000 --workload shared-prefix --concurrency 8 --requests 64 --json out.json
+    moray bench serve --model DIR --compare --workload shared-prefix --json out.json   # starts both modes locally
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+WORKLOADS = ("shared-prefix", "multi-turn", "long-in-short-out", "short-in-long-out")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="with --compare: model directory to serve locally")
+    p.add_argument("--compare", action="store_true", help="start disaggregated and colocated apps locally and compare")
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, help="output file")
+
+
+# ------------------------------------------------------------------------------------ workloads
+
+
+@dataclass
+class Item:
+    prompt: list[int]
+    max_tokens: int
+    session: str | None = None
+    turn: int = 0
+
+
+def make_workload(name: str, n: int, seed: int, vocab: int = 500) -> list[list[Item]]:
+    """Returns groups of items; items in a group run in order (turns of a conversation)."""
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(3, vocab) for _ in range(k)]
+    if name == "shared-prefix":
+        prefixes = [tok(192) for _ in range(max(1, n // 8))]
+        return [[Item(prefixes[i % len(prefixes)] + tok(24), 16)] for i in range(n)]
+    if name == "multi-turn":
+        groups = []
+        for s in range(max(1, n // 4)):
+            history, turns = tok(48), []
+            for t in range(4):
+                history = history + tok(24)
+                turns.append(Item(list(history), 12, session=f"s{s}", turn=t))
+                history = history + tok(12)  # stands in for the assistant's reply
+            groups.append(turns)
+        return groups
+    if name == "long-in-short-out":
+        return [[Item(tok(400), 4)] for _ in range(n)]
+    return [[Item(tok(16), 64)] for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------ client
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+async def one_request(session, url: str, model: str, item: Item, api_key: str | None) -> Result:
+    body = {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    if item.session:
+        headers["x-session-id"] = item.session
+    start = time.perf_counter()
+    result = Result(ok=False)
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            return Result(ok=False, error=f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return Result(ok=False, error=event["error"]["message"])
+            if event.get("choices") and result.ttft == 0.0:
+                result.ttft = time.perf_counter() - start
+            if event.get("usage"):
+                u = event["usage"]
+                result.tokens = u["completion_tokens"]
+                result.prompt_tokens = u["prompt_tokens"]
+                result.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+    result.e2e = time.perf_counter() - start
+    result.ok = True
+    return result
+
+
+async def run_workload(url: str, groups: list[list[Item]], concurrency: int, api_key: str | None) -> tuple[list[Result], float]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with session.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}) as r:
+            model = (await r.json())["data"][0]["id"]
+        results: list[Result] = []
+
+        async def run_group(group: list[Item]):
+            for item in group:
+                async with sem:
+                    results.append(await one_request(session, url, model, item, api_key))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(run_group(g) for g in groups))
+        return results, time.perf_counter() - start
+
+
+def scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    totals: dict[str, float] = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("moray_kv_handoff") and not line.startswith("#"):
+                name = line.split("{")[0].split(" ")[0]
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def summarise(results: list[Result], wall: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    e2e = [r.e2e for r in ok]
+    tokens = sum(r.tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    handoff_bytes = after.get("moray_kv_handoff_bytes", 0.0) - before.get("moray_kv_handoff_bytes", 0.0)
+    handoff_s = after.get("moray_kv_handoff_seconds", 0.0) - before.get("moray_kv_handoff_seconds", 0.0)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "first_errors": [r.error for r in results if not r.ok][:3],
+        "wall_s": wall,
+        "throughput_tokens_per_s": tokens / wall if wall else 0.0,
+        "requests_per_s": len(ok) / wall if wall else 0.0,
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+        "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
+        "cache_hit_rate": (sum(r.cached_tokens for r in ok) / prompt) if prompt else 0.0,
+        "kv_handoff_bytes": handoff_bytes,
+        "kv_handoff_seconds": handoff_s,
+        "kv_handoff_bytes_per_s": handoff_bytes / handoff_s if handoff_s else 0.0,
+        "kv_handoff_share_of_ttft": handoff_s / sum(ttft) if ttft else 0.0,
+    }
+
+
+def bench_url(url: str, args, groups) -> dict:
+    before = scrape(url)
+    results, wall = asyncio.run(run_workload(url, groups, args.concurrency, args.api_key))
+    return summarise(results, wall, before, scrape(url))
+
+
+def start_pair(model: str):
+    """Disaggregated app at /, colocated at /colo, on a local Ray (same machine, same engine settings)."""
+    import os
+    import socket
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from cluster.app import build_app
+    from cluster.launch import wait_until_healthy
+    from cluster.config import parse_cluster_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = {"model": os.path.abspath(model), "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+              "token_buckets": [8, 32, 128, 512], "page_buckets": [4, 16, 64]}
+    base = {"engine": engine, "server": {"http_port": port}, "router": {"remote_prefill_min_tokens": 32}}
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    serve.run(build_app({**base, "name": "disagg"}), name="disagg", route_prefix="/", blocking=False)
+    serve.run(build_app({**base, "name": "colo", "mode": "colocated"}), name="colo", route_prefix="/colo", blocking=False)
+    cfg = parse_cluster_config(base)
+    wait_until_healthy(cfg)
+    url = f"http://127.0.0.1:{port}"
+    return url, url + "/colo"
+
+
+def run(args: argparse.Namespace) -> int:
+    groups = make_workload(args.workload, args.requests, args.seed)
+    out = {"workload": args.workload, "concurrency": args.concurrency, "requests": args.requests}
+    if args.compare:
+        if not args.model:
+            raise ValueError("--compare needs --model DIR")
+        disagg, colo = start_pair(args.model)
+        print("warming up...", file=sys.stderr)
+        for url in (disagg, colo):
+            bench_url(url, argparse.Namespace(**{**vars(args), "concurrency": 2}), make_workload(args.workload, 4, args.seed + 1))
+        out["disaggregated"] = bench_url(disagg, args, groups)
+        out["colocated"] = bench_url(colo, args, groups)
+        d, c = out["disaggregated"], out["colocated"]
+        out["ratios_disaggregated_over_colocated"] = {
+            k: (d[k] / c[k] if c[k] else None) for k in ("ttft_p50_s", "tpot_p50_s", "e2e_p50_s", "throughput_tokens_per_s")
+        }
+    else:
+        if not args.url:
+            raise ValueError("give --url URL (or --compare --model DIR)")
+        out["result"] = bench_url(args.url.rstrip("/"), args, groups)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(out, indent=2))
+    return 0
