@@ -12,7 +12,7 @@ for c in python3.13 python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3
 done; exit 1
 endef
 
-.PHONY: help venv venv-test test serve clean helm-bin helm-schema
+.PHONY: help venv venv-test test serve protos clean helm-bin helm-schema
 
 help:
 	@echo "make test    - create $(VENV) with test extras and run the whole suite"
@@ -56,6 +56,10 @@ serve: venv
 	  echo "building the tiny demo checkpoint in $(DEMO_MODEL)"; \
 	  $(VENV)/bin/moray make-model $(DEMO_MODEL) --arch qwen3_moe --preset tiny; fi
 	$(VENV)/bin/moray serve --config $(CONFIG) --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL))
+
+# Regenerate the committed gRPC stubs after editing protos/moray/v1/moray.proto.
+protos: venv-test
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/moray/v1/moray.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache
