@@ -118,6 +118,14 @@ def next_token_quality(ref_logits, logits) -> dict[str, float]:
 
 
 def measure(args) -> dict:
+    """The report; quantised checkpoints go to --work-dir, or a temporary directory removed afterwards."""
+    if args.work_dir:
+        return _measure(args, args.work_dir)
+    with tempfile.TemporaryDirectory(prefix="moray-bench-memory-") as tmp:
+        return _measure(args, Path(tmp))
+
+
+def _measure(args, work: Path) -> dict:
     import jax
     import numpy as np
 
@@ -126,7 +134,6 @@ def measure(args) -> dict:
 
     dtype = args.dtype or default_dtype()
     rng = np.random.default_rng(args.seed)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="moray-bench-memory-"))
     dirs = {REFERENCE: args.model}
     for scheme in args.schemes:
         dirs[scheme] = quantize_checkpoint(args.model, work / scheme, scheme, args.group_size)
@@ -154,7 +161,6 @@ def measure(args) -> dict:
         del bf16
         model = load_model(path, dtype=dtype, show_progress=False)
         row = {
-            "checkpoint": str(path),
             "weight_bytes": sum(per_leaf.values()),
             "quantized_leaves": len(packed),
             "linear_bytes": _sum_under(per_leaf, packed),

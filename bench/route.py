@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import socket
@@ -122,25 +123,70 @@ def _percentiles(samples: list[float]) -> dict:
             "max_ms": round(s[-1] * 1e3, 4), "mean_ms": round(sum(s) / len(s) * 1e3, 4)}
 
 
+def machine_noise(n: int = 15000) -> dict:
+    """Latency of a fixed ~50 us pure-Python loop: on an idle machine p99 ~ p50. A p99 far above it
+    means other processes take the CPU, and the decision p99 below inherits the same stalls."""
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(1000):
+            x += i * i
+        lat.append(time.perf_counter() - t0)
+    p = _percentiles(lat)
+    return {"busy_loop_p50_ms": p["p50_ms"], "busy_loop_p99_ms": p["p99_ms"]}
+
+
+class _GCPauses:
+    """Total garbage-collector time while timing (it would show up in the tail)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._t0
+
+
 def time_router(router, req_h, heartbeat, threads: int) -> dict:
+    import gc
+
     from cluster.router.types import RouteRequest
 
     reqs = [RouteRequest(f"r{i}", h, n, f"s{i % 500}") for i, (h, n) in enumerate(req_h)]
     for r in reqs[:200]:  # warm up (script cache, connections)
         router.route(r)
-    lat = []
+    noise = machine_noise()
+    lat, cpu = [], []
     branches: dict[str, int] = {}
-    t_start = time.perf_counter()
-    for i, r in enumerate(reqs):
-        if i % 1000 == 0:
-            heartbeat()  # the workers' heartbeats go on: pending load gets replaced by reported load
-        t0 = time.perf_counter()
-        d = router.route(r)
-        lat.append(time.perf_counter() - t0)
-        branches[d.reason] = branches.get(d.reason, 0) + 1
-    seq_wall = time.perf_counter() - t_start
+    pauses = _GCPauses()
+    gc.callbacks.append(pauses)
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        for i, r in enumerate(reqs):
+            if i % 1000 == 0:
+                heartbeat()  # the workers' heartbeats go on: pending load gets replaced by reported load
+            c0, t0 = time.thread_time(), time.perf_counter()
+            d = router.route(r)
+            lat.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+            branches[d.reason] = branches.get(d.reason, 0) + 1
+        seq_wall, seq_cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
+    finally:
+        gc.callbacks.remove(pauses)
     out = _percentiles(lat)
     out["decisions_per_s"] = round(len(reqs) / seq_wall)
+    # The decision's own CPU time (excludes time the OS gave the CPU to other processes, and time
+    # waiting on Redis): what the router costs on an idle machine, whatever this one is doing.
+    cpu_p = _percentiles(cpu)
+    out["cpu_p50_ms"], out["cpu_p99_ms"] = cpu_p["p50_ms"], cpu_p["p99_ms"]
+    # Below 1: the process was waiting for a CPU (or, with Redis, for the server) that share of the time.
+    out["cpu_share"] = round(seq_cpu / seq_wall, 2)
+    out["gc_pause_ms_total"] = round(pauses.total * 1e3, 2)
+    out["machine_noise"] = noise
     out["branches"] = branches
 
     # Throughput with concurrent callers (a Serve replica handles many requests at once).
@@ -232,9 +278,15 @@ def bench_redis(args, cached_h, req_h, rng) -> dict:
         router = Router(index, RouterConfig(), block_size=args.block_size)
         out = time_router(router, req_h, hb, args.threads)
         router.close()
-        info = client.info("memory")
         out.update(index_events=n_events, index_build_s=round(build_s, 3), events_per_s=round(n_events / build_s),
-                   redis_used_memory_mb=round(info["used_memory"] / 2**20, 1), redis_url=url if args.redis_url is None else "(given)")
+                   redis_used_memory_mb=round(client.info("memory")["used_memory"] / 2**20, 1),
+                   redis_url=url if args.redis_url is None else "(given)", redis_parser=_parser())
+        # Redis's own time per lookup (what bounds every replica together): the scripts alone.
+        client.config_resetstat()
+        for h, _ in req_h[:1000]:
+            index.lookup(h)
+        stats = client.info("commandstats").get("cmdstat_evalsha", {})
+        out["redis_lookup_server_us"] = stats.get("usec_per_call")
         if args.redis_url is not None:
             index.flush_all()
         return out
@@ -245,11 +297,19 @@ def bench_redis(args, cached_h, req_h, rng) -> dict:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _parser() -> str:
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return "hiredis" if HIREDIS_AVAILABLE else "python (pip install hiredis: faster reply parsing)"
+
+
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     cached, requests = build_workload(args, rng)
     cached_h, req_h, hash_s_per_block = hash_all(cached, requests, args.block_size)
     result = {
+        "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "workers": args.workers,
         "cached_sequences": args.sequences,
         "prefix_groups": args.prefix_groups,

@@ -102,6 +102,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("bench.route", "routing decision latency and throughput, memory and Redis KV index"),
     "memory": ("bench.memory", "weight memory, decode speed and quality of W4A16/FP8/MXFP8 vs unquantised"),
     "engine": ("bench.engine", "engine decode/prefill tokens/s, roofline ratio, and transformers side by side"),
+    "collectives": ("bench.collectives", "EP MoE modes: collective bytes per mesh level (HLO), dispatch and layer times"),
     "serve": ("bench.serve", "load a server with a workload: TTFT, TPOT, e2e, hit rate, KV handoff"),
 }
 

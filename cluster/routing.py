@@ -35,6 +35,8 @@ class ClusterRouter:
     def __init__(self, cfg: ClusterConfig):
         self.uses_redis = cfg.kv_index.backend != "memory"
         self.router = Router.from_config(cfg.router, cfg.kv_index, cfg.engine.model_name, cfg.engine.block_size)
+        self._maintain_every_s = cfg.router.heartbeat_ttl_s
+        self._last_maintain = time.monotonic()
 
     def route(self, request: RouteRequest) -> RouteDecision:
         return self.router.route(request)
@@ -43,6 +45,9 @@ class ClusterRouter:
         return await self.router.aroute(request)
 
     def report(self, load: dict, events: list[KVEvent]) -> None:
+        if time.monotonic() - self._last_maintain > self._maintain_every_s:
+            self._last_maintain = time.monotonic()
+            self.router.maintain()  # forget workers whose heartbeats stopped
         if self.uses_redis:
             return  # the worker's own sink keeps Redis current
         if events:

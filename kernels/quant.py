@@ -14,8 +14,9 @@ compressed layout, so the bytes in HBM are the bytes on disk:
 Every scale covers `group_size` consecutive inputs of one output row, which gives all kinds one
 dequantisation rule: values * scale repeated along K. Two consumers apply it:
 
-- `quantized_matmul` (and the routed-expert loops in `kernels.moe`): the portable XLA path dequantises per group
-  right before the dot, inside the jitted step; nothing dequantised outlives the matmul.
+- `quantized_matmul` (and the routed-expert loops in `kernels.moe`): the portable XLA path dequantises
+  per group right before the dot, inside the jitted step (the expert loops one expert or tile at a
+  time); nothing dequantised outlives the matmul.
 - `grouped_matmul`: a Pallas TPU kernel over row tiles, each tile multiplied by one group's (expert's)
   weights; it DMAs packed weight blocks into VMEM and dequantises each [tn, tk] block there just before
   the MXU consumes it. Dense layers use it with a single group. Off TPU it runs in interpret mode.
@@ -300,7 +301,7 @@ def grouped_matmul(
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     lhs = _maybe_quantize_input(lhs, w)
-    num_groups, n, k = w.shape
+    n, k = w.shape[-2:]
     tn, tk = tiles or pallas_tiles(w)
     if n % tn or k % tk or lhs.shape[0] % tm:
         raise ValueError(f"tiles (tm={tm}, tn={tn}, tk={tk}) do not divide [{lhs.shape[0]}, {n}, {k}]")
@@ -351,5 +352,4 @@ def grouped_matmul(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )
-    del num_groups
     return call(tile_group.astype(jnp.int32), used_tiles.astype(jnp.int32), lhs, w.values, w.scale)

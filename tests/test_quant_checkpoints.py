@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType
 
 from hf_checkpoints import hf_logits, save_hf_checkpoint
-from kernels.quant import QuantizedWeight
+from kernels.quant import ActivationQuant, QuantizedWeight
 from quant_reference import ROUTERS, compress_with_library, decompress_with_library
 from workers.models import ModelLoadError, load_model, prompt_logits
 
@@ -103,3 +103,39 @@ def test_input_sharded_layers_split_scales_into_whole_groups(library):
     mesh8 = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Auto,))
     with pytest.raises(ModelLoadError, match=r"experts\.0\.down_proj.*input-sharded layout: 8 shards of 4 inputs would split packed words"):
         load_model(ct, dtype="float32", mesh=mesh8, rules=rules, show_progress=False)
+
+
+def test_activation_quantisation_emulation_is_opt_in(library, monkeypatch):
+    """Weight-only compute by default; MORAY_QUANTIZE_ACTIVATIONS=1 quantises inputs like the checkpoint's
+    runtime (per token for FP8_DYNAMIC; each layer is checked bit-exact against the library in
+    test_quant_kernels). e4m3 keeps 4 significant bits to bf16's 8, and this random model already moves
+    ~2% under bf16 compute, so the logits move by tens of percent but stay bounded."""
+    ct, decompressed = library["fp8-channel-mixtral"]
+    assert load_model(ct, dtype="float32", show_progress=False).weights.layers[0].attn.qkv.activations is None
+    monkeypatch.setenv("MORAY_QUANTIZE_ACTIVATIONS", "1")
+    model = load_model(ct, dtype="float32", show_progress=False)
+    assert model.weights.layers[0].mlp.gate_up.activations == ActivationQuant("token")
+    err = relative_error(prompt_logits(model, [PROMPT])[0], hf_logits(decompressed, PROMPT))
+    assert 10 * REL_TOL < err < 0.5
+    # FP8_BLOCK quantises activations in groups of 128, which a 64-wide input cannot hold.
+    with pytest.raises(ModelLoadError, match=r"input dimension 64 is not a multiple of the activation group size 128"):
+        load_model(library["fp8-block128-qwen3_moe"][0], dtype="float32", show_progress=False)
+
+
+@pytest.mark.parametrize("name", ["w4a16-group32-qwen3_moe", "mxfp8-qwen3_moe-quantised-lm-head"])
+def test_whole_model_through_the_pallas_kernel(library, monkeypatch, name):
+    """Every quantised matmul (dense layers, LM head and routed experts) through the grouped Pallas kernel in
+    interpret mode, as TPU would run groups narrower than the MXU."""
+    monkeypatch.setenv("MORAY_QUANT_IMPL", "pallas")
+    monkeypatch.setenv("MORAY_MOE_IMPL", "pallas")
+    jax.clear_caches()  # the implementation is chosen while tracing: drop programs traced with XLA
+    ct, decompressed = library[name]
+    model = load_model(ct, dtype="float32", show_progress=False)
+    tokens = positions = np.zeros((1, len(PROMPT)), np.int32)
+    jaxpr = jax.make_jaxpr(lambda w: model.family.forward(w, model.cfg, tokens, positions, model.new_cache(1, 12)))
+    # Per layer q|k|v, o, experts gate|up and down; plus the LM head when it is quantised.
+    expected = 4 * model.cfg.num_layers + isinstance(model.weights.lm_head, QuantizedWeight)
+    assert str(jaxpr(model.weights)).count("pallas_call") == expected
+    got = prompt_logits(model, [PROMPT])[0]
+    assert relative_error(got, hf_logits(decompressed, PROMPT)) < REL_TOL
+    jax.clear_caches()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import defaultdict
 
 import pytest
 from prometheus_client import generate_latest
@@ -412,17 +411,17 @@ def test_herding_protection_under_a_hot_shared_prefix():
     assert affinity_only["max_over_mean"] > 2.0, affinity_only
 
 
-def test_multi_turn_sessions_land_on_the_worker_holding_earlier_turns():
+def run_conversations(policy: str, seed: int = 1) -> tuple[int, int]:
     """12 interleaved conversations on 4 workers, 5 turns each; each turn's prompt extends the previous
-    turn's prompt and answer. Later turns go back to the worker holding the conversation, reuse all of
-    it there, and leave only when that worker is overloaded (then for a worker with spare capacity)."""
-    rng = random.Random(1)
+    turn's prompt and answer. Returns (later turns that went back to the conversation's worker, later
+    turns that went elsewhere); for kv-aware it also checks every decision on the way."""
+    rng = random.Random(seed)
     clock = Clock(0.0)
     index = MemoryKVIndex(clock=clock)
     workers = {f"d{i}": SimWorker(f"d{i}") for i in range(4)}
     for w in workers.values():
         attach_in_process(index, w.events)
-    router = Router(index, RouterConfig(), block_size=BS, clock=clock)
+    router = Router(index, RouterConfig(policy=policy), block_size=BS, clock=clock)
     system = tokens(rng, 256)  # a system prompt shared by every conversation
     history = {f"s{i}": list(system) for i in range(12)}
     home: dict[str, str] = {}
@@ -438,28 +437,38 @@ def test_multi_turn_sessions_land_on_the_worker_holding_earlier_turns():
             d = router.route(RouteRequest(f"{s}-{turn}", block_hashes(prompt, BS, MODEL), len(prompt), s))
             worker = workers[d.decode_worker]
             reused = worker.admit(f"{s}-{turn}", prompt, answer := tokens(rng, rng.randint(100, 300)))
-            # The router's expectation is what the engine actually reused (the last token is recomputed).
-            assert reused == min(d.expected_cached_tokens, len(prompt) - 1)
+            if policy == "kv-aware":
+                # The router's expectation is what the engine actually reused (the last token is recomputed).
+                assert reused == min(d.expected_cached_tokens, len(prompt) - 1)
             if turn and d.decode_worker == home[s]:
                 at_home += 1
                 assert reused >= len(history[s]) - BS  # the whole conversation so far, bar a partial block
             elif turn:
-                moved += 1  # only away from an overloaded home, to a lighter worker
-                busy = {w: l.active_decode_blocks + l.inflight_prefill_tokens / BS for w, l in loads.items()}
-                mean = sum(busy.values()) / len(busy)
-                assert d.reason == "load-balance" and busy[home[s]] > mean + 64, (s, turn, d, busy)
-                assert busy[d.decode_worker] < busy[home[s]], (s, turn, d, busy)
+                moved += 1
+                if policy == "kv-aware":  # only away from an overloaded worker, to a lighter one
+                    busy = {w: l.active_decode_blocks + l.inflight_prefill_tokens / BS for w, l in loads.items()}
+                    mean = sum(busy.values()) / len(busy)
+                    assert d.reason in ("load-balance", "session") and busy[home[s]] > mean + 64, (s, turn, d, busy)
+                    assert busy[d.decode_worker] < busy[home[s]], (s, turn, d, busy)
             home[s] = d.decode_worker
             answers[s] = prompt + answer
-            for _ in range(20):  # the next message arrives while this one is being answered
+            for _ in range(40):  # the next message arrives while this one is being answered
                 for w in workers.values():
                     w.tick()
         while any(w.running for w in workers.values()):  # the turn's answers finish; users reply
             for w in workers.values():
                 w.tick()
         history.update(answers)
-    assert at_home + moved == 48 and at_home >= 43, (at_home, moved)
     assert len(set(home.values())) >= 3  # load spread the conversations
+    return at_home, moved
+
+
+def test_multi_turn_sessions_land_on_the_worker_holding_earlier_turns():
+    at_home, moved = run_conversations("kv-aware")
+    assert at_home + moved == 48 and at_home >= 40, (at_home, moved)
+    # Without the index, a conversation returns to its worker only by chance.
+    by_chance, _ = run_conversations("least-loaded")
+    assert by_chance <= 24, by_chance
 
 
 def test_moray_bench_route_writes_json(tmp_path, capsys):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from itertools import accumulate, repeat
+from operator import and_
 from typing import Callable, Iterable
 
 from workers.engine.kv_events import KVEvent, KVEventKind
@@ -205,52 +207,56 @@ class MemoryKVIndex:
     def lookup(self, block_hashes: list[int], session_id: str | None = None) -> Lookup:
         with self._lock:
             live = self.live_workers()
-            return Lookup(self._match(block_hashes, live), live, self.session_workers(session_id) if session_id else [])
+            sessions = [w for w in self.session_workers(session_id) if w in live] if session_id else []
+            return Lookup(self._match(block_hashes, live), live, sessions)
 
     def longest_prefix(self, block_hashes: list[int]) -> dict[str, int]:
         with self._lock:
             return {w: m.blocks for w, m in self._match(block_hashes, self.live_workers()).items()}
 
     def _match(self, block_hashes: list[int], live: dict) -> dict[str, PrefixMatch]:
-        """Walks the chain once for all workers: each drops out at its first missing block."""
+        """Every live worker's longest prefix: the running AND of the blocks' holder masks, each worker
+        dropping out at its first missing block. The per-block lookups run as C loops (map/accumulate);
+        Python code runs only where speculative or offloaded entries exist and where a worker drops out."""
         live_mask = 0
         for w in live:
-            if w in self._slot:
-                live_mask |= 1 << self._slot[w]
-        any_, off_, spec_ = self._any, self._off, self._spec
-        now = self.clock()
+            slot = self._slot.get(w)
+            if slot is not None:
+                live_mask |= 1 << slot
+        if not block_hashes or not live_mask:
+            return {}
+        held = list(map(self._any.get, block_hashes, repeat(0)))
+        slow = list(map(self._off.get, block_hashes, repeat(0))) if self._off else None
+        if self._spec:  # speculative holders count as device-resident
+            now = self.clock()
+            for i, spec in enumerate(map(self._spec.get, block_hashes)):
+                if spec:
+                    mask = self._spec_mask(spec, now)
+                    held[i] |= mask
+                    if slow is not None:
+                        slow[i] &= ~mask
         found: dict[int, PrefixMatch] = {}
-        offloaded: dict[int, int] = {}  # slot -> blocks it holds only in a slower tier
-        active = None  # slots holding every block so far
-        for i, h in enumerate(block_hashes):
-            held = any_.get(h, 0) & live_mask
-            slow = off_.get(h, 0) if off_ else 0
-            # Speculative entries matter only where they change something: on the first block (they may
-            # add a worker) or where a still-matching worker lacks the block on its device.
-            if spec_ and (active is None or active & ~held or active & slow):
-                spec = self._spec_mask(h, now)
-                held |= spec & live_mask
-                slow &= ~spec
-            if active is None:
-                active = held
-            dropped = active & ~held
+        offloaded: dict[int, int] = {}  # slot -> blocks so far it holds only in a slower tier
+        active = held[0] & live_mask  # the candidates: workers holding the first block
+        chain = accumulate(held, and_, initial=live_mask)
+        next(chain)
+        for i, still in enumerate(chain):  # still: the workers holding blocks 0..i
+            dropped = active & ~still
             if dropped:
                 for slot in _slots(dropped):
                     found[slot] = PrefixMatch(i, offloaded.get(slot, 0))
-                active &= held
+                active = still
                 if not active:
                     break
-            if active & slow:
-                for slot in _slots(active & slow):
+            if slow is not None and active & slow[i]:
+                for slot in _slots(active & slow[i]):
                     offloaded[slot] = offloaded.get(slot, 0) + 1
-        for slot in _slots(active or 0):
+        for slot in _slots(active):
             found[slot] = PrefixMatch(len(block_hashes), offloaded.get(slot, 0))
         return {self._names[slot]: m for slot, m in found.items() if m.blocks}
 
-    def _spec_mask(self, h: int, now: float) -> int:
-        spec = self._spec.get(h)
-        if not spec:
-            return 0
+    @staticmethod
+    def _spec_mask(spec: dict[int, float], now: float) -> int:
         mask = 0
         for slot, exp in spec.items():
             if exp > now:

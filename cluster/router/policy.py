@@ -74,6 +74,7 @@ class RoutingContext:
     weights: CostWeights
     lookup: Lookup
     pending: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _kv_costs: dict[tuple, dict[str, float]] = field(default_factory=dict, repr=False)  # per candidate set
 
     @property
     def loads(self) -> dict[str, WorkerLoad]:
@@ -113,8 +114,12 @@ class RoutingContext:
         )
 
     def kv_costs(self, candidates: list[str]) -> dict[str, float]:
-        baseline = sum(self.load_blocks(w) for w in candidates) / len(candidates) + self.weights.load_slack_blocks
-        return {w: self.cost(w, baseline) for w in candidates}
+        key = tuple(candidates)
+        costs = self._kv_costs.get(key)
+        if costs is None:
+            baseline = sum(self.load_blocks(w) for w in candidates) / len(candidates) + self.weights.load_slack_blocks
+            costs = self._kv_costs[key] = {w: self.cost(w, baseline) for w in candidates}
+        return costs
 
 
 class Policy:

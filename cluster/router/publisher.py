@@ -2,7 +2,8 @@
 
 Worker side, `RedisKVEventSink`: listens to an engine's `KVEventPublisher` and writes the Redis index
 directly, one pipelined Lua call per batch (flushed on size or time) that also appends the batch to the
-model's stream; it keeps the worker's heartbeat (`load:{model}:<worker>`, with a TTL) fresh.
+model's stream; it keeps the worker's heartbeat fresh (`load:{model}:<worker>` with a TTL, and the
+worker's deadline in `live:{model}`).
 
 Design for late router replicas and for failures:
 - The index itself lives in Redis (redis_index.py), so a replica that starts late reads the current
@@ -85,6 +86,7 @@ class RedisKVEventSink:
         max_pending: int = 100_000,
         snapshot_chunk: int = 2000,
         load_fn: Callable[[], WorkerLoad] | None = None,
+        registry=None,
     ):
         self.client = client
         self.model = model
@@ -120,6 +122,8 @@ class RedisKVEventSink:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self.stats = {"events": 0, "batches": 0, "snapshots": 0, "errors": 0, "overflows": 0, "heartbeats": 0}
+        self._metrics = _SinkMetrics(registry) if registry is not None else None
+        self._resync_reason = "overflow"
 
     @classmethod
     def from_config(cls, kv_cfg, router_cfg, model: str, worker_id: str, role: Role = "both", **kw) -> "RedisKVEventSink":
@@ -193,14 +197,14 @@ class RedisKVEventSink:
             return
         try:
             if self._needs_resync:
-                self._snapshot()
+                self._snapshot(self._resync_reason)
             elif self._pending:
                 self._send_pending()
             if now >= self._next_heartbeat:
                 self._heartbeat()
                 self._next_heartbeat = now + self.heartbeat_interval_s
         except RedisError as e:
-            self.stats["errors"] += 1
+            self._count("errors")
             self._retry_at = time.monotonic() + self.retry_interval_s
             if not self._down:
                 self._down = True
@@ -234,9 +238,10 @@ class RedisKVEventSink:
 
     def _overflow(self) -> None:
         """Too many events waiting for Redis: drop them; the mirror has their effect, a snapshot follows."""
-        self.stats["overflows"] += 1
+        self._count("overflows")
         self._pending.clear()
         self._needs_resync = True
+        self._resync_reason = "overflow"
 
     def _script(self, fn):
         try:
@@ -260,20 +265,28 @@ class RedisKVEventSink:
             return pipe.execute()
 
         results = self._script(send)
-        self.stats["batches"] += len(runs)
+        self._count("batches", len(runs))
         if any(result == "resync" for result, _ in results):
             # The index is not where this batch follows on: Redis lost data (restart, eviction) or a router
             # removed the worker. Batches after the refused one were refused too; the snapshot covers all.
-            self._snapshot()
+            self._snapshot("refused")
             return
-        self.stats["events"] += len(self._pending)
+        self._count("events", len(self._pending))
         self._lag_s = max(0.0, time.time() - self._pending[0].timestamp)
+        if self._metrics is not None:
+            self._metrics.lag.set(self._lag_s)
         last = self._pending[-1]
         self._written = (last.epoch, last.seq)
         self._pending.clear()
 
-    def _snapshot(self) -> None:
-        """Replaces the worker's entries in Redis with the mirror's, in parts of `snapshot_chunk` blocks."""
+    def _count(self, what: str, n: int = 1) -> None:
+        self.stats[what] += n
+        if self._metrics is not None:
+            self._metrics.counters[what].inc(n)
+
+    def _snapshot(self, reason: str) -> None:
+        """Replaces the worker's entries in Redis with the mirror's, in parts of `snapshot_chunk` blocks.
+        reason: overflow (events dropped locally), refused (the index saw a gap), lost (Redis lost them)."""
         position = self._mirror.position(self.worker_id)
         if position is None:  # no event ever: nothing to restore
             self._needs_resync = False
@@ -290,8 +303,10 @@ class RedisKVEventSink:
             return pipe.execute()
 
         self._script(send)
-        self.stats["snapshots"] += 1
-        log.info("KV event sink %s: shipped a snapshot of %d blocks (epoch %d, seq %d)", self.worker_id, len(blocks), epoch, seq)
+        self._count("snapshots")
+        if self._metrics is not None:
+            self._metrics.snapshots.labels(reason).inc()
+        log.info("KV event sink %s: shipped a snapshot of %d blocks (%s; epoch %d, seq %d)", self.worker_id, len(blocks), reason, epoch, seq)
         self._written = (epoch, seq)
         self._pending.clear()
         self._needs_resync = False
@@ -312,11 +327,30 @@ class RedisKVEventSink:
         heartbeat_commands(pipe, self.tag, load, self.heartbeat_ttl_s)
         pipe.hmget(f"wstate:{self.tag}:{self.worker_id}", "epoch", "seq")
         *_, (r_epoch, r_seq) = pipe.execute()
-        self.stats["heartbeats"] += 1
+        self._count("heartbeats")
         # Does Redis still know what we wrote? Not after a restart without persistence, or remove_worker.
         if self._written is not None and (r_epoch, r_seq) != (str(self._written[0]), str(self._written[1])):
             log.warning("KV event sink %s: the Redis index lost this worker's entries; resynchronising", self.worker_id)
-            self._snapshot()
+            self._snapshot("lost")
+
+
+class _SinkMetrics:
+    """The sink's counters in a Prometheus registry (the worker's /metrics)."""
+
+    def __init__(self, registry):
+        from prometheus_client import Counter, Gauge
+
+        names = {
+            "events": "KV events written to the Redis index",
+            "batches": "batches (Lua calls) written",
+            "snapshots": "full resynchronisations of this worker's entries",
+            "errors": "failed Redis writes (retried)",
+            "overflows": "times the local backlog was dropped for a snapshot",
+            "heartbeats": "heartbeats written",
+        }
+        self.counters = {k: Counter(f"moray_kv_sink_{k}", doc, registry=registry) for k, doc in names.items()}
+        self.snapshots = Counter("moray_kv_sink_resyncs", "snapshots by cause", ["reason"], registry=registry)
+        self.lag = Gauge("moray_kv_sink_lag_seconds", "age of the oldest event of the last batch when it was written", registry=registry)
 
 
 class KVEventStreamConsumer:

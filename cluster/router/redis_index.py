@@ -12,9 +12,10 @@ one slot and the Lua scripts can touch them all; scripts declare `workers:{model
   kv:{model}:<hash>           HASH  <worker> -> <gen> if the worker holds the block (16-hex-digit chained
                                     hash) on its device, o<gen> if only in slower tiers (host, disk).
                                     Counts only while <gen> is the worker's current generation.
-  wblocks:{model}:<w>:<gen>   SET   "<hash>@<tier>" per tier: the reverse index of one worker generation
-                                    (purges, snapshots, multi-tier bookkeeping).
+  wblocks:{model}:<w>:<gen>   SET   <hash> for a device block, <hash>@<tier> for a slower tier: the reverse
+                                    index of one worker generation (lookups' SMISMEMBER, purges, snapshots).
   wstate:{model}:<w>          HASH  epoch, seq (last applied event), gen, tiers, ts: the worker's position.
+  gens:{model}                HASH  worker -> current generation (what a lookup reads in one call).
   sweep:{model}               LIST  "<w>|<gen>": superseded generations whose entries are still to delete.
   wspec:{model}:<w>:<bucket>  SET   hashes the worker was chosen to compute (speculative entries), per
                                     time bucket of width speculative_ttl (server clock), PEXPIRE 2 buckets:
@@ -23,7 +24,8 @@ one slot and the Lua scripts can touch them all; scripts declare `workers:{model
                                     (how a lookup finds a worker that holds nothing of it yet).
   load:{model}:<w>            HASH  the worker's WorkerLoad fields, PEXPIRE heartbeat TTL: the heartbeat.
                                     No key, not live: its entries are ignored and nothing routes to it.
-  workers:{model}             SET   workers that ever heartbeated (to enumerate live ones without SCAN).
+  live:{model}                ZSET  worker -> heartbeat deadline (ms, server clock): liveness in one call.
+  workers:{model}             SET   workers that ever heartbeated (to enumerate them without SCAN).
   sess:{model}:<session>      HASH  worker -> last use (ms), PEXPIRE session TTL.
   events:{model}              STREAM  one entry per batch, MAXLEN ~ stream_maxlen: t=e (events: w, ep,
                                     s = first seq, ts, tiers, d = 18-char records) or t=s (snapshot part:
@@ -50,7 +52,7 @@ from collections import deque
 from typing import Iterable
 
 import redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from workers.engine.kv_events import KVEvent, KVEventKind
 
@@ -590,7 +592,6 @@ class RedisKVIndex:
 
         def send():
             pipe = self.client.pipeline(transaction=False)
-            key = f"load:{self.tag}:{load.worker_id}"
             heartbeat_commands(pipe, self.tag, load, self.heartbeat_ttl_s)
             pipe.execute()
 
@@ -643,8 +644,8 @@ class RedisKVIndex:
     ) -> None:
         """Speculative entries (blocks `held[i]` onward for `workers[i]`) and the session record, in one
         script call. Speculative entries last one to two `speculative_ttl_s` (time buckets); any
-        ttl_s > 0 asks for them. With async_writes (the default) the call is queued for the writer thread, which
-        pipelines whatever accumulated: the decision does not wait for a second round trip."""
+        ttl_s > 0 asks for them. With async_writes (the default) the call is queued for the writer
+        thread, which pipelines whatever accumulated: the decision does not wait for a second round trip."""
         held = held or [0] * len(workers)
         args = [self.tag, self._spec_width_ms if ttl_s > 0 else 0, session_id or "", int(self.session_ttl_s * 1000), len(workers)]
         for w, start in zip(workers, held):
@@ -738,5 +739,3 @@ class RedisKVIndex:
 
         self.breaker.call(send)
 
-
-__all__ = ["RedisKVIndex", "RedisError", "model_tag"]

@@ -3,24 +3,23 @@
 A decision: read the index once (prefix matches for every live worker, their loads, the session's
 workers), pick the decode worker, then decide whether a remote prefill pays (only when the decode worker
 lacks at least `remote_prefill_min_tokens` of the prompt) and pick the prefill worker. Bookkeeping
-follows in one more index call: speculative entries for the blocks the chosen workers are about to
-compute, and the session record. This replica also adds the decision to its own view of those workers'
-load until their next heartbeat reports it, so a burst of decisions spreads instead of herding onto the
-worker that looked idlest a moment ago.
+follows: speculative entries for the blocks the chosen workers are about to compute, and the session
+record (the Redis index queues these for a background writer, so a decision costs one round trip).
+This replica also adds the decision to its own view of those workers' load until their next heartbeat
+reports it, so a burst of decisions spreads instead of herding onto the worker that looked idlest a
+moment ago.
 
 When the index is unavailable (Redis down, timing out, refusing credentials) decisions go on by load
 alone, from the last loads seen (or equal loads over `fallback_workers`), marked degraded and counted;
 KV-aware routing resumes by itself once the index answers again.
 
-Thread-safe; `route` is synchronous and fast (memory: tens of microseconds; Redis: one round trip for
-the lookup and one for bookkeeping). From asyncio code call `await router.aroute(req)`, which keeps the
-Redis round trips off the event loop.
+Thread-safe; `route` is synchronous and fast (see `moray bench route`). From asyncio code call
+`await router.aroute(req)`, which keeps the Redis round trip off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections import deque
@@ -32,8 +31,6 @@ from cluster.config import KVIndexConfig, RouterConfig
 from .metrics import RouterMetrics
 from .policy import CostWeights, Policy, RoutingContext, make_policy, select
 from .types import IndexUnavailable, KVIndex, Lookup, NoWorkersAvailable, Role, RouteDecision, RouteRequest, WorkerLoad
-
-log = logging.getLogger("moray.router")
 
 
 class PendingLoad:
@@ -230,6 +227,20 @@ class Router:
         m.cached_best.inc(d.best_cached_tokens)
         m.cached_chosen.inc(d.expected_cached_tokens)
         m.maybe_update_loads(lookup.loads)
+
+    def maintain(self) -> list[str]:
+        """Housekeeping to run every few heartbeat TTLs (e.g. from a replica's background task): forgets
+        workers whose heartbeat expired (their entries are ignored already; this frees the memory, and a
+        worker that comes back resynchronises). Returns the workers removed."""
+        try:
+            removed = self.index.remove_dead_workers()
+            sweep = getattr(self.index, "sweep", None)
+            if sweep is not None:
+                sweep()  # superseded Redis entries, should no worker be writing to sweep them
+            return removed
+        except IndexUnavailable:
+            self.metrics.index_errors.labels("maintain").inc()
+            return []
 
     def flush(self, timeout: float = 2.0) -> bool:
         """Waits for queued index bookkeeping (Redis writes are asynchronous); tests and shutdown."""

@@ -18,6 +18,74 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
+class MoEParallelConfig(BaseModel):
+    """How an expert-parallel MoE layer moves tokens (see `workers/models/moe_parallel.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dispatch: Literal["flat", "hierarchical", "hierarchical-dispatch"] = Field(
+        default="flat",
+        description="flat: one all-gather/reduce-scatter over all EP axes; hierarchical: one per mesh level "
+        "(fast level first for the reduce-scatter); hierarchical-dispatch: each fast-domain device gathers H/k "
+        "columns across the slow levels (needs hidden % (128*k) == 0, else the flat path)",
+    )
+    gather_dtype: Literal["model", "fp8"] = Field(
+        default="model", description="fp8: gather hidden states as e4m3 with a per-row scale (not exact)"
+    )
+    fast_axes: list[str] | None = Field(
+        default=None, description="the hierarchical dispatch's fast domain (innermost EP axes); default all but the outermost"
+    )
+    all_to_all_min_tokens: int | None = Field(
+        default=None, ge=1, description="use the all-to-all dispatch for steps of at least this many tokens"
+    )
+
+
+class DistributedConfig(BaseModel):
+    """One engine over several processes/hosts (`jax.distributed`). Unset: the MORAY_* variables of the
+    local launcher, or GKE's TPU_WORKER_ID/TPU_WORKER_HOSTNAMES, or a single process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coordinator_address: str | None = Field(default=None, description="host:port of process 0")
+    num_processes: int | None = Field(default=None, ge=1)
+    process_id: int | None = Field(default=None, ge=0)
+
+
+class ParallelConfig(BaseModel):
+    """Devices of one engine: a mesh over the machine's levels (host, chip, core) and how attention
+    (data parallel), dense layers (tensor parallel) and experts (expert parallel) use it.
+    The default is one device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mesh: str | None = Field(
+        default=None, pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){0,2}$", description="e.g. 8, 2x4 (host x chip), 2x2x2"
+    )
+    dp: int | None = Field(default=None, ge=1, description="attention data-parallel size; default devices / tp")
+    tp: int = Field(default=1, ge=1, description="tensor parallelism of the dense parts (trailing mesh axes)")
+    ep: int | None = Field(default=None, ge=1, description="expert-parallel size (trailing mesh axes); default all devices")
+    moe: MoEParallelConfig = Field(default_factory=MoEParallelConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelConfig":
+        if self.mesh:
+            dims = [int(d) for d in self.mesh.split("x")]
+            n = 1
+            for d in dims:
+                n *= d
+            dp = self.dp or n // self.tp
+            if dp * self.tp != n:
+                raise ValueError(f"dp x tp must equal the mesh size: {dp} x {self.tp} != {n} (mesh {self.mesh})")
+            if self.ep is not None and n % self.ep:
+                raise ValueError(f"ep={self.ep} must divide the mesh size {n} (mesh {self.mesh})")
+        return self
+
+    @property
+    def is_single_device(self) -> bool:
+        return not self.mesh and not any(s and s > 1 for s in (self.dp, self.tp, self.ep))
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -45,6 +113,7 @@ class EngineConfig(BaseModel):
     compilation_cache_dir: str | None = DEFAULT_COMPILE_CACHE
 
     worker_id: str = "worker-0"
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

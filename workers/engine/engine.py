@@ -307,8 +307,11 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
         )
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
-        out: SamplerOutput = sample(logits[order], batch, num_logprobs)
-        return jax.tree.map(np.asarray, out._asdict())
+        out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
+        # Only what the step reads comes back to the host: the tokens, plus logprobs if a request asks.
+        if all(p.logprobs is None for p in params):
+            return {"token_ids": np.asarray(out.token_ids)}
+        return jax.device_get(out._asdict())
 
     def _append_token(self, request: Request, sampled: dict, j: int) -> RequestOutput | None:
         state = self._states[request.request_id]
@@ -374,7 +377,7 @@ class EngineCore:
         def sample_variants(logits):
             for p in (greedy, plain):
                 batch = build_sampling_batch([p], [0], logits.shape[0], logits.shape[1], step_seed=0, eos_token_ids=self.eos_token_ids)
-                sample(logits, batch, 0)
+                sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32))
 
         return self.runner.warmup(sample_variants, show_progress)
 

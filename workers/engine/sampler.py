@@ -67,7 +67,8 @@ _U32 = (1 << 32) - 1
 class SamplingBatch:
     """Per-row sampling state for one step. B = batch bucket, V = vocab (logits width).
 
-    Padding rows are greedy with neutral parameters; their tokens are meaningless.
+    Padding rows are greedy with neutral parameters; their tokens are meaningless. `build_sampling_batch`
+    fills the fields with numpy arrays; `sample` moves them to the device with its other arguments.
     """
 
     temperature: jax.Array  # f32[B]; exactly 0 for greedy rows
@@ -167,8 +168,9 @@ def build_sampling_batch(
         use_top_p=bool((sampled & (top_p < 1.0)).any()),
         use_min_p=bool((sampled & (min_p > 0.0)).any()),
     )
-    # One transfer for the whole tree rather than one per field.
-    return jax.device_put(host)
+    # Host arrays: the jitted `sample` moves them with its other arguments. A separate jax.device_put of
+    # the tree cost ~0.35 ms per engine step on CPU, more than the greedy sampling itself.
+    return host
 
 
 def _rng_words(seed: int | None, generated: int, row: int, step_seed: int) -> tuple[int, int, int, int]:
@@ -247,8 +249,16 @@ class SamplerOutput(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0) -> SamplerOutput:
-    """Picks one token per row. `num_logprobs` (static): top logprobs to return, max over rows."""
+def sample(
+    logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0, rows: jax.Array | None = None
+) -> SamplerOutput:
+    """Picks one token per row. `num_logprobs` (static): top logprobs to return, max over rows.
+
+    `rows` (i32[B], optional): batch row i samples from `logits[rows[i]]`. The gather runs inside this
+    jitted function; done eagerly on the engine's logits it cost more than greedy sampling itself.
+    """
+    if rows is not None:
+        logits = logits[rows]
     raw = logits.astype(jnp.float32)
     processed = raw
     if batch.banned_token_ids is not None:

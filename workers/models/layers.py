@@ -8,6 +8,7 @@ its decoder block; anything a family does differently lives in that family's fil
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import jax
@@ -194,13 +195,17 @@ def swiglu_mlp(x: Array, w: MLPWeights) -> Array:
     return linear(jax.nn.silu(gate) * up, w.down)
 
 
-def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig) -> Array:
-    """Softmax router -> top-k (optionally renormalised) -> routed experts (+ gated shared expert)."""
+def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callable | None = None) -> Array:
+    """Softmax router -> top-k (optionally renormalised) -> routed experts (+ gated shared expert).
+
+    `experts` replaces `routed_experts` (same arguments), e.g. `moe_parallel.ExpertParallel` to run
+    them over a mesh; routing and the shared expert stay per token, so they need no collective.
+    """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     router_logits = linear(flat, w.router)
     weights, ids = route_softmax_topk(router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    out = routed_experts(flat, ids, weights.astype(flat.dtype), w.gate_up, w.down)
+    out = (experts or routed_experts)(flat, ids, weights.astype(flat.dtype), w.gate_up, w.down)
     if w.shared is not None:
         gate = jax.nn.sigmoid(linear(flat, w.shared_gate))
         out = out + gate * swiglu_mlp(flat, w.shared)
@@ -238,12 +243,16 @@ def decoder_forward(
     cache,  # KVCache | PagedKVCache
     moe_fn: MlpFn,
     logits_indices: Array | None = None,
+    experts: Callable | None = None,
 ):
     """Returns float32 logits and the updated cache.
 
     Logits are [B, T, vocab], or [len(logits_indices), vocab] for those rows of the flattened batch
     only (the engine needs one row per sequence, and the LM head is the largest matmul of a step).
+    `experts` (e.g. an expert-parallel executor) is handed to `moe_fn` in place of `routed_experts`.
     """
+    if experts is not None:
+        moe_fn = partial(moe_fn, experts=experts)
     x = weights.embed[tokens]
     rope = rope_cos_sin(cfg, positions)
     cache = jax.tree.map(lambda a: a, cache)  # a shallow copy whose per-layer lists we may replace

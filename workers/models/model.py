@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..progress import Progress
 from .config import ModelConfig, ModelLoadError, read_config_json
@@ -61,28 +62,43 @@ class LoadedModel:
     weights: ModelWeights
     dtype: jnp.dtype
     mesh: Mesh
+    # Runs the routed experts over the mesh (`moe_parallel.ExpertParallel`); None: `routed_experts`.
+    experts: Callable | None = None
+    # Mesh axes the batch is split over (data-parallel attention); () keeps it replicated.
+    data_axes: tuple[str, ...] = ()
 
     @property
     def weight_bytes(self) -> int:
         return num_bytes(self.weights)
 
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.zeros(self.cfg, batch, max_len, self.dtype)
+        cache = KVCache.zeros(self.cfg, batch, max_len, self.dtype)
+        return jax.device_put(cache, self._batch_sharding()) if self.data_axes else cache
+
+    def _batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(self.data_axes))
 
     def step(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One forward over [B, T] tokens at [B, T] positions; float32 logits [B, T, vocab]."""
-        return _jitted_forward(self.family.forward, self.cfg)(
-            self.weights, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache
-        )
+        tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
+        if self.data_axes:  # each data-parallel group gets its own rows (and their KV cache)
+            tokens, positions = jax.device_put((tokens, positions), self._batch_sharding())
+        return _jitted_forward(self.family.forward, self.cfg, self.experts)(self.weights, tokens, positions, cache)
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _forward_jit(forward, cfg, weights, tokens, positions, cache):
-    return forward(weights, cfg, tokens, positions, cache)
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _forward_jit(forward, cfg, experts, weights, tokens, positions, cache):
+    if experts is None:
+        return forward(weights, cfg, tokens, positions, cache)
+    return forward(weights, cfg, tokens, positions, cache, experts=experts)
 
 
-def _jitted_forward(forward, cfg):
-    return partial(_forward_jit, forward, cfg)
+def _jitted_forward(forward, cfg, experts=None):
+    return partial(_forward_jit, forward, cfg, experts)
 
 
 def load_model(
@@ -125,6 +141,15 @@ def load_model(
     return LoadedModel(family, cfg, weights, dtype, mesh)
 
 
+def host_array(x: jax.Array) -> np.ndarray:
+    """A jax array as numpy on this host, also when it spans several processes (multi-host meshes)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]]) -> None:
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("every prompt needs at least one token id")
@@ -138,12 +163,13 @@ def prompt_logits(model: LoadedModel, rows: Sequence[Sequence[int]]) -> np.ndarr
     """float32 logits [batch, max_len, vocab] of each prompt; rows shorter than max_len are NaN-padded."""
     check_token_ids(model.cfg, rows)
     max_len = max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), max_len), np.int32)
+    batch = -(-len(rows) // model.data_parallel_size) * model.data_parallel_size  # whole rows per group
+    tokens = np.zeros((batch, max_len), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
     positions = np.broadcast_to(np.arange(max_len, dtype=np.int32), tokens.shape)
-    logits, _ = model.step(tokens, positions, model.new_cache(len(rows), max_len))
-    out = np.asarray(logits, dtype=np.float32).copy()
+    logits, _ = model.step(tokens, positions, model.new_cache(batch, max_len))
+    out = host_array(logits)[: len(rows)].astype(np.float32)
     for i, r in enumerate(rows):
         out[i, len(r) :] = np.nan
     return out

@@ -351,46 +351,57 @@ def _dtype_name(dtype: np.dtype) -> str:
     return DTYPE_NAMES.get(np.dtype(dtype), str(dtype))
 
 
+def _check_values(reader: CheckpointReader, m: Module, scheme: Scheme, fail) -> None:
+    key = f"{m.name}.{scheme.values_param}"
+    if key not in reader:
+        if f"{m.name}.weight" in reader:
+            fail("quantization_config quantises this layer but the checkpoint holds a dense 'weight'")
+        fail(f"missing tensor '{key}'")
+    dtype = _dtype_name(reader.tensors[key].dtype)
+    if scheme.kind == "int4" and dtype != "I32":
+        kind = "floating-point" if dtype in _FLOAT_DTYPES else "not int32"
+        fail(f"weight_packed is {kind} ({dtype}); packed int4 weights must be I32 words")
+    if scheme.kind != "int4" and dtype != "F8_E4M3":
+        fail(f"weight has dtype {dtype}, expected F8_E4M3")
+    want = scheme.values_shape(m.out_dim, m.in_dim)
+    if reader.shape(key) != want:
+        fail(f"{scheme.values_param} has shape {list(reader.shape(key))}, expected {list(want)}")
+
+
+def _check_scale(reader: CheckpointReader, m: Module, scheme: Scheme, fail) -> None:
+    key = f"{m.name}.weight_scale"
+    if key not in reader:
+        fail(f"missing tensor '{key}'")
+    dtype = _dtype_name(reader.tensors[key].dtype)
+    if scheme.kind == "mxfp8" and dtype != "U8":
+        fail(f"weight_scale has dtype {dtype}, expected U8 (E8M0 exponents)")
+    if scheme.kind != "mxfp8" and dtype not in ("F64", "F32", "BF16", "F16"):
+        fail(f"weight_scale has dtype {dtype}, expected a float")
+    want = scheme.scale_shape(m.out_dim, m.in_dim)
+    if reader.shape(key) != want:
+        fail(f"weight_scale has shape {list(reader.shape(key))}, expected {list(want)}")
+
+
+def _check_weight_shape(reader: CheckpointReader, m: Module, fail) -> None:
+    """pack-quantized records the dense shape; it must be the [out, in] this layer's plan expects."""
+    key = f"{m.name}.weight_shape"
+    if key not in reader:
+        fail(f"missing tensor '{key}'")
+    got = np.asarray(reader.array(key))
+    if got.dtype.kind not in "iu" or got.tolist() != [m.out_dim, m.in_dim]:
+        fail(f"weight_shape is {got.tolist()}, expected [out, in] = [{m.out_dim}, {m.in_dim}]")
+
+
 def _check_module(reader: CheckpointReader, m: Module, scheme: Scheme) -> None:
-    """Every tensor of one quantised module: present, the right dtype and shape, weight_shape == [out, in]."""
+    """Every tensor of one quantised module: present, the right dtype and shape."""
 
     def fail(why: str):
         raise ModelLoadError(f"layer '{m.name}' ({scheme.label}): {why}")
 
-    values_key = f"{m.name}.{scheme.values_param}"
-    if values_key not in reader:
-        if f"{m.name}.weight" in reader:
-            fail("quantization_config quantises this layer but the checkpoint holds a dense 'weight'")
-        fail(f"missing tensor '{values_key}'")
-    dtype = reader.tensors[values_key].dtype
-    if scheme.kind == "int4" and dtype != np.int32:
-        kind = "floating-point" if _dtype_name(dtype) in _FLOAT_DTYPES else "not int32"
-        fail(f"weight_packed is {kind} ({_dtype_name(dtype)}); packed int4 weights must be I32 words")
-    if scheme.kind != "int4" and _dtype_name(dtype) != "F8_E4M3":
-        fail(f"weight has dtype {_dtype_name(dtype)}, expected F8_E4M3")
-    want = scheme.values_shape(m.out_dim, m.in_dim)
-    if reader.shape(values_key) != want:
-        fail(f"{scheme.values_param} has shape {list(reader.shape(values_key))}, expected {list(want)}")
-
-    scale_key = f"{m.name}.weight_scale"
-    if scale_key not in reader:
-        fail(f"missing tensor '{scale_key}'")
-    scale_dtype = reader.tensors[scale_key].dtype
-    if scheme.kind == "mxfp8" and scale_dtype != np.uint8:
-        fail(f"weight_scale has dtype {_dtype_name(scale_dtype)}, expected U8 (E8M0 exponents)")
-    if scheme.kind != "mxfp8" and _dtype_name(scale_dtype) not in ("F64", "F32", "BF16", "F16"):
-        fail(f"weight_scale has dtype {_dtype_name(scale_dtype)}, expected a float")
-    want = scheme.scale_shape(m.out_dim, m.in_dim)
-    if reader.shape(scale_key) != want:
-        fail(f"weight_scale has shape {list(reader.shape(scale_key))}, expected {list(want)}")
-
+    _check_values(reader, m, scheme, fail)
+    _check_scale(reader, m, scheme, fail)
     if scheme.kind == "int4":
-        shape_key = f"{m.name}.weight_shape"
-        if shape_key not in reader:
-            fail(f"missing tensor '{shape_key}'")
-        got = np.asarray(reader.array(shape_key))
-        if got.dtype.kind not in "iu" or got.tolist() != [m.out_dim, m.in_dim]:
-            fail(f"weight_shape is {got.tolist()}, expected [out, in] = [{m.out_dim}, {m.in_dim}]")
+        _check_weight_shape(reader, m, fail)
 
 
 @dataclass(frozen=True)

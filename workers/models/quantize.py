@@ -301,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ignore",
         nargs="+",
+        action="extend",
         default=[],
         metavar="PATTERN",
         help="module names or re:REGEX to keep unquantised, in addition to lm_head and the MoE routers",

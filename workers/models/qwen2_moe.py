@@ -62,5 +62,5 @@ def plan(cfg: ModelConfig) -> ModelWeights:
     return model_plan(cfg, mlp_for_layer)
 
 
-def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None):
-    return decoder_forward(weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices)
+def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None):
+    return decoder_forward(weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices, experts)

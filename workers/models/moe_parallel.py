@@ -1,0 +1,285 @@
+"""Expert-parallel execution of a routed-expert (MoE) layer over a device mesh.
+
+`ExpertParallel` is a drop-in for `kernels.moe.routed_experts`: same arguments (tokens, top-k ids and
+weights, stacked expert weights), same result, but the experts live sharded over the mesh's EP axes
+(E / ep per device) and the tokens are spread over every device. It is frozen and hashable, so a
+jitted forward can take it as a static argument.
+
+Dataflow per device (inside `jax.shard_map`), the all-gather design the TPU stacks use for decode:
+  1. the routing metadata (ids and bitcast weights) is packed into one int32 array and all-gathered
+     over the EP axes; the hidden states are all-gathered too (`dispatch`, see below);
+  2. each device runs its local experts on the assignments routed to them (a tiled grouped matmul
+     that skips the other devices' assignments);
+  3. the per-token partial sums are reduce-scattered back to the devices that own the tokens.
+
+`dispatch` picks how steps 1 and 3 cross the levels of the mesh (axes are ordered slowest first):
+- "flat": one all-gather and one reduce-scatter over all EP axes.
+- "hierarchical": one collective per mesh level; the reduce-scatter runs the fastest level first so
+  the slow link carries rows already summed inside the fast domain, the gather mirrors it.
+- "hierarchical-dispatch": the gather is split by columns: the k devices of the fast domain
+  (`fast_axes`, default every EP axis below the outermost) each fetch H/k columns across the slow
+  levels, then exchange them inside the domain; bitwise equal to the flat gather. The combine is the
+  staged reduce-scatter. Needs hidden % (128 * k) == 0 (whole 128-lane pieces); otherwise one warning
+  and the flat path.
+`gather_dtype="fp8"` sends the gathered hidden states as e4m3 with a per-row float32 scale in the same
+collective (works with every dispatch mode); the result is no longer exact.
+
+For large batches (prefill), `all_to_all_min_tokens` switches to an all-to-all dispatch: each
+assignment's row travels only to the device holding its expert and back (`ragged_all_to_all` on
+TPU/GPU; a padded all-to-all emulation on CPU, see `kernels.collectives.ragged_all_to_all`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from kernels.collectives import (
+    axes_index,
+    fp8_decode_rows,
+    fp8_encode_rows,
+    gather_rows,
+    gather_rows_split_columns,
+    gather_rows_staged,
+    pack_routing,
+    ragged_all_to_all,
+    reduce_scatter_rows,
+    reduce_scatter_rows_staged,
+    unpack_routing,
+    warn_once,
+)
+from kernels.moe import routed_experts, tile_rows
+from kernels.quant import is_quantized, quantized_matmul
+
+DISPATCH_MODES = ("flat", "hierarchical", "hierarchical-dispatch")
+GATHER_DTYPES = ("model", "fp8")
+LANES = 128  # a column piece of the hierarchical dispatch must be whole 128-lane tiles
+
+Array = jax.Array
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    mesh: Mesh
+    ep_axes: tuple[str, ...]  # experts are sharded over these mesh axes (mesh order, slowest first)
+    dispatch: str = "flat"
+    gather_dtype: str = "model"
+    fast_axes: tuple[str, ...] | None = None  # the hierarchical dispatch's fast domain
+    all_to_all_min_tokens: int | None = None  # None: always the all-gather dispatch
+
+    def __post_init__(self):
+        names = tuple(self.mesh.axis_names)
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"unknown MoE dispatch {self.dispatch!r}; expected one of {DISPATCH_MODES}")
+        if self.gather_dtype not in GATHER_DTYPES:
+            raise ValueError(f"unknown MoE gather dtype {self.gather_dtype!r}; expected one of {GATHER_DTYPES}")
+        if not set(self.ep_axes) <= set(names) or tuple(a for a in names if a in self.ep_axes) != self.ep_axes:
+            raise ValueError(f"EP axes {self.ep_axes} must be mesh axes {names}, in mesh order")
+        if self.fast_axes is not None and self.ep_axes[len(self.ep_axes) - len(self.fast_axes) :] != self.fast_axes:
+            raise ValueError(f"fast axes {self.fast_axes} must be the innermost EP axes of {self.ep_axes}")
+
+    # ---------------------------------------------------------------- static facts
+
+    @property
+    def ep_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.ep_axes)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Inside the MoE, tokens are split over every device (replicas of a token only slice)."""
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def domain_axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(slow, fast) EP axes of the hierarchical dispatch."""
+        fast = self.ep_axes[1:] if self.fast_axes is None else self.fast_axes
+        return self.ep_axes[: len(self.ep_axes) - len(fast)], fast
+
+    def dispatch_for(self, hidden: int) -> str:
+        """The dispatch actually used for this hidden size (the hierarchical dispatch may fall back)."""
+        if self.dispatch != "hierarchical-dispatch":
+            return self.dispatch
+        slow, fast = self.domain_axes
+        k = math.prod(self.mesh.shape[a] for a in fast)
+        if k == 1 or not slow:
+            return "flat"  # one device per domain, or no slow level: nothing to split
+        if hidden % (LANES * k):
+            warn_once(
+                f"hierarchical-dispatch:{hidden}:{k}",
+                "hierarchical dispatch needs hidden %% (128 * %d) == 0 but hidden is %d: using the flat path",
+                k,
+                hidden,
+            )
+            return "flat"
+        return self.dispatch
+
+    def uses_all_to_all(self, num_tokens: int) -> bool:
+        return self.all_to_all_min_tokens is not None and num_tokens >= self.all_to_all_min_tokens
+
+    # ---------------------------------------------------------------- entry points
+
+    def __call__(self, x: Array, ids: Array, weights: Array, gate_up, down) -> Array:
+        """`routed_experts` over the mesh: x [T, H], ids/weights [T, k] (any sharding) -> [T, H]."""
+        t = x.shape[0]
+        pad = -t % self.mesh.size  # every device gets the same number of rows
+        if pad:
+            x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
+        tokens, experts = PartitionSpec(self.token_axes), PartitionSpec(self.ep_axes)
+        fn = jax.shard_map(
+            self.local,
+            mesh=self.mesh,
+            in_specs=(tokens, tokens, tokens, experts, experts),
+            out_specs=tokens,
+        )
+        return fn(x, ids, weights, gate_up, down)[:t]
+
+    def local(self, x: Array, ids: Array, weights: Array, gate_up, down) -> Array:
+        """The per-device body (call inside shard_map): this device's tokens and experts -> its output."""
+        if self.ep_size == 1:
+            return routed_experts(x, ids, weights, gate_up, down)
+        first_expert = axes_index(self.ep_axes) * gate_up.shape[0]
+        if self.uses_all_to_all(x.shape[0] * self.mesh.size):
+            return self._all_to_all_moe(x, ids, weights, gate_up, down, first_expert)
+        mode = self.dispatch_for(x.shape[1])
+        all_ids, all_weights = self.gather_routing(ids, weights, mode)
+        rows = self.gather_tokens(x, mode)
+        m = tile_rows(all_ids.size // self.ep_size, gate_up.shape[0])
+        y = local_experts(rows, all_ids, all_weights, gate_up, down, first_expert, m)
+        return self.combine(y.astype(x.dtype), mode)
+
+    # ---------------------------------------------------------------- dispatch and combine
+
+    def gather_routing(self, ids: Array, weights: Array, mode: str) -> tuple[Array, Array]:
+        """Every EP device's top-k ids and weights, packed into one int32 all-gather. The rows are
+        too narrow to split by columns, so the hierarchical modes gather them level by level (the slow
+        link then carries each row once per fast domain, like the hidden states)."""
+        gather = gather_rows if mode == "flat" else gather_rows_staged
+        return unpack_routing(gather(pack_routing(ids, weights), self.ep_axes))
+
+    def gather_tokens(self, x: Array, mode: str) -> Array:
+        """[n, H] -> [ep * n, H]: every EP device's rows, in device order, in x's dtype."""
+        fp8 = self.gather_dtype == "fp8"
+        if mode == "hierarchical-dispatch":
+            slow, fast = self.domain_axes
+            k = math.prod(self.mesh.shape[a] for a in fast)
+            pieces = fp8_encode_rows(x, k) if fp8 else x.reshape(x.shape[0], k, -1)
+            out = gather_rows_split_columns(pieces, slow, fast)
+            return fp8_decode_rows(out, x.dtype) if fp8 else out.reshape(out.shape[0], -1)
+        gather = gather_rows_staged if mode == "hierarchical" else gather_rows
+        if fp8:
+            return fp8_decode_rows(gather(fp8_encode_rows(x), self.ep_axes), x.dtype)
+        return gather(x, self.ep_axes)
+
+    def combine(self, y: Array, mode: str) -> Array:
+        """[ep * n, H] partial sums -> [n, H] summed over the EP devices."""
+        if mode == "flat":
+            return reduce_scatter_rows(y, self.ep_axes)
+        return reduce_scatter_rows_staged(y, self.ep_axes)
+
+    # ---------------------------------------------------------------- all-to-all dispatch
+
+    def _all_to_all_moe(self, x, ids, weights, gate_up, down, first_expert):
+        """Each assignment's row goes to the device of its expert and its output comes back.
+
+        counts[s, d] = assignments device s sends to device d (all-gathered: a few ints). A slice's
+        place in its receiver's buffer follows the slices of lower-ranked senders, and on the way back
+        the roles swap. The receive buffer holds the worst case: every assignment of every device.
+        """
+        n, k = ids.shape
+        e_local, ep = gate_up.shape[0], self.ep_size
+        me = axes_index(self.ep_axes)
+        dest = ids.reshape(-1) // e_local
+        order = jnp.argsort(dest, stable=True).astype(jnp.int32)
+        send = jnp.bincount(dest, length=ep).astype(jnp.int32)
+        counts = gather_rows(send[None], self.ep_axes)  # [src, dst]
+        sender_offsets = jnp.cumsum(counts, axis=1) - counts  # where a slice starts in its sender
+        receiver_offsets = jnp.cumsum(counts, axis=0) - counts  # where it lands in its receiver
+        there = (sender_offsets[me], counts[me], receiver_offsets[me], counts[:, me])
+        back = (receiver_offsets[:, me], counts[:, me], sender_offsets[:, me], counts[me])
+
+        capacity = ep * n * k
+        h = x.shape[1]
+
+        def exchange(operand, output, offsets):
+            return ragged_all_to_all(operand, output, *offsets, self.ep_axes)
+
+        recv_rows = exchange(x[order // k], jnp.zeros((capacity, h), x.dtype), there)
+        recv_ids = exchange(ids.reshape(-1)[order], jnp.full((capacity,), -1, jnp.int32), there)  # -1: empty
+        ones = jnp.ones((capacity, 1), jnp.float32)
+        m = tile_rows(n * k, e_local)
+        y = local_experts(recv_rows, recv_ids[:, None], ones, gate_up, down, first_expert, m).astype(x.dtype)
+        returned = exchange(y, jnp.zeros((n * k, h), x.dtype), back)  # in destination order
+        per_assignment = jnp.zeros_like(returned).at[order].set(returned)
+        return jnp.einsum("tkh,tk->th", per_assignment.reshape(n, k, -1).astype(jnp.float32), weights).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local compute: a tiled grouped matmul over this device's experts only.
+
+
+def local_experts(x: Array, ids: Array, weights: Array, gate_up, down, first_expert, m: int) -> Array:
+    """sum over k of weight * expert(x) for the assignments whose expert is one of this device's
+    [first_expert, first_expert + E_local); other assignments contribute 0. float32 [T, H].
+
+    Assignments are sorted by local expert, with everything else in a trailing sentinel group, and laid
+    out in m-row tiles each owned by one expert. Only tiles of local experts run (a data-dependent
+    cond), so the cost follows the local assignments, not all T * k of them.
+    """
+    t, k = ids.shape
+    h = x.shape[1]
+    e = gate_up.shape[0]
+    local = ids.reshape(-1) - first_expert
+    mine = (local >= 0) & (local < e)
+    group = jnp.where(mine, local, e)  # e: the sentinel group, sorted last
+    row_of, row_token, tile_expert, used_tiles = _tile_layout(group, e + 1, t, k, m)
+    used_tiles = used_tiles[e - 1]  # tiles of the local experts; the sentinel's come after them
+    tile_expert = jnp.minimum(tile_expert, e - 1)
+    rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[row_token].reshape(-1, m, h)
+
+    def tile(args):
+        index, tile_rows_, expert = args
+        return jax.lax.cond(
+            index < used_tiles,
+            lambda: _expert_mlp(tile_rows_, gate_up[expert], down[expert]),
+            lambda: jnp.zeros_like(tile_rows_, jnp.float32),  # zeros_like keeps the varying-axes type
+        )
+
+    out = jax.lax.map(tile, (jnp.arange(rows.shape[0]), rows, tile_expert)).reshape(-1, h)
+    w = jnp.where(mine.reshape(t, k), weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("tkh,tk->th", out[row_of].reshape(t, k, h), w)
+
+
+def _tile_layout(group: Array, num_groups: int, t: int, k: int, m: int):
+    """Buffer rows for the t * k assignments (token-major) grouped by `group`, each m-row tile owned by
+    one group. Returns (row_of [A], row_token [tiles * m] (t for padding), tile_group [tiles],
+    tile_ends [num_groups]: one past each group's last tile). The tile count is the static worst case."""
+    a = t * k
+    num_tiles = (a + min(num_groups, a) * (m - 1)) // m
+    order = jnp.argsort(group, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    tiles = (sizes + m - 1) // m
+    tile_ends = jnp.cumsum(tiles)
+    sorted_group = group[order]
+    rank = jnp.arange(a, dtype=jnp.int32) - starts[sorted_group]
+    row_of = jnp.zeros(a, jnp.int32).at[order].set((tile_ends - tiles)[sorted_group] * m + rank)
+    row_token = jnp.full(num_tiles * m, t, jnp.int32).at[row_of].set(jnp.arange(a, dtype=jnp.int32) // k)
+    tile_group = jnp.searchsorted(tile_ends, jnp.arange(num_tiles, dtype=jnp.int32), side="right")
+    return row_of, row_token, tile_group.astype(jnp.int32), tile_ends
+
+
+def _expert_mlp(x: Array, gate_up, down) -> Array:
+    """One expert's SwiGLU on rows x [m, H]; gate_up [2I, H], down [H, I] dense or packed. float32."""
+    if is_quantized(gate_up):
+        h = quantized_matmul(x, gate_up, impl="xla")
+    else:
+        h = jnp.einsum("mh,ih->mi", x, gate_up, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h, 2, axis=-1)
+    act = (jax.nn.silu(gate) * up).astype(x.dtype)
+    if is_quantized(down):
+        return quantized_matmul(act, down, impl="xla").astype(jnp.float32)
+    return jnp.einsum("mi,hi->mh", act, down, preferred_element_type=jnp.float32)
