@@ -16,8 +16,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from workers.models import LoadedModel, load_model
+from workers.models import LoadedModel
 from workers.models.tokenizer import Tokenizer
+from workers.parallel import distributed_settings, init_distributed, load_parallel_model
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -107,7 +108,7 @@ class EngineCore:
     ):
         self.config = config
         setup_compilation_cache(config.compilation_cache_dir)
-        self.model = model or load_model(config.model, config.dtype, config.load_format, seed=config.seed, show_progress=show_progress)
+        self.model = model or load_engine_model(config, show_progress)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config.model)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
@@ -380,6 +381,16 @@ class EngineCore:
                 sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32))
 
         return self.runner.warmup(sample_variants, show_progress)
+
+
+def load_engine_model(config: EngineConfig, show_progress: bool = True) -> LoadedModel:
+    """The model on the engine's devices: one, or the mesh of `config.parallel` (joining the other
+    processes of a multi-host engine first)."""
+    d = config.parallel.distributed
+    init_distributed(distributed_settings(d.coordinator_address, d.num_processes, d.process_id))
+    return load_parallel_model(
+        config.model, config.parallel, dtype=config.dtype, load_format=config.load_format, seed=config.seed, show_progress=show_progress
+    )
 
 
 def _maybe_tokenizer(model_dir: str) -> Tokenizer | None:

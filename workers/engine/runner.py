@@ -81,7 +81,7 @@ class ModelRunner:
     def _step_impl(self, weights, kv_pages, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices):
         self.num_traces += 1  # runs only while tracing: counts compilations
         cache = PagedKVCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
-        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices)
+        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
         return logits, cache.pages
 
     def seqs_for(self, token_bucket: int) -> int:
