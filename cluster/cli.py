@@ -31,15 +31,67 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (default: one device)")
+    g.add_argument("--mesh", help="device mesh host x chip[ x core], e.g. 8, 2x4, 2x2x2")
+    g.add_argument("--dp", type=int, help="attention data-parallel size (default devices / tp)")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallelism of the dense layers (default 1)")
+    g.add_argument("--ep", type=int, help="expert-parallel size (default all devices)")
+    g.add_argument("--moe-dispatch", choices=["flat", "hierarchical", "hierarchical-dispatch"], default="flat")
+    g.add_argument("--gather-dtype", choices=["model", "fp8"], default="model")
+    g.add_argument(
+        "--num-processes", type=int, default=1, help="run as N local processes joined by jax.distributed (CPU: mesh/N devices each)"
+    )
+
+
+def _parallel_config(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from workers.engine.config import ParallelConfig
+
+    try:
+        return ParallelConfig(
+            mesh=args.mesh, dp=args.dp, tp=args.tp, ep=args.ep, moe={"dispatch": args.moe_dispatch, "gather_dtype": args.gather_dtype}
+        )
+    except ValidationError as e:  # one line naming the first problem
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{where + ': ' if where else ''}{first['msg']}") from None
+
+
+def _launch_processes(args: argparse.Namespace, argv: list[str]) -> int:
+    """Re-runs this command as `--num-processes` local processes forming one JAX cluster."""
+    from workers.parallel import launch_local_processes, parse_mesh
+
+    if not args.mesh:
+        raise ValueError("--num-processes needs --mesh (e.g. --mesh 2x4 --num-processes 2)")
+    devices = 1
+    for d in parse_mesh(args.mesh):
+        devices *= d
+    if devices % args.num_processes:
+        raise ValueError(f"mesh {args.mesh} ({devices} devices) does not split over {args.num_processes} processes")
+    command = [sys.executable, "-m", "cluster.cli", *argv]
+    return launch_local_processes(command, args.num_processes, devices // args.num_processes)
+
+
+def _is_lead_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from workers.models import load_model, prompt_logits
+    from workers.models import prompt_logits
+    from workers.parallel import distributed_settings, init_distributed, load_parallel_model
 
-    model = load_model(args.model, dtype=args.dtype, load_format=args.load_format)
+    init_distributed(distributed_settings())  # a process of `--num-processes`: join the others first
+    model = load_parallel_model(args.model, _parallel_config(args), dtype=args.dtype, load_format=args.load_format)
     logits = prompt_logits(model, args.token_ids)
-    np.save(args.out, logits)
-    print(f"wrote logits {list(logits.shape)} to {args.out}")
+    if _is_lead_process():
+        np.save(args.out, logits)
+        print(f"wrote logits {list(logits.shape)} to {args.out}")
     return 0
 
 
@@ -65,6 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         warmup=False,
+        parallel=_parallel_config(args),
     )
     if args.token_ids is not None:
         prompt = args.token_ids
@@ -75,6 +128,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     out = llm.generate([prompt], params)[0]
+    if not _is_lead_process():
+        return 0
     if args.json:
         print(json.dumps({
             "text": out.text,
@@ -135,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
+    _add_parallel_arguments(p)
     p.set_defaults(fn=cmd_logits)
 
     p = sub.add_parser("generate", help="generate from one prompt with the offline engine")
@@ -152,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--json", action="store_true", help="print text, token ids, logprobs and finish reason as JSON")
+    _add_parallel_arguments(p)
     p.set_defaults(fn=cmd_generate)
 
     _add_module_commands(sub, MODULE_COMMANDS)
@@ -161,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -169,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from workers.models import ModelLoadError
 
+    from workers.parallel import ENV_PROCESS_ID
+
     try:
+        if getattr(args, "num_processes", 1) > 1 and ENV_PROCESS_ID not in os.environ:
+            return _launch_processes(args, argv)
         return args.fn(args)
     except ModelLoadError as e:
         print(f"moray: error: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from workers.models.tokenizer import Tokenizer
 from workers.parallel import distributed_settings, init_distributed, load_parallel_model
 
 from .config import EngineConfig
+from .data_parallel import DataParallelKVCacheManager, DataParallelRunner
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
@@ -120,9 +121,14 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
         self.events = KVEventPublisher(config.worker_id)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
+        if self.model.data_parallel_size > 1:  # each rank its own sequences and blocks (num_blocks each)
+            dp = self.model.data_parallel_size
+            self.kv = DataParallelKVCacheManager(dp, num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
+            self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
+            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
         self._finished_outside_step: list[RequestOutput] = []
         self._step_counter = 0

@@ -66,13 +66,16 @@ class ModelRunner:
         if self.page_buckets[-1] < max_pages:
             raise ValueError(f"the largest page bucket must be >= max_model_len / block_size = {max_pages}")
         page_shape = (num_blocks, config.block_size, 2 * self.cfg.num_kv_heads, self.cfg.head_dim)
-        # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
-        # on that, so uncommitted initial pages would compile the first bucket twice.
-        replicated = NamedSharding(model.mesh, PartitionSpec())
-        self.kv_pages = [jax.device_put(jnp.zeros(page_shape, model.dtype), replicated) for _ in range(self.cfg.num_layers)]
+        self.kv_pages = self._new_pages(page_shape)
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+
+    def _new_pages(self, page_shape: tuple[int, ...]) -> list[jax.Array]:
+        # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
+        # on that, so uncommitted initial pages would compile the first bucket twice.
+        replicated = NamedSharding(self.model.mesh, PartitionSpec())
+        return [jax.device_put(jnp.zeros(page_shape, self.model.dtype), replicated) for _ in range(self.cfg.num_layers)]
 
     @property
     def kv_bytes_per_block(self) -> int:

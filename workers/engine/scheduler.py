@@ -105,6 +105,14 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
 
+    def _victim_for(self, request: Request) -> Request:
+        """The most recently admitted running request whose blocks can make room for `request` (with
+        data-parallel attention, one on the same rank; `request` itself as the last resort)."""
+        shares_pool = getattr(self.kv, "shares_pool", None)
+        if shares_pool is None:
+            return self.running[-1]
+        return next(r for r in reversed(self.running) if shares_pool(r, request))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -120,7 +128,7 @@ class Scheduler:
                 copies = self.kv.allocate(request, n)
                 if copies is not None:
                     break
-                victim = self.running[-1]
+                victim = self._victim_for(request)
                 self._preempt(victim, out)
                 if victim is request:
                     break

@@ -42,7 +42,7 @@ from kernels.quant import INT4_PER_WORD, ActivationQuant, QuantizedWeight, shard
 
 from .config import ModelLoadError
 from .safetensors_io import DTYPE_NAMES, CheckpointReader
-from .weights import Concat, Index, OneOf, Stack, Tensor, WeightSpec, is_spec, partition_spec, plan_leaves
+from .weights import Index, OneOf, Tensor, WeightSpec, is_spec, partition_spec, plan_leaves
 
 ACTIVATIONS_ENV_VAR = "MORAY_QUANTIZE_ACTIVATIONS"
 SUPPORTED = "W4A16 pack-quantized, FP8 float-quantized, MXFP8 mxfp8-quantized"

@@ -1,0 +1,52 @@
+"""One process of `test_ep_multiprocess.py`: joins the JAX cluster (MORAY_* variables), runs the model's
+forward under each parallel configuration and a greedy generation, and process 0 writes the results.
+
+Usage: python ep_multiprocess_worker.py CHECKPOINT OUT.npz
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from workers.parallel import distributed_settings, init_distributed  # noqa: E402
+
+PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94]]
+# name -> ParallelConfig fields. 2x2x2 with the core axis as the fast domain: the k = 2 hierarchical
+# dispatch splits hidden 256 into halves, and its slow levels (host, chip) span both processes.
+CONFIGS = {
+    "2x4-flat": dict(mesh="2x4", moe={"dispatch": "flat"}),
+    "2x4-hierarchical": dict(mesh="2x4", moe={"dispatch": "hierarchical"}),
+    "2x2x2-hierarchical-dispatch": dict(mesh="2x2x2", moe={"dispatch": "hierarchical-dispatch", "fast_axes": ["core"]}),
+}
+ENGINE = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, token_buckets=[4, 32], page_buckets=[8], compilation_cache_dir=None, warmup=False)
+GENERATE = dict(mesh="2x4", moe={"dispatch": "hierarchical"})
+
+
+def main(ckpt: str, out: str) -> int:
+    init_distributed(distributed_settings())
+    import jax
+    import numpy as np
+
+    from workers.engine import LLM, SamplingParams
+    from workers.engine.config import ParallelConfig
+    from workers.models import prompt_logits
+    from workers.parallel import load_parallel_model
+
+    results = {"process_count": np.array(jax.process_count()), "device_count": np.array(jax.device_count())}
+    for name, fields in CONFIGS.items():
+        model = load_parallel_model(ckpt, ParallelConfig(**fields), dtype="float32", show_progress=False)
+        results[name] = prompt_logits(model, PROMPTS)
+    llm = LLM(ckpt, dtype="float32", parallel=GENERATE, **ENGINE)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    results["generated"] = np.array([o.token_ids for o in outs])
+    if jax.process_index() == 0:
+        np.savez(out, **results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

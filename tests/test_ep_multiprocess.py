@@ -1,0 +1,77 @@
+"""One engine over 2 processes x 4 virtual CPU devices (`jax.distributed`, gloo over loopback): the full
+model forward under three parallel configurations and a greedy generation equal the single-process
+results. Also `moray logits --num-processes 2` from the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ep_multiprocess_worker import CONFIGS, ENGINE, PROMPTS
+from hf_checkpoints import save_hf_checkpoint
+from workers.engine import LLM, SamplingParams
+from workers.models import load_model, prompt_logits
+from workers.parallel import launch_local_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "ep_multiprocess_worker.py"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_hf_checkpoint(
+        tmp_path_factory.mktemp("ep-mp"),
+        "qwen2_moe",
+        hidden_size=256,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        initializer_range=0.05,
+    )
+
+
+def test_two_processes_match_one(ckpt, tmp_path):
+    out = tmp_path / "results.npz"
+    rc = launch_local_processes([sys.executable, str(WORKER), str(ckpt), str(out)], 2, 4, timeout=900)
+    assert rc == 0
+    got = np.load(out)
+    assert (int(got["process_count"]), int(got["device_count"])) == (2, 8)
+    want = prompt_logits(load_model(ckpt, dtype="float32", show_progress=False), PROMPTS)
+    for name in CONFIGS:
+        np.testing.assert_allclose(got[name], want, atol=1e-5, rtol=0, err_msg=name)
+    llm = LLM(str(ckpt), dtype="float32", **ENGINE)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert got["generated"].tolist() == [o.token_ids for o in greedy]
+
+
+def test_cli_logits_over_two_processes(ckpt, tmp_path):
+    args = ["--model", str(ckpt), "--token-ids", "1,2,3,4,5", "--token-ids", "9,8"]
+    moray = [sys.executable, "-m", "cluster.cli", "logits"]
+    subprocess.run([*moray, *args, "--out", str(tmp_path / "one.npy")], cwd=ROOT, check=True, capture_output=True)
+    run = subprocess.run(
+        [*moray, *args, "--out", str(tmp_path / "two.npy"), "--mesh", "2x4", "--num-processes", "2", "--moe-dispatch", "hierarchical"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("wrote logits") == 1  # process 0 only
+    np.testing.assert_allclose(np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy"), atol=1e-5, rtol=0)
+
+
+def test_cli_rejects_bad_parallel_configurations(ckpt, tmp_path):
+    moray = [sys.executable, "-m", "cluster.cli", "logits", "--model", str(ckpt), "--token-ids", "1,2", "--out", str(tmp_path / "x.npy")]
+    cases = {
+        ("--mesh", "2x4", "--ep", "3"): "ep=3 must divide the mesh size 8",
+        ("--mesh", "2x2"): "mesh 2x2 has 4 devices but 8 are available",
+        ("--mesh", "2x4", "--dp", "2"): "dp x tp must equal the mesh size: 2 x 1 != 8",
+        ("--num-processes", "2"): "--num-processes needs --mesh",
+    }
+    for extra, message in cases.items():
+        run = subprocess.run([*moray, *extra], cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 2 and message in run.stderr, (extra, run.stderr[-500:])

@@ -1,0 +1,209 @@
+"""Data-parallel attention in the engine: each DP rank owns its sequences and their KV blocks.
+
+- `DataParallelKVCacheManager` is one `KVCacheManager` per rank behind the interface the scheduler and
+  the engine already use. Block ids are global: rank r owns ids [r * B, (r + 1) * B), so the runner,
+  block copies and KV export/import see one id space, and a request's rank is
+  `block_ids[0] // B`. A new (or preempted) sequence goes to the rank with the most blocks it could
+  use: free blocks plus the blocks of its cached prefix there (ties: the lower rank).
+- `DataParallelRunner` lays a step out as [dp, N]: row r holds rank r's tokens, padded to one token
+  bucket (the largest rank's count decides it), with rank-local page ids; the KV pages of each layer
+  are one [dp * B, ...] array split over the DP mesh axes. Attention runs per rank
+  (`workers.models.dp_attention`); the MoE is expert-parallel over the whole mesh. Logits come back in
+  the scheduler's order, so the engine samples exactly as on one device.
+
+The KV budget (`num_kv_blocks` / `kv_cache_memory_bytes`) is per rank: every device holds B blocks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from workers.models import LoadedModel
+from workers.models.dp_attention import DataParallelPagedKVCache
+
+from .config import EngineConfig
+from .kv_cache_manager import BlockCopy, KVCacheManager
+from .kv_events import KVEventPublisher
+from .request import Request
+from .runner import ModelRunner, StepInputs, pick_bucket
+from .scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class _PoolTotals:
+    num_blocks: int
+    num_free: int
+
+
+class DataParallelKVCacheManager:
+    def __init__(
+        self,
+        dp: int,
+        blocks_per_rank: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        extra_keys: str = "",
+        events: KVEventPublisher | None = None,
+    ):
+        self.ranks = [KVCacheManager(blocks_per_rank, block_size, enable_prefix_caching, extra_keys, events) for _ in range(dp)]
+        self.blocks_per_rank = blocks_per_rank
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._rank_of: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- totals
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(r.num_free_blocks for r in self.ranks)
+
+    @property
+    def pool(self) -> _PoolTotals:
+        return _PoolTotals(self.blocks_per_rank * len(self.ranks), self.num_free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------------- ranks
+
+    def rank(self, request: Request) -> int:
+        """The request's rank, chosen on first use: most free + prefix-cached blocks, then lowest rank."""
+        r = self._rank_of.get(request.request_id)
+        if r is None:
+            r = max(range(len(self.ranks)), key=lambda i: (self._room(i, request), -i))
+            self._rank_of[request.request_id] = r
+        return r
+
+    def _room(self, i: int, request: Request) -> int:
+        manager = self.ranks[i]
+        return manager.num_free_blocks + len(manager.cached_prefix(request))
+
+    def shares_pool(self, a: Request, b: Request) -> bool:
+        """Whether freeing `a`'s blocks can make room for `b` (the scheduler's preemption choice)."""
+        return self.rank(a) == self.rank(b)
+
+    @contextmanager
+    def _on_rank(self, request: Request):
+        """The request's manager, with its block ids rank-local for the duration (global outside)."""
+        r = self.rank(request)
+        offset = r * self.blocks_per_rank
+        request.block_ids = [b - offset for b in request.block_ids]
+        try:
+            yield self.ranks[r], offset
+        finally:
+            request.block_ids = [b + offset for b in request.block_ids]
+
+    # ---------------------------------------------------------------- the KVCacheManager interface
+
+    def update_hashes(self, request: Request) -> None:
+        self.ranks[0].update_hashes(request)  # hashes depend on the tokens only
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        with self._on_rank(request) as (manager, offset):
+            return [b + offset for b in manager.cached_prefix(request)]
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=()) -> list[BlockCopy] | None:
+        with self._on_rank(request) as (manager, offset):
+            local_prefix = [b - offset for b in prefix_blocks]
+            copies = manager.allocate(request, num_new_tokens, local_prefix)
+        if copies is None:
+            return None
+        return [BlockCopy(c.src + offset, c.dst + offset) for c in copies]
+
+    def cache_full_blocks(self, request: Request) -> None:
+        with self._on_rank(request) as (manager, _):
+            manager.cache_full_blocks(request)
+
+    def free(self, request: Request) -> None:
+        with self._on_rank(request) as (manager, _):
+            manager.free(request)
+        self._rank_of.pop(request.request_id, None)  # a restarted (preempted) request may move
+
+    def clear_prefix_cache(self) -> None:
+        for manager in self.ranks:
+            manager.clear_prefix_cache()
+
+
+class DataParallelRunner(ModelRunner):
+    def __init__(self, model: LoadedModel, config: EngineConfig, blocks_per_rank: int, max_model_len: int):
+        self.dp = model.data_parallel_size
+        self.blocks_per_rank = blocks_per_rank
+        self.rank_sharding = NamedSharding(model.mesh, PartitionSpec(model.data_axes))
+        super().__init__(model, config, blocks_per_rank * self.dp, max_model_len)
+        replicated = NamedSharding(model.mesh, PartitionSpec())
+        pages = [self.rank_sharding] * self.cfg.num_layers
+        # Logits replicated: every process of a multi-host engine samples the same tokens.
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), out_shardings=(replicated, pages))
+
+    def _new_pages(self, page_shape):
+        zeros = jax.jit(lambda: jnp.zeros(page_shape, self.model.dtype), out_shardings=self.rank_sharding)
+        return [zeros() for _ in range(self.cfg.num_layers)]
+
+    def _step_impl(self, weights, kv_pages, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices):
+        self.num_traces += 1
+        cache = DataParallelPagedKVCache(
+            list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, self.model.mesh, self.model.data_axes
+        )
+        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
+        return logits, cache.pages
+
+    def rank_of(self, block_ids: list[int]) -> int:
+        return block_ids[0] // self.blocks_per_rank
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Per-rank rows padded to one token bucket; logits rows in the scheduler's order."""
+        ranks = [self.rank_of(item.request.block_ids) for item in out.scheduled]
+        tokens_per_rank = np.bincount(ranks, [item.num_new_tokens for item in out.scheduled], minlength=self.dp)
+        seqs_per_rank = np.bincount(ranks, minlength=self.dp)
+        n = pick_bucket(self.token_buckets, int(tokens_per_rank.max()))
+        s = self.seqs_for(n)
+        if seqs_per_rank.max() > s:
+            raise ValueError(f"{seqs_per_rank.max()} sequences on one rank exceed the bucket's {s} slots")
+        p = pick_bucket(self.page_buckets, max(len(x.request.block_ids) for x in out.scheduled))
+        inputs = self.dummy_inputs(n, p)
+        inputs.logits_indices = np.zeros((self.dp * s,), np.int32)
+        offset, seq = np.zeros(self.dp, np.int64), np.zeros(self.dp, np.int64)
+        for row, (item, r) in enumerate(zip(out.scheduled, ranks)):
+            req, k, start = item.request, item.num_new_tokens, item.start
+            i, o = seq[r], offset[r]
+            pos = np.arange(start, start + k, dtype=np.int32)
+            blocks = np.asarray(req.block_ids, np.int32) - r * self.blocks_per_rank
+            inputs.tokens[r, o : o + k] = req.all_token_ids[start : start + k]
+            inputs.positions[r, o : o + k] = pos
+            inputs.slot_mapping[r, o : o + k] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            inputs.kv_lens[r, i] = start + k
+            inputs.page_indices[r, i, : len(blocks)] = blocks
+            inputs.cu_q_lens[r, i + 1 :] = o + k
+            inputs.logits_indices[row] = r * n + o + k - 1  # a row of the flattened [dp * n] batch
+            offset[r], seq[r] = o + k, i + 1
+        inputs.num_seqs[:, 0] = seq
+        return inputs
+
+    def dummy_inputs(self, n: int, p: int) -> StepInputs:
+        s, dp = self.seqs_for(n), self.dp
+        return StepInputs(
+            tokens=np.zeros((dp, n), np.int32),
+            positions=np.zeros((dp, n), np.int32),
+            slot_mapping=np.full((dp, n), -1, np.int32),
+            kv_lens=np.zeros((dp, s), np.int32),
+            page_indices=np.zeros((dp, s, p), np.int32),
+            cu_q_lens=np.zeros((dp, s + 1), np.int32),
+            num_seqs=np.zeros((dp, 1), np.int32),
+            logits_indices=np.zeros((dp * s,), np.int32),
+        )
+
+    def run(self, inputs: StepInputs) -> jax.Array:
+        """Places each rank's rows on its devices, then runs the step."""
+        per_rank = ("tokens", "positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+        placed = {name: jax.device_put(getattr(inputs, name), self.rank_sharding) for name in per_rank}
+        return super().run(StepInputs(**placed, logits_indices=inputs.logits_indices))
