@@ -143,6 +143,28 @@ def worker_loads(app: str):
     return loads
 
 
+def wait_for_idle_workers(app: str, timeout: float = 30) -> dict:
+    """Waits until every worker of `app` holds no request and no KV block; returns the last loads."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = worker_loads(app)
+        idle = all(l["num_free_blocks"] == l["num_total_blocks"] and l["num_running"] == 0 and l["num_held"] == 0 for l in loads.values())
+        if idle or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.5)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(request):
+    """After every test that used the cluster, both apps' workers are back to an empty KV pool."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    for app in ("disagg", "colo"):
+        for name, l in wait_for_idle_workers(app).items():
+            assert l["num_free_blocks"] == l["num_total_blocks"] and l["num_held"] == 0, (request.node.name, app, name, l)
+
+
 def test_cancelled_stream_frees_kv_on_both_workers(cluster):
     async def start_and_cancel():
         c = openai.AsyncOpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0)
