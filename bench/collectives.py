@@ -317,6 +317,18 @@ def worker(args) -> int:
         results[mode] = entry
         log(f"{mode}: compiled; dispatch bytes by level {entry['hlo']['dispatch']['bytes_by_level']}")
 
+    # Every mode must gather exactly what the flat gather does (the fp8 ones what the flat fp8 does).
+    gathered = {mode: call(programs[mode], "dispatch", data) for mode in modes}
+    for mode in modes:
+        base = "flat-fp8" if MODES[mode][1] == "fp8" else "flat"
+        if base in gathered:
+            same = all(
+                np.array_equal(np.asarray(a.data), np.asarray(b.data))
+                for got, want in zip(gathered[mode], gathered[base])
+                for a, b in zip(got.addressable_shards, want.addressable_shards)
+            )
+            results[mode][f"dispatch_equals_{base}"] = same
+
     for mode in modes:  # compile and warm every program before timing anything
         for name in ("dispatch", "combine", "layer"):
             for _ in range(args.warmup):
@@ -368,6 +380,7 @@ def _summary(results, levels) -> dict:
     for mode, r in results.items():
         s = {
             "dispatch_used": r["dispatch_used"],
+            "dispatch_exact": r.get("dispatch_equals_flat", r.get("dispatch_equals_flat-fp8")),
             "dispatch_ms": round(r["ms"]["dispatch"], 3),
             "combine_ms": round(r["ms"]["combine"], 3),
             "layer_ms": round(r["ms"]["layer"], 3),

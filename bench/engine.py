@@ -137,37 +137,55 @@ class _Bench:
         high = self.cfg.vocab_size
         return self.rng.integers(min(3, high - 1), high, (batch, length)).tolist()
 
-    def ours_decode(self, prompts: list[list[int]], steps: int, timer=None) -> dict:
-        """Prefills `prompts`, then times `steps` engine steps that each decode one token per request."""
+    def ours_decode(self, prompts: list[list[int]], steps: int) -> dict:
+        """Prefills `prompts`, then times `steps` engine steps that each decode one token per request.
+
+        A batch whose prompts need several prefill steps starts decoding unevenly (continuous batching),
+        so requests get enough max_tokens to all still be running through the timed steps, and whatever
+        is left is aborted afterwards. Records, per timed step, each sequence's position (the router replay
+        for the roofline needs it) and the keys attention reads.
+        """
         from workers.engine import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+        budget = self.engine.config.max_num_batched_tokens
+        prefill_steps = -(-sum(len(p) for p in prompts) // budget)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + prefill_steps + 2, ignore_eos=True)
         ids = []
         for p in prompts:
             self._ids += 1
             ids.append(f"bench-{self._ids}")
             self.engine.add_request(ids[-1], p, params)
+        requests = [self.engine.scheduler.requests[rid] for rid in ids]
         outputs = {rid: [] for rid in ids}
         # Prefill (untimed): step until every request has its first token.
         while any(not toks for toks in outputs.values()):
             for out in self.engine.step():
                 outputs[out.request_id].extend(out.new_token_ids)
-        step_s, tokens = [], 0
-        while self.engine.has_unfinished():
+        step_s, positions, keys = [], [], []
+        for _ in range(steps):
+            # Each request feeds its newest token (position num_tokens - 1) and attends over num_tokens keys.
+            positions.append([r.num_tokens - 1 for r in requests])
+            keys.append(sum(r.num_tokens for r in requests))
             start = time.perf_counter()
             outs = self.engine.step()
             step_s.append(time.perf_counter() - start)
+            new = 0
             for out in outs:
                 outputs[out.request_id].extend(out.new_token_ids)
-                tokens += len(out.new_token_ids)
-        expected = len(prompts) * steps
-        if tokens != expected or len(step_s) != steps:
-            raise RuntimeError(f"decode run produced {tokens} tokens in {len(step_s)} steps; expected {expected} in {steps}")
+                new += len(out.new_token_ids)
+            if new != len(prompts):
+                raise RuntimeError(f"a timed decode step produced {new} tokens for a batch of {len(prompts)}")
+        for rid in ids:
+            self.engine.abort(rid)
+        while self.engine.has_unfinished():
+            self.engine.step()
         return {
-            "tokens_per_s": tokens / sum(step_s),
+            "tokens_per_s": len(prompts) * steps / sum(step_s),
             "step_ms": 1e3 * sum(step_s) / len(step_s),
             "step_ms_samples": [round(1e3 * s, 3) for s in step_s],
             "outputs": [outputs[rid] for rid in ids],
+            "positions": positions,  # [steps][batch]
+            "mean_keys": sum(keys) / len(keys),  # per step, summed over the batch
         }
 
     def ours_prefill(self, prompt: list[int]) -> float:
@@ -221,11 +239,12 @@ class _Bench:
 
     # ------------------------------------------------------------------ bytes a decode step must read
 
-    def routed_experts_per_layer(self, prompts, outputs, steps: int) -> list[float]:
-        """Mean over the decode steps of the number of distinct experts the batch selects, per MoE layer.
+    def routed_experts_per_layer(self, prompts, decode: dict) -> list[float]:
+        """Mean over the timed decode steps of the number of distinct experts the batch selects, per MoE layer.
 
-        The router is re-run on the real hidden states: a contiguous forward over prompt + generated
-        tokens records each MoE layer's top-k ids; decode step j fed the token at position len(prompt) + j.
+        The router is re-run on the real hidden states: a contiguous forward over each prompt and its
+        generated tokens records every MoE layer's top-k ids, read at the position each sequence fed in
+        each timed step.
         """
         jax, jnp, np = self.jax, self.jax.numpy, self.np
         from kernels.moe import route_softmax_topk
@@ -234,9 +253,13 @@ class _Bench:
         cfg = self.cfg
         if not any(cfg.moe_layers):
             return []
-        prompt_len = len(prompts[0])
-        seqs = np.asarray([p + o[:steps] for p, o in zip(prompts, outputs)], np.int32)
-        positions = np.broadcast_to(np.arange(seqs.shape[1], dtype=np.int32), seqs.shape)
+        positions = np.asarray(decode["positions"])  # [steps, B]
+        length = int(positions.max()) + 1
+        seqs = np.zeros((len(prompts), length), np.int32)  # padding after a sequence's end is never read
+        for i, (p, o) in enumerate(zip(prompts, decode["outputs"])):
+            tokens = (p + o)[:length]
+            seqs[i, : len(tokens)] = tokens
+        pos = np.broadcast_to(np.arange(length, dtype=np.int32), seqs.shape)
 
         def forward(weights, tokens, positions, cache):
             recorded = []
@@ -251,13 +274,13 @@ class _Bench:
             return jnp.stack(recorded)  # [moe layers, B, T, k]
 
         cache = self.model.new_cache(seqs.shape[0], seqs.shape[1])
-        ids = np.asarray(jax.jit(forward)(self.model.weights, seqs, positions, cache))
-        per_step = ids[:, :, prompt_len : prompt_len + steps, :]  # [layers, B, steps, k]
+        ids = np.asarray(jax.jit(forward)(self.model.weights, seqs, pos, cache))
+        rows = np.arange(len(prompts))
         return [
-            float(np.mean([len(np.unique(layer[:, j, :])) for j in range(steps)])) for layer in per_step
+            float(np.mean([len(np.unique(layer[rows, step_pos])) for step_pos in positions])) for layer in ids
         ]
 
-    def step_bytes(self, batch: int, experts_per_layer: list[float], prompt_len: int, steps: int) -> dict:
+    def step_bytes(self, batch: int, experts_per_layer: list[float], mean_keys: float) -> dict:
         """Bytes one decode step of `batch` sequences must read, by kind (experts from the real routing)."""
         import jax
 
@@ -283,10 +306,9 @@ class _Bench:
         head = weights.embed if weights.lm_head is None else weights.lm_head
         out["lm_head"] = nbytes(head)
         out["embedding"] = batch * cfg.hidden_size * weights.embed.dtype.itemsize
-        # Step j writes position prompt_len + j and attends over prompt_len + j + 1 keys per sequence.
-        mean_keys = prompt_len + (steps + 1) / 2
+        # Attention reads every key of every sequence (mean_keys: summed over the batch, per step).
         kv_itemsize = self.engine.runner.kv_pages[0].dtype.itemsize
-        out["kv"] = batch * mean_keys * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
+        out["kv"] = mean_keys * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
         out = {k: int(round(v)) for k, v in out.items()}
         out["total"] = sum(out.values())
         return out
@@ -344,9 +366,9 @@ class _Bench:
                     hf_decode[b].append(hf_res)
                     msg += f", transformers {hf_res['tokens_per_s']:.1f} tok/s"
                 if b in args.roofline_batches:
-                    per_layer = self.routed_experts_per_layer(prompts, res["outputs"], args.decode_steps)
+                    per_layer = self.routed_experts_per_layer(prompts, res)
                     experts[b].append(per_layer)
-                    step_bytes = self.step_bytes(b, per_layer, args.prompt_len, args.decode_steps)
+                    step_bytes = self.step_bytes(b, per_layer, res["mean_keys"])
                     bytes_by_batch.setdefault(b, []).append(step_bytes)
                     ratio = res["step_ms"] / 1e3 / (step_bytes["total"] / (bw * 1e9))
                     ratio_samples[b].append(ratio)

@@ -119,7 +119,8 @@ def metric(cluster, name: str, prefix: str = "") -> float:
 
 def test_handoff_moves_kv_in_several_chunks(cluster):
     before = metric(cluster, "moray_kv_handoff_bytes")
-    client(cluster).completions.create(model="tiny", prompt=PROMPT * 2, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    fresh = "A prompt no worker has seen yet, long enough to span several KV blocks of eight tokens each."
+    client(cluster).completions.create(model="tiny", prompt=fresh, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     deadline = time.monotonic() + 10
     while metric(cluster, "moray_kv_handoff_bytes") <= before and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -162,7 +163,7 @@ def no_leaked_blocks(request):
         return
     for app in ("disagg", "colo"):
         for name, l in wait_for_idle_workers(app).items():
-            assert l["num_free_blocks"] == l["num_total_blocks"] and l["num_held"] == 0, (request.node.name, app, name, l)
+            assert l["num_free_blocks"] == l["num_total_blocks"] and l["num_held"] == 0, f"{request.node.name} {app} {name} {l}"
 
 
 def test_cancelled_stream_frees_kv_on_both_workers(cluster):

@@ -91,6 +91,7 @@ class EngineWorker:
             "prefix_cache_hits": s.prefix_cache_hits,
             "num_held": s.num_held,
             "num_importing": s.num_importing,
+            "num_requests": len(self.engine.core.scheduler.requests),
             "epoch": self.engine.core.events.epoch,
             "last_seq": self.engine.core.events.last_seq,
             "handoffs": self.counters.handoffs,
@@ -188,6 +189,8 @@ class DecodeWorker(EngineWorker):
             await stream.aclose()
             if not importer.done():
                 importer.cancel()
+                # Cancelled mid-transfer: still tell the prefill side to let go (idempotent there).
+                await _release_quietly(release)
 
     async def _import_all(self, request_id: str, fetch_chunk: FetchChunk, release) -> None:
         start = time.perf_counter()
@@ -208,13 +211,20 @@ class DecodeWorker(EngineWorker):
             self.counters.import_failures += 1
             self.engine.submit(lambda c: c.recompute_instead_of_import(request_id))
         finally:
-            if release is not None:
-                try:
-                    await release()
-                except Exception:  # noqa: BLE001 - the hold timeout frees it anyway
-                    pass
+            # Shielded: a short request can finish (and cancel this task) while the release is in flight.
+            await asyncio.shield(_release_quietly(release))
         stats.seconds = time.perf_counter() - start
         self.counters.handoffs += 1
         self.counters.handoff_bytes += stats.bytes
         self.counters.handoff_seconds += stats.seconds
         self.counters.history = (self.counters.history + [stats])[-256:]
+
+
+async def _release_quietly(release) -> None:
+    """Frees the prefill side's held KV; failures are harmless (its hold timeout frees it anyway)."""
+    if release is None:
+        return
+    try:
+        await release()
+    except Exception:  # noqa: BLE001
+        pass

@@ -45,7 +45,9 @@ class DataParallelPagedKVCache:
             )
             return out[None], pages
 
-        attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 9, out_specs=(rank, rank))
+        # No collective inside; check_vma=False lets kernels whose loop carries start from constants
+        # (the portable attention) run per rank unchanged.
+        attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 9, out_specs=(rank, rank), check_vma=False)
         out, self.pages[layer] = attend(
             self.pages[layer], q, k, v, self.slot_mapping, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs
         )

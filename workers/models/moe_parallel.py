@@ -105,8 +105,8 @@ class ExpertParallel:
             return self.dispatch
         slow, fast = self.domain_axes
         k = math.prod(self.mesh.shape[a] for a in fast)
-        if k == 1 or not slow:
-            return "flat"  # one device per domain, or no slow level: nothing to split
+        if k == 1 or math.prod(self.mesh.shape[a] for a in slow) == 1:
+            return "flat"  # one device per domain, or a single domain: no slow link to spare
         if hidden % (LANES * k):
             warn_once(
                 f"hierarchical-dispatch:{hidden}:{k}",
