@@ -16,6 +16,10 @@ dispatch):
   `--runs` runs of process 0's wall time for the dispatch (hidden states + routing metadata gathered)
   and for the whole layer (router, top-k, dispatch, local experts, combine).
 
+On one machine every gloo connection shares loopback, so nothing is slower across "hosts" than inside
+one; `bench/slow_link.sh RATE` runs the same workers in two network namespaces joined by a shaped veth
+link and adds, per mode, the bytes that really crossed it per call (`link_bytes_per_call`).
+
 Writes JSON (`--json OUT`; progress on stderr). No jax import at module import time.
 """
 
@@ -210,7 +214,6 @@ def bytes_by_level(ops: list[CollectiveOp], levels) -> dict[str, int]:
 def build_programs(mesh, mode: str, hidden: int, experts: int, top_k: int):
     """Jitted (dispatch, combine, layer) for one mode on `mesh`, all experts split over all axes."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     from kernels.moe import route_softmax_topk
@@ -244,7 +247,6 @@ def build_programs(mesh, mode: str, hidden: int, experts: int, top_k: int):
 def inputs(mesh, tokens: int, hidden: int, experts: int, top_k: int, intermediate: int, seed: int = 0):
     """Global arrays, the same on every process: tokens split over all devices, experts over all."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -343,6 +345,13 @@ def worker(args) -> int:
         if (r + 1) % 10 == 0:
             log(f"run {r + 1}/{args.runs}")
 
+    link = os.environ.get("MORAY_BENCH_LINK_DEV")  # the inter-host interface (bench/slow_link.sh)
+    if link:
+        for mode in modes:
+            results[mode]["link_bytes_per_call"] = {
+                name: _link_bytes_per_call(link, lambda: call(programs[mode], name, data)) for name in ("dispatch", "combine", "layer")
+            }
+
     for mode in modes:
         results[mode]["ms"] = {name: 1e3 * statistics.median(v) for name, v in times[mode].items()}
         results[mode]["samples_ms"] = {name: [round(1e3 * t, 4) for t in v] for name, v in times[mode].items()}
@@ -360,6 +369,8 @@ def worker(args) -> int:
             "intermediate": args.intermediate,
             "runs": args.runs,
             "backend": jax.default_backend(),
+            # Set by bench/slow_link.sh; otherwise processes talk over loopback TCP.
+            "inter_host_link": os.environ.get("MORAY_BENCH_LINK", "loopback"),
             "cpu_count": os.cpu_count(),
             "target_dispatch_reduction": TARGET_DISPATCH_REDUCTION,
             "summary": summary,
@@ -371,6 +382,22 @@ def worker(args) -> int:
             log(line)
         log(f"wrote {args.json}")
     return 0
+
+
+def _link_counter(dev: str) -> int:
+    stats = Path("/sys/class/net") / dev / "statistics"
+    return sum(int((stats / f).read_text()) for f in ("tx_bytes", "rx_bytes"))
+
+
+def _link_bytes_per_call(dev: str, fn, calls: int = 10) -> int:
+    """Bytes through the inter-host interface (both directions, with TCP/IP headers) per call of fn."""
+    import jax
+
+    jax.block_until_ready(fn())
+    before = _link_counter(dev)
+    for _ in range(calls):
+        jax.block_until_ready(fn())
+    return (_link_counter(dev) - before) // calls
 
 
 def _summary(results, levels) -> dict:
@@ -387,6 +414,8 @@ def _summary(results, levels) -> dict:
             "dispatch_bytes": r["hlo"]["dispatch"]["bytes_by_level"],
             "combine_bytes": r["hlo"]["combine"]["bytes_by_level"],
         }
+        if "link_bytes_per_call" in r:
+            s["link_bytes_per_call"] = r["link_bytes_per_call"]
         if flat is not None:
             flat_slow = flat["hlo"]["dispatch"]["bytes_by_level"][slow]
             s[f"dispatch_{slow}_bytes_vs_flat"] = round(s["dispatch_bytes"][slow] / flat_slow, 4) if flat_slow else None

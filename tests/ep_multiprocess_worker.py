@@ -6,7 +6,6 @@ Usage: python ep_multiprocess_worker.py CHECKPOINT OUT.npz
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

@@ -2,8 +2,10 @@
 
 One file per family (`qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`), each exposing `MODEL_TYPE`,
 `config_from_hf(raw) -> ModelConfig`, `plan(cfg) -> ModelWeights of WeightSpec` and
-`forward(weights, cfg, tokens, positions, cache) -> (logits, cache)`. Adding a family (DeepSeek-V3 with
-MLA, the Qwen3-Next hybrid) means adding one such file and registering it below.
+`forward(weights, cfg, tokens, positions, cache, logits_indices=None, experts=None) -> (logits, cache)`
+(`experts`: an executor replacing `routed_experts`, e.g. `moe_parallel.ExpertParallel` over a mesh).
+Adding a family (DeepSeek-V3 with MLA, the Qwen3-Next hybrid) means adding one such file and
+registering it below.
 
 The families and the loader import jax, so they load on first use (PEP 562): jax-free submodules such as
 `quantize` (a `moray` subcommand) stay cheap to import.

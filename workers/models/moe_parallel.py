@@ -208,10 +208,10 @@ class ExpertParallel:
             return ragged_all_to_all(operand, output, *offsets, self.ep_axes)
 
         recv_rows = exchange(x[order // k], jnp.zeros((capacity, h), x.dtype), there)
-        recv_ids = exchange(ids.reshape(-1)[order], jnp.full((capacity,), -1, jnp.int32), there)  # -1: empty
+        recv_ids = exchange(ids.reshape(-1, 1)[order], jnp.full((capacity, 1), -1, jnp.int32), there)  # -1: empty
         ones = jnp.ones((capacity, 1), jnp.float32)
         m = tile_rows(n * k, e_local)
-        y = local_experts(recv_rows, recv_ids[:, None], ones, gate_up, down, first_expert, m).astype(x.dtype)
+        y = local_experts(recv_rows, recv_ids, ones, gate_up, down, first_expert, m).astype(x.dtype)
         returned = exchange(y, jnp.zeros((n * k, h), x.dtype), back)  # in destination order
         per_assignment = jnp.zeros_like(returned).at[order].set(returned)
         return jnp.einsum("tkh,tk->th", per_assignment.reshape(n, k, -1).astype(jnp.float32), weights).astype(x.dtype)
