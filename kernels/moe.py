@@ -131,8 +131,8 @@ def _experts_gather(x, ids, weights, gate_up, down):
     num_used = jnp.sum(group_sizes > 0)
 
     def expert(i, out):
-        e = used[i]
-        expert_gate_up, expert_down = gate_up[e], down[e]
+        e = used[i] + _zero_that_keeps_loop_unfused(i)
+        expert_gate_up, expert_down = gate_up[e], down[e]  # the copies, split across cores
 
         def assignment(j, out):
             p = group_starts[e] + j
@@ -146,6 +146,15 @@ def _experts_gather(x, ids, weights, gate_up, down):
         return jax.lax.fori_loop(0, group_sizes[e], assignment, out)
 
     return jax.lax.fori_loop(0, num_used, expert, jnp.zeros((t, x.shape[-1]), jnp.float32))
+
+
+def _zero_that_keeps_loop_unfused(i: jax.Array) -> jax.Array:
+    """0, computed with a sort. XLA:CPU compiles a while loop free of sorts, scatters and custom calls into
+    one single-threaded function (its "small call" hoisting), which left a core idle through the whole
+    expert loop; a loop containing this runs op by op, so each expert's weight copy is split across cores
+    (batch-1 decode step 21.3 -> 16.2 ms on the bench model). The per-assignment loop inside stays fused.
+    """
+    return jnp.sort(jnp.stack([i, i]))[0] - i
 
 
 def _sort_by_expert(ids: jax.Array, num_experts: int):

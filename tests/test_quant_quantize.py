@@ -4,6 +4,7 @@ decompression of our output is exactly the weights we dequantise on device."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,7 +118,8 @@ def test_cli_quantize_and_errors(dense, tmp_path):
 
     proc = moray("quantize", str(dense["qwen3_moe"]), str(tmp_path / "bad"), "--scheme", "w4a16", "--group-size", "48")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "input dimension 64 is not a multiple of 48 for w4a16" in proc.stderr
+    # Which layer is named first depends on the checkpoint's key order; each offending one names itself.
+    assert re.search(r"layer '[\w.]+': input dimension (64|32) is not a multiple of 48 for w4a16", proc.stderr), proc.stderr
     proc = moray("quantize", str(out), str(tmp_path / "twice"), "--scheme", "fp8")
     assert proc.returncode == 1 and "is already quantised" in proc.stderr
 

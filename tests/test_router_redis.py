@@ -535,7 +535,14 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
         b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
              .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
              .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+             # Key identifiers: Python 3.13's strict X.509 verification requires them.
+             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False))
+        if ca:
+            b = b.add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                              data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                              encipher_only=False, decipher_only=False), critical=True)
         if san:
             b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
         return b.sign(signer, hashes.SHA256())
