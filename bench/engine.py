@@ -105,7 +105,9 @@ class _Bench:
         max_batch = max(args.batches)
         max_tokens = max(args.prefill_len, max_batch)
         block_size = 16
-        max_len = max(args.prefill_len, args.prompt_len + args.decode_steps + 1) + block_size
+        # A decode run's sequences grow by the timed steps plus the steps its prefill took (see ours_decode).
+        prefill_steps = -(-max_batch * args.prompt_len // max_tokens)
+        max_len = max(args.prefill_len, args.prompt_len + args.decode_steps + prefill_steps + 3) + block_size
         config = EngineConfig(
             model=str(args.model),
             dtype=args.dtype,
