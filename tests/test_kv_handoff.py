@@ -96,3 +96,44 @@ def test_full_decode_pool_falls_back_to_local_prefill(model_dir):
     assert "r" not in decode.scheduler.importing  # recomputes locally instead
     single.add_request("r", prompt, params)
     assert run(decode, "r")[-1].token_ids == run(single, "r")[-1].token_ids
+
+
+def test_worker_counts_a_handoff_whose_release_outlives_the_request(model_dir):
+    """A short request can finish while the decode worker is still telling the prefill worker to let go;
+    the moved bytes must still be counted and the prefill side must still be released."""
+    import asyncio
+    import contextlib
+
+    from workers.worker import DecodeWorker, PrefillWorker
+
+    def config(worker):
+        return EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)
+
+    async def scenario():
+        prefill, decode = PrefillWorker(config("p0")), DecodeWorker(config("d0"))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            prompt = prompts(1, seed=25, lo=30, hi=31)[0]
+            result = await prefill.prefill("r", prompt, params)
+
+            request_done = asyncio.Event()
+
+            async def slow_release():
+                with contextlib.suppress(TimeoutError):  # a loaded machine: the release RPC outlives the request
+                    await asyncio.wait_for(request_done.wait(), 3.0)
+                return await prefill.release("r")
+
+            outs = [o async for o in decode.generate_from_prefill("r", prompt, params, result, lambda a, b: prefill.kv_chunk("r", a, b), slow_release)]
+            request_done.set()
+            assert outs[-1].finished and len(outs[-1].token_ids) == 2
+            assert decode.counters.handoffs == 1 and decode.counters.handoff_bytes > 0
+            for _ in range(50):  # the shielded release still completes
+                if prefill.engine.core.kv.num_free_blocks == prefill.engine.core.kv.pool.num_blocks:
+                    break
+                await asyncio.sleep(0.1)
+            assert prefill.engine.core.kv.num_free_blocks == prefill.engine.core.kv.pool.num_blocks
+        finally:
+            prefill.engine.shutdown()
+            decode.engine.shutdown()
+
+    asyncio.run(scenario())

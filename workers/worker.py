@@ -210,10 +210,16 @@ class DecodeWorker(EngineWorker):
             log.warning("KV import for %s failed (%s); prefilling locally", request_id, e)
             self.counters.import_failures += 1
             self.engine.submit(lambda c: c.recompute_instead_of_import(request_id))
+        else:
+            # Counted before the release: a short request can finish (and cancel this task) while the
+            # release is in flight, and the bytes it moved must still show.
+            stats.seconds = time.perf_counter() - start
+            self._count_handoff(stats)
         finally:
-            # Shielded: a short request can finish (and cancel this task) while the release is in flight.
+            # Shielded: the cancellation above must not leave the prefill side holding the blocks.
             await asyncio.shield(_release_quietly(release))
-        stats.seconds = time.perf_counter() - start
+
+    def _count_handoff(self, stats: HandoffStats) -> None:
         self.counters.handoffs += 1
         self.counters.handoff_bytes += stats.bytes
         self.counters.handoff_seconds += stats.seconds
