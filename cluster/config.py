@@ -126,6 +126,12 @@ class RouterConfig(_Strict):
 class KVIndexConfig(_Strict):
     backend: str = Field(default="memory", description='"memory", or a redis:// / rediss:// URL')
     timeout_s: float = Field(default=0.05, gt=0)
+    lookups: Literal["redis", "mirror"] = Field(
+        default="redis",
+        description='with Redis: "redis" asks Redis on every decision (one round trip); "mirror" keeps a local copy '
+        "of the index from Redis's event stream and answers from memory (faster, stale by one poll interval)",
+    )
+    mirror_poll_interval_s: float = Field(default=0.01, gt=0, description="how often a mirror reads the event stream")
     stream_maxlen: int = Field(default=100_000, ge=100)
     retry_interval_s: float = Field(default=1.0, gt=0, description="how often an unreachable Redis is probed")
     password_env: str | None = Field(default=None, description="env var holding the Redis password (instead of the URL)")

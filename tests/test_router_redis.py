@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from cluster.config import KVIndexConfig, RouterConfig
 from cluster.router import (
-    IndexUnavailable, KVEventStreamConsumer, MemoryKVIndex, PrefixMatch, RedisKVEventSink, RedisKVIndex, RouteRequest, Router,
+    IndexUnavailable, KVEventStreamConsumer, MemoryKVIndex, MirroredKVIndex, PrefixMatch, RedisKVEventSink, RedisKVIndex, RouteRequest, Router,
     WorkerLoad,
 )
 from cluster.router.redis_conn import connect, connect_from_config
@@ -263,11 +263,11 @@ def sink(server, worker: str, role: str = "decode", **kw) -> RedisKVEventSink:
     return RedisKVEventSink(connect(server.url(), 2.0), MODEL, worker, role=role, **kw)
 
 
-def serve_cluster(server, n: int = 4, sessions: int = 16, seed: int = 0):
+def serve_cluster(server, n: int = 4, sessions: int = 16, seed: int = 0, **sink_kw):
     """Real KV cache managers behind real sinks: conversations served on them, their events in Redis."""
     rng = random.Random(seed)
     workers = {f"d{i}": SimWorker(f"d{i}") for i in range(n)}
-    sinks = {w: sink(server, w).attach(sw.events) for w, sw in workers.items()}
+    sinks = {w: sink(server, w, **sink_kw).attach(sw.events) for w, sw in workers.items()}
     system = tokens(rng, 128)
     prompts = []
     for i in range(sessions):
@@ -314,17 +314,22 @@ def test_a_replica_started_later_routes_by_the_existing_cache_at_once(server, cl
         s.close()
 
 
-def test_redis_restart_degrades_to_load_routing_then_kv_routing_resumes(tmp_path):
+@pytest.mark.parametrize("lookups", ["redis", "mirror"])
+def test_redis_restart_degrades_to_load_routing_then_kv_routing_resumes(tmp_path, lookups):
     server = RedisServer(tmp_path).start()
     try:
         workers, sinks, prompts = serve_cluster(server)
         index = RedisKVIndex(connect(server.url(), 0.05), MODEL, retry_interval_s=0.1, load_cache_s=0)
+        if lookups == "mirror":
+            index = MirroredKVIndex(index).start()
         router = Router(index, RouterConfig(), block_size=BS)
         home, prompt = prompts[5]
         request = RouteRequest("x", block_hashes(prompt, BS, MODEL), len(prompt))
         assert router.route(request).decode_worker == home
 
         server.stop()
+        if lookups == "mirror":  # the copy notices at its next poll of the stream
+            wait_for(lambda: not index.consumer.available, timeout=5)
         started = time.perf_counter()
         decisions = [router.route(RouteRequest(f"down{i}", request.block_hashes, request.prompt_len)) for i in range(50)]
         elapsed = time.perf_counter() - started
@@ -346,8 +351,101 @@ def test_redis_restart_degrades_to_load_routing_then_kv_routing_resumes(tmp_path
         assert all(s.stats["snapshots"] >= 1 for s in sinks.values())
         for s in sinks.values():
             s.close()
+        router.close()
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- mirrored lookups
+
+
+def mirror(server, **kw) -> MirroredKVIndex:
+    return MirroredKVIndex(redis_index(server, **kw)).start()
+
+
+def test_mirrors_share_decisions_through_the_stream_and_decide_alike(server, client):
+    """Two replicas answering from local copies: after reading the stream to the same entry their copies
+    agree, including the speculative entries and sessions the other replica wrote, and so do their
+    decisions for the same request."""
+    workers, sinks, prompts = serve_cluster(server)
+    r1 = Router(mirror(server), RouterConfig(), block_size=BS)
+    r2 = Router(mirror(server), RouterConfig(), block_size=BS)
+    rng = random.Random(5)
+    for i in range(30):
+        home, prompt = rng.choice(prompts)
+        follow_up = prompt + tokens(rng, rng.randint(20, 200))
+        hashes = block_hashes(follow_up, BS, MODEL)
+        session = f"s{i % 3}"
+        decider, other = (r1, r2) if i % 2 else (r2, r1)
+        first = decider.route(RouteRequest(f"q{i}", hashes, len(follow_up), session))
+        assert decider.flush(5)
+        other.index.catch_up()
+        # The other replica sees the first decision: the chosen worker holds the whole prompt (speculatively).
+        assert other.index.lookup(hashes).matches[first.decode_worker].blocks == len(hashes)
+        assert first.decode_worker in other.index.session_workers(session)
+        decider.index.catch_up()
+        a, b = r1.index.lookup(hashes, session), r2.index.lookup(hashes, session)
+        assert (a.matches, sorted(a.loads), a.session_workers) == (b.matches, sorted(b.loads), b.session_workers)
+    for r in (r1, r2):
+        r.close()
+    # Decisions: two fresh replicas route every request in lockstep (so their own pending-load bumps are
+    # alike too), each reading the other's previous decisions from the stream in between.
+    r3 = Router(mirror(server), RouterConfig(), block_size=BS)
+    r4 = Router(mirror(server), RouterConfig(), block_size=BS)
+    for i in range(30):
+        home, prompt = rng.choice(prompts)
+        follow_up = prompt + tokens(rng, rng.randint(0, 200))
+        hashes = block_hashes(follow_up, BS, MODEL)
+        d3 = r3.route(RouteRequest(f"c{i}", hashes, len(follow_up), f"s{i % 3}"))
+        d4 = r4.route(RouteRequest(f"d{i}", hashes, len(follow_up), f"s{i % 3}"))
+        assert (d3.decode_worker, d3.expected_cached_tokens, d3.reason) == (d4.decode_worker, d4.expected_cached_tokens, d4.reason)
+        for r in (r3, r4):
+            assert r.flush(5)
+        for r in (r3, r4):
+            r.index.catch_up()
+    for r in (r3, r4):
+        r.close()
+    for s in sinks.values():
+        s.close()
+
+
+def test_a_mirror_started_later_routes_by_the_existing_cache_and_follows_new_events(server, client):
+    workers, sinks, prompts = serve_cluster(server)
+    late = Router(mirror(server), RouterConfig(), block_size=BS)  # its copy is loaded at start
+    rng = random.Random(6)
+    for i, (home, prompt) in enumerate(prompts):
+        follow_up = prompt + tokens(rng, 50)
+        d = late.route(RouteRequest(f"late-{i}", block_hashes(follow_up, BS, MODEL), len(follow_up)))
+        assert d.decode_worker == home and d.reason == "cache-hit"
+        assert d.expected_cached_tokens == len(prompt) // BS * BS
+    # New traffic after it started reaches the copy through the stream (the background consumer).
+    w = workers["d2"]
+    fresh = tokens(rng, 300)
+    w.admit("fresh", fresh, tokens(rng, 20))
+    while w.running:
+        w.tick()
+    assert sinks["d2"].flush(5)
+    hashes = block_hashes(fresh + tokens(rng, 10), BS, MODEL)
+    assert wait_for(lambda: late.index.longest_prefix(hashes).get("d2", 0) == len(fresh) // BS)
+    late.close()
+    for s in sinks.values():
+        s.close()
+
+
+def test_a_dead_worker_leaves_the_mirror_within_the_ttl(server, client):
+    workers, sinks, prompts = serve_cluster(server, n=2, sessions=4, heartbeat_ttl_s=1.0)
+    index = MirroredKVIndex(redis_index(server, heartbeat_ttl_s=1.0), heartbeat_refresh_s=0.1).start()
+    router = Router(index, RouterConfig(), block_size=BS)
+    assert set(index.live_workers()) == {"d0", "d1"}
+    sinks["d0"].close()  # d0 dies: no more heartbeats
+    started = time.monotonic()
+    wait_for(lambda: set(index.live_workers()) == {"d1"}, timeout=5)
+    assert time.monotonic() - started < 1.0 + 0.5  # the TTL, plus a refresh
+    for i, (home, prompt) in enumerate(prompts):
+        d = router.route(RouteRequest(f"after-{i}", block_hashes(prompt, BS, MODEL), len(prompt)))
+        assert d.decode_worker == "d1"
+    router.close()
+    sinks["d1"].close()
 
 
 # ---------------------------------------------------------------- the worker-side sink

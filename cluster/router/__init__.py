@@ -3,6 +3,7 @@
     types.py         RouteRequest, RouteDecision, WorkerLoad, PrefixMatch, Lookup, the KVIndex protocol
     memory_index.py  MemoryKVIndex: one process (the default for a single router)
     redis_index.py   RedisKVIndex: shared by router replicas; the Redis layout and its Lua scripts
+    mirror_index.py  MirroredKVIndex: Redis shared, lookups from a local copy kept by the event stream
     redis_conn.py    connecting (ACL user/password, TLS), EVALSHA->EVAL, the circuit breaker
     publisher.py     RedisKVEventSink (worker -> Redis), KVEventStreamConsumer (Redis -> local index)
     policy.py        the cost function and the policies: kv-aware, least-loaded, round-robin, session-sticky
@@ -25,6 +26,7 @@ and on each worker, next to its engine:
 
 from .memory_index import MemoryKVIndex
 from .metrics import RouterMetrics
+from .mirror_index import MirroredKVIndex
 from .policy import POLICIES, CostWeights, make_policy
 from .publisher import KVEventStreamConsumer, RedisKVEventSink, attach_in_process, load_from_engine_stats
 from .redis_index import RedisKVIndex
@@ -35,6 +37,6 @@ from .types import (
 
 __all__ = [
     "POLICIES", "CostWeights", "IndexUnavailable", "KVEventStreamConsumer", "KVIndex", "Lookup", "MemoryKVIndex",
-    "NoWorkersAvailable", "PrefixMatch", "RedisKVEventSink", "RedisKVIndex", "RouteDecision", "RouteRequest",
+    "MirroredKVIndex", "NoWorkersAvailable", "PrefixMatch", "RedisKVEventSink", "RedisKVIndex", "RouteDecision", "RouteRequest",
     "Router", "RouterMetrics", "WorkerLoad", "attach_in_process", "build_index", "load_from_engine_stats", "make_policy",
 ]

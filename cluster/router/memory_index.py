@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from itertools import accumulate, repeat
-from operator import and_
+from itertools import accumulate, compress, islice, repeat
+from operator import and_, ne, or_
 from typing import Callable, Iterable
 
 from workers.engine.kv_events import KVEvent, KVEventKind
@@ -34,6 +34,8 @@ class MemoryKVIndex:
     worker is one dict lookup and a few integer operations per block, and the index holds no per-block
     container objects for the garbage collector to traverse. Slots are never reused (worker ids are
     stable across restarts)."""
+
+    blocking_lookups = False
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class MemoryKVIndex:
         self._state: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
         self._loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> (load, arrival time)
         self._spec: dict[int, dict[int, float]] = {}  # block hash -> {slot: expiry}
+        self._spec_masks: dict[int, int] = {}  # block hash -> slots of its unexpired speculative holders
         self._spec_expiry: deque[tuple[float, list[int]]] = deque()  # (expiry, hashes), for sweeping
         self._sessions: dict[str, dict[str, float]] = {}  # session -> {worker: expiry}
         self._session_expiry: deque[tuple[float, str]] = deque()
@@ -89,8 +92,8 @@ class MemoryKVIndex:
         if e.kind == KVEventKind.STORED:
             self._add(w, e.block_hash, e.tier)
             spec = self._spec.get(e.block_hash)
-            if spec is not None:
-                spec.pop(self._slot[w], None)
+            if spec is not None and spec.pop(self._slot[w], None) is not None:
+                self._set_spec_mask(e.block_hash, spec)
         elif e.kind == KVEventKind.REMOVED:
             self._remove(w, e.block_hash, e.tier)
         elif e.kind == KVEventKind.CLEARED:
@@ -217,7 +220,7 @@ class MemoryKVIndex:
     def _match(self, block_hashes: list[int], live: dict) -> dict[str, PrefixMatch]:
         """Every live worker's longest prefix: the running AND of the blocks' holder masks, each worker
         dropping out at its first missing block. The per-block lookups run as C loops (map/accumulate);
-        Python code runs only where speculative or offloaded entries exist and where a worker drops out."""
+        Python code runs only where a worker drops out (and per block where offloaded entries exist)."""
         live_mask = 0
         for w in live:
             slot = self._slot.get(w)
@@ -227,14 +230,37 @@ class MemoryKVIndex:
             return {}
         held = list(map(self._any.get, block_hashes, repeat(0)))
         slow = list(map(self._off.get, block_hashes, repeat(0))) if self._off else None
-        if self._spec:  # speculative holders count as device-resident
-            now = self.clock()
-            for i, spec in enumerate(map(self._spec.get, block_hashes)):
-                if spec:
-                    mask = self._spec_mask(spec, now)
-                    held[i] |= mask
-                    if slow is not None:
-                        slow[i] &= ~mask
+        self._sweep_spec(self.clock())  # from here on every mask in _spec_masks is current
+        if self._spec_masks:  # speculative holders count as device-resident
+            spec = list(map(self._spec_masks.get, block_hashes, repeat(0)))
+            held = list(map(or_, held, spec))
+            if slow is not None:
+                slow = [s & ~m for s, m in zip(slow, spec)]
+        if slow is not None and any(slow):
+            found = self._walk_with_offloaded(held, slow, live_mask)
+        else:
+            found = self._walk(held, live_mask)
+        return {self._names[slot]: m for slot, m in found.items() if m.blocks}
+
+    @staticmethod
+    def _walk(held: list[int], live_mask: int) -> dict[int, PrefixMatch]:
+        """Device blocks only: the running AND is computed in C, and Python looks only at the few
+        positions where it loses a worker (the running mask only ever loses bits)."""
+        running = list(accumulate(held, and_, initial=live_mask))
+        del running[0]  # running[i]: the live workers holding blocks 0..i
+        found: dict[int, PrefixMatch] = {}
+        active = running[0]
+        for i in compress(range(1, len(running)), map(ne, running, islice(running, 1, None))):
+            for slot in _slots(active & ~running[i]):
+                found[slot] = PrefixMatch(i, 0)
+            active = running[i]
+        for slot in _slots(active):
+            found[slot] = PrefixMatch(len(held), 0)
+        return found
+
+    @staticmethod
+    def _walk_with_offloaded(held: list[int], slow: list[int], live_mask: int) -> dict[int, PrefixMatch]:
+        """The block-by-block walk, counting for each worker the blocks it holds only in slower tiers."""
         found: dict[int, PrefixMatch] = {}
         offloaded: dict[int, int] = {}  # slot -> blocks so far it holds only in a slower tier
         active = held[0] & live_mask  # the candidates: workers holding the first block
@@ -248,20 +274,12 @@ class MemoryKVIndex:
                 active = still
                 if not active:
                     break
-            if slow is not None and active & slow[i]:
+            if active & slow[i]:
                 for slot in _slots(active & slow[i]):
                     offloaded[slot] = offloaded.get(slot, 0) + 1
         for slot in _slots(active):
-            found[slot] = PrefixMatch(len(block_hashes), offloaded.get(slot, 0))
-        return {self._names[slot]: m for slot, m in found.items() if m.blocks}
-
-    @staticmethod
-    def _spec_mask(spec: dict[int, float], now: float) -> int:
-        mask = 0
-        for slot, exp in spec.items():
-            if exp > now:
-                mask |= 1 << slot
-        return mask
+            found[slot] = PrefixMatch(len(held), offloaded.get(slot, 0))
+        return found
 
     # ---------------------------------------------------------------- decisions and sessions
 
@@ -275,11 +293,15 @@ class MemoryKVIndex:
         with self._lock:
             self._sweep_spec(now)
             slot = self._slot_bit(worker_id).bit_length() - 1
+            bit = 1 << slot
+            masks = self._spec_masks
             for h in block_hashes:
                 self._spec.setdefault(h, {})[slot] = expiry
+                masks[h] = masks.get(h, 0) | bit
             self._spec_expiry.append((expiry, block_hashes))
 
     def _sweep_spec(self, now: float) -> None:
+        """Drops expired speculative entries (amortised: each entry is swept once), keeping the masks exact."""
         while self._spec_expiry and self._spec_expiry[0][0] <= now:
             _, hashes = self._spec_expiry.popleft()
             for h in hashes:
@@ -287,8 +309,17 @@ class MemoryKVIndex:
                 if spec is not None:
                     for slot in [slot for slot, exp in spec.items() if exp <= now]:
                         del spec[slot]
-                    if not spec:
-                        del self._spec[h]
+                    self._set_spec_mask(h, spec)
+
+    def _set_spec_mask(self, h: int, spec: dict[int, float]) -> None:
+        mask = 0
+        for slot in spec:
+            mask |= 1 << slot
+        if mask:
+            self._spec_masks[h] = mask
+        else:
+            self._spec.pop(h, None)
+            self._spec_masks.pop(h, None)
 
     def record_session(self, session_id: str, worker_id: str) -> None:
         now = self.clock()

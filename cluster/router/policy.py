@@ -103,12 +103,12 @@ class RoutingContext:
     def in_session(self, w: str) -> bool:
         return w in self.lookup.session_workers
 
-    def cost(self, w: str, baseline: float) -> float:
+    def cost(self, w: str, load_blocks: float, baseline: float) -> float:
         """The kv-aware cost, load counted above `baseline` (the candidates' mean load plus the slack)."""
         wt = self.weights
         return (
             wt.cache_weight * self.uncached_blocks(w)
-            + wt.load_weight * max(0.0, self.load_blocks(w) - baseline)
+            + wt.load_weight * max(0.0, load_blocks - baseline)
             + wt.queue_weight * self.loads[w].num_waiting
             - (wt.session_bonus_blocks if self.in_session(w) else 0.0)
         )
@@ -117,8 +117,9 @@ class RoutingContext:
         key = tuple(candidates)
         costs = self._kv_costs.get(key)
         if costs is None:
-            baseline = sum(self.load_blocks(w) for w in candidates) / len(candidates) + self.weights.load_slack_blocks
-            costs = self._kv_costs[key] = {w: self.cost(w, baseline) for w in candidates}
+            load = {w: self.load_blocks(w) for w in candidates}
+            baseline = sum(load.values()) / len(candidates) + self.weights.load_slack_blocks
+            costs = self._kv_costs[key] = {w: self.cost(w, load[w], baseline) for w in candidates}
         return costs
 
 
@@ -227,6 +228,10 @@ def select(
 ) -> tuple[str, str | None]:
     """The cheapest candidate; with temperature > 0 a softmax sample over -cost/temperature, and with
     probability `exploration` a uniform pick. Returns (worker, "explore" | "sampled" | None)."""
+    if not exploration and not temperature:  # the common case: the cheapest, ties broken per request
+        best = min(costs.values())
+        tied = [w for w, c in costs.items() if c == best]
+        return (tied[0] if len(tied) == 1 else min(tied, key=lambda w: tiebreak(request_id, w))), None
     ranked = sorted(costs, key=lambda w: (costs[w], tiebreak(request_id, w)))
     if exploration and len(ranked) > 1 and rng.random() < exploration:
         return rng.choice(ranked), "explore"

@@ -25,6 +25,7 @@ In-process (one router and its engines in one process, tests): `attach_in_proces
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import deque
@@ -358,10 +359,10 @@ class KVEventStreamConsumer:
     Also copies live heartbeats into it, so the local index knows loads and liveness too."""
 
     def __init__(self, index: MemoryKVIndex, client: redis.Redis, model: str, *, poll_interval_s: float = 0.05,
-                 heartbeat_refresh_s: float = 1.0, count: int = 1000):
+                 heartbeat_refresh_s: float = 1.0, count: int = 1000, remote: RedisKVIndex | None = None):
         self.index = index
         self.client = client
-        self.remote = RedisKVIndex(client, model)
+        self.remote = remote or RedisKVIndex(client, model)  # shared with a MirroredKVIndex: one breaker
         self.stream = f"events:{model_tag(model)}"
         self.poll_interval_s = poll_interval_s
         self.heartbeat_refresh_s = heartbeat_refresh_s
@@ -372,6 +373,7 @@ class KVEventStreamConsumer:
         self._gap = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.available = False  # the last poll reached Redis (so the local copy is current)
         previous = index.on_purge
 
         def on_purge(worker, reason):
@@ -405,10 +407,7 @@ class KVEventStreamConsumer:
         outlast the client's socket timeout.)"""
         if self.last_id is None or self._gap:
             self.bootstrap()
-        try:
-            resp = self.client.xread({self.stream: self.last_id}, count=self.count)
-        except RedisError as e:
-            raise IndexUnavailable(describe(self.client, e)) from e
+        resp = self.remote.breaker.call(lambda: self.client.xread({self.stream: self.last_id}, count=self.count))
         n = 0
         for _, entries in resp or []:
             for entry_id, f in entries:
@@ -420,6 +419,9 @@ class KVEventStreamConsumer:
         return n
 
     def _apply_entry(self, f: dict) -> None:
+        if f["t"] == "d":
+            self._apply_decision(f)
+            return
         w, epoch, seq = f["w"], int(f["ep"]), int(f["s"])
         if f["t"] == "e":
             ts = float(f["ts"])
@@ -431,6 +433,15 @@ class KVEventStreamConsumer:
         else:
             blocks = [(h, tier) for _, h, tier in unpack_records(f["tiers"], f["d"], 17)]
             self.index.load_snapshot(w, epoch, seq, blocks, reset=f["r"] == "1")
+
+    def _apply_decision(self, f: dict) -> None:
+        """Another router's decision (this router's own ones are in the local index already)."""
+        if f.get("r") == self.remote.router_id:
+            return
+        d = bytes.fromhex(f["d"])
+        hashes = list(struct.unpack(f">{len(d) // 8}Q", d))
+        held = [int(x) for x in f["o"].split(",")]
+        self.index.record_decision(f["w"].split(","), hashes, int(f["x"]) / 1000, f["sess"] or None, held)
 
     def start(self) -> "KVEventStreamConsumer":
         if self._thread is None:
@@ -445,12 +456,14 @@ class KVEventStreamConsumer:
                 if down:
                     self.last_id = None  # Redis may have restarted: reload rather than trust our position
                 n = self.poll_once()
+                self.available = True
                 if down:
                     log.warning("KV stream consumer: Redis reachable again; index reloaded")
                     down = False
                 if n < self.count:
                     self._stop.wait(self.poll_interval_s)
             except IndexUnavailable as e:
+                self.available = False
                 if not down:
                     log.warning("KV stream consumer: %s", e)
                     down = True

@@ -28,8 +28,11 @@ one slot and the Lua scripts can touch them all; scripts declare `workers:{model
   workers:{model}             SET   workers that ever heartbeated (to enumerate them without SCAN).
   sess:{model}:<session>      HASH  worker -> last use (ms), PEXPIRE session TTL.
   events:{model}              STREAM  one entry per batch, MAXLEN ~ stream_maxlen: t=e (events: w, ep,
-                                    s = first seq, ts, tiers, d = 18-char records) or t=s (snapshot part:
-                                    w, ep, s = last seq, r = reset, tiers, d = 17-char records).
+                                    s = first seq, ts, tiers, d = 18-char records), t=s (snapshot part:
+                                    w, ep, s = last seq, r = reset, tiers, d = 17-char records) or t=d (a
+                                    routing decision: w = workers, o = blocks each holds already,
+                                    x = speculative width ms, sess, r = the router's
+                                    id, d = packed hashes).
 
 Purges are O(1): a new epoch, a sequence gap, a `cleared` event or `remove_worker` bumps the worker's
 generation, which invalidates all its entries at once; the old generation's entries are deleted a few
@@ -48,6 +51,7 @@ import re
 import struct
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Iterable
 
@@ -325,7 +329,8 @@ return gen
 # ('' = none), session ttl ms, number of workers, (worker, first block it lacks) per worker, block hashes
 # (packed). Speculative entries go only on the blocks each chosen worker does not hold yet (usually a
 # short tail), into the worker's set for the current time bucket; if that starts at the first block,
-# the block's spec hash names the worker too, so a lookup finds it as a candidate.
+# the block's spec hash names the worker too, so a lookup finds it as a candidate. Then: the stream's
+# max length (0 = do not append the decision to the stream) and the deciding router's id.
 DECIDE = LuaScript(_LUA_COMMON + r"""
 local width, session, nw = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local now = now_ms()
@@ -347,6 +352,14 @@ for j = 0, nw - 1 do
   if session ~= '' then call('HSET', 'sess:' .. tag .. ':' .. session, w, now) end
 end
 if session ~= '' then call('PEXPIRE', 'sess:' .. tag .. ':' .. session, ARGV[4]) end
+-- The decision also goes to the stream, so routers that mirror the index locally share it too.
+local maxlen = tonumber(ARGV[7 + 2 * nw] or '0')
+if maxlen > 0 and (width > 0 or session ~= '') then
+  local ws, starts = {}, {}
+  for j = 0, nw - 1 do ws[#ws + 1] = ARGV[6 + 2 * j]; starts[#starts + 1] = ARGV[7 + 2 * j] end
+  call('XADD', 'events:' .. tag, 'MAXLEN', '~', maxlen, '*', 't', 'd', 'w', table.concat(ws, ','),
+       'o', table.concat(starts, ','), 'x', width, 'sess', session, 'r', ARGV[8 + 2 * nw], 'd', hashes)
+end
 return 1
 """)
 
@@ -496,6 +509,8 @@ class RedisKVIndex:
     is unreachable, slow, or refuses the credentials; the circuit breaker then short-circuits calls until
     a background probe sees Redis answer again."""
 
+    blocking_lookups = True  # a round trip: asyncio callers run lookups in a worker thread
+
     def __init__(
         self,
         client: redis.Redis,
@@ -515,6 +530,7 @@ class RedisKVIndex:
         self.client = client
         self.model = model
         self.tag = model_tag(model)
+        self.router_id = uuid.uuid4().hex[:12]  # names this router's decisions in the stream
         self.workers_key = f"workers:{self.tag}"
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.session_ttl_s = session_ttl_s
@@ -533,6 +549,10 @@ class RedisKVIndex:
         self._queued = self._written = 0
         self._closing = False
         self._writer: threading.Thread | None = None
+        self._idle_writer = False
+        # How long the writer waits for more decisions before sending (0: at once). A mirror, whose
+        # own decisions count locally at once, uses a little to batch writes.
+        self.write_linger_s = 0.0
 
     @classmethod
     def from_config(cls, kv_cfg, model: str, router_cfg=None, **kw) -> "RedisKVIndex":
@@ -651,6 +671,7 @@ class RedisKVIndex:
         for w, start in zip(workers, held):
             args += (w, start)
         args.append(pack_hashes(block_hashes))
+        args += (self.stream_maxlen, self.router_id)
         if not self.async_writes:
             self.breaker.call(lambda: DECIDE(self.client, [self.workers_key], args))
             return
@@ -663,15 +684,21 @@ class RedisKVIndex:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="moray-kv-index-writer", daemon=True)
                 self._writer.start()
-            self._write_cv.notify()
+            if self._idle_writer:  # a busy writer takes this one with its next batch anyway
+                self._write_cv.notify()
 
     def _write_loop(self) -> None:
         while True:
             with self._write_cv:
                 while not self._writes and not self._closing:
+                    self._idle_writer = True
                     self._write_cv.wait()
+                    self._idle_writer = False
                 if self._closing and not self._writes:
                     return
+            if self.write_linger_s and not self._closing:
+                time.sleep(self.write_linger_s)  # let a few decisions gather: one pipeline, one wake-up
+            with self._write_cv:
                 batch = list(self._writes)
                 self._writes.clear()
 

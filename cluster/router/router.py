@@ -134,7 +134,7 @@ class Router:
 
     async def aroute(self, request: RouteRequest) -> RouteDecision:
         """`route` for asyncio callers: a remote index is consulted from a worker thread."""
-        if getattr(self.index, "breaker", None) is None:
+        if not getattr(self.index, "blocking_lookups", False):
             return self.route(request)
         return await asyncio.to_thread(self.route, request)
 
@@ -262,4 +262,9 @@ def build_index(kv_cfg: KVIndexConfig, model: str, router_cfg: RouterConfig | No
         return MemoryKVIndex(heartbeat_ttl_s=router_cfg.heartbeat_ttl_s, session_ttl_s=router_cfg.session_ttl_s)
     from .redis_index import RedisKVIndex
 
-    return RedisKVIndex.from_config(kv_cfg, model, router_cfg)
+    remote = RedisKVIndex.from_config(kv_cfg, model, router_cfg)
+    if kv_cfg.lookups == "mirror":
+        from .mirror_index import MirroredKVIndex
+
+        return MirroredKVIndex(remote, poll_interval_s=kv_cfg.mirror_poll_interval_s).start()
+    return remote
