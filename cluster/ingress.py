@@ -6,6 +6,7 @@ HTTP 4xx with an OpenAI-style body, or gRPC INVALID_ARGUMENT / UNAUTHENTICATED /
 """
 
 
+import gc
 import json
 import logging
 import os
@@ -67,6 +68,10 @@ class Ingress:
         )
         self.workers: dict[str, dict] = {}
         self.created = int(time.time())
+        # Startup state (Ray, FastAPI, the tokenizer, a mirrored index) lives as long as the replica: keep
+        # it out of the garbage collector's full passes, which would otherwise stall routing decisions.
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------------ worker reports
 
