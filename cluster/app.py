@@ -16,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 
 from .config import ClusterConfig, PoolConfig, parse_cluster_config
 from .ingress import Ingress
+from .multihost import placement_options
 from .servers import DecodeServer, PrefillServer
 from .targeting import REQUEST_ROUTER_CLASS
 
@@ -39,6 +40,8 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
         actor["resources"] = {"TPU": pool.resources.tpu.chips_per_host}
     if pool.label_selector:
         actor["label_selector"] = dict(pool.label_selector)
+    if pool.env:
+        actor["runtime_env"] = {"env_vars": dict(pool.env)}
     opts: dict[str, Any] = {
         "ray_actor_options": actor,
         "max_ongoing_requests": pool.max_ongoing_requests,
@@ -48,6 +51,7 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "request_router_config": RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS),
         "logging_config": LOGGING,
+        **placement_options(pool),
     }
     if pool.autoscaling is not None:
         opts["autoscaling_config"] = {

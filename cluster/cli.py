@@ -159,6 +159,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine", "engine decode/prefill tokens/s, roofline ratio, and transformers side by side"),
     "collectives": ("bench.collectives", "EP MoE modes: collective bytes per mesh level (HLO), dispatch and layer times"),
     "serve": ("bench.serve", "load a server with a workload: TTFT, TPOT, e2e, hit rate, KV handoff"),
+    "routing": ("bench.routing", "routing policies end to end on a local cluster: hit rate vs an oracle, TTFT, load balance"),
 }
 
 

@@ -89,8 +89,13 @@ class PoolConfig(_Strict):
     replicas: int = Field(default=1, ge=0)
     autoscaling: AutoscalingConfig | None = None
     resources: ResourcesConfig = ResourcesConfig()
-    # Processes (hosts) per replica; on TPU it follows the slice topology.
+    # Processes (hosts) per replica; on TPU it follows the slice topology. A replica over several hosts
+    # reserves one bundle per host and runs one engine process on each (see cluster/multihost.py).
     hosts_per_replica: int = Field(default=1, ge=1)
+    placement_strategy: Literal["STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"] = Field(
+        default="STRICT_SPREAD", description="how a multi-host replica's bundles are placed (PACK: all on one machine, for tests)"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables of the pool's engine processes")
     max_ongoing_requests: int = Field(default=64, ge=1)
     # Ray node labels a replica must land on (the Helm chart labels each pool's hosts).
     label_selector: dict[str, str] = Field(default_factory=dict)

@@ -24,6 +24,7 @@ class FrontendMetrics:
         self.prefix_query_tokens = Gauge("moray_prefix_cache_query_tokens", "prompt tokens a worker looked up (cumulative)", ["worker", "role"], registry=r)
         self.handoff_bytes = Gauge("moray_kv_handoff_bytes", "KV bytes a decode worker imported (cumulative)", ["worker"], registry=r)
         self.handoff_seconds = Gauge("moray_kv_handoff_seconds", "time a decode worker spent importing KV (cumulative)", ["worker"], registry=r)
+        self.misrouted = Gauge("moray_misrouted_requests", "requests a worker received although the router chose another (cumulative)", ["worker", "role"], registry=r)
         self.handoffs = Gauge("moray_kv_handoffs", "KV handoffs a decode worker completed (cumulative)", ["worker"], registry=r)
 
     def observe_worker(self, load: dict) -> None:
@@ -33,6 +34,7 @@ class FrontendMetrics:
         self.kv_usage.labels(w, role).set(load["kv_usage"])
         self.prefix_hit_tokens.labels(w, role).set(load["prefix_cache_hits"])
         self.prefix_query_tokens.labels(w, role).set(load["prefix_cache_queries"])
+        self.misrouted.labels(w, role).set(load.get("misrouted", 0))
         if role == "decode":
             self.handoff_bytes.labels(w).set(load.get("handoff_bytes", 0))
             self.handoff_seconds.labels(w).set(load.get("handoff_seconds", 0.0))

@@ -29,19 +29,34 @@ class _WorkerServer:
         context = serve.get_replica_context()
         self.worker_id = context.replica_id.unique_id
         engine_config = self.config.engine_for(self.pool, self.worker_id)
+        pool = getattr(self.config, self.pool)
         log.info("%s replica %s: loading %s", self.pool, self.worker_id, engine_config.model)
-        self.worker: EngineWorker = make_worker(engine_config)
+        self.followers = None
+        engine = None
+        if pool.hosts_per_replica > 1:
+            from .multihost import start_multihost_engine
+
+            engine, self.followers = start_multihost_engine(engine_config, pool)
+        self.worker: EngineWorker = make_worker(engine_config, engine)
         self.reporter = WorkerReporter(self.config, self.worker, context.app_name)
         self.reporter.start()
 
     async def check_health(self) -> None:
         """Serve's health probe: a dead engine thread marks the replica unhealthy (it is replaced)."""
         self.worker.engine.check_health()
+        if self.followers is not None:
+            await self.followers.acheck()  # every host of a multi-host replica must be alive
 
     async def load(self, target_replica: str | None = None) -> dict:
         return self.worker.load()
 
+    def _arrived(self, target_replica: str | None) -> None:
+        """Counts calls meant for another replica (Serve fell back: the target was gone or full)."""
+        if target_replica and target_replica != self.worker_id:
+            self.worker.counters.misrouted += 1
+
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None):
+        self._arrived(target_replica)
         async for out in self.worker.generate(request_id, prompt, params):
             yield out
 
@@ -49,6 +64,8 @@ class _WorkerServer:
         try:
             self.reporter.stop()
             self.worker.engine.shutdown()
+            if self.followers is not None:
+                self.followers.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
 
@@ -57,9 +74,10 @@ class PrefillServer(_WorkerServer):
     pool = "prefill"
 
     def __init__(self, cluster_config: dict):
-        self._start(cluster_config, lambda cfg: PrefillWorker(cfg))
+        self._start(cluster_config, lambda cfg, engine: PrefillWorker(cfg, engine=engine))
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None) -> PrefillResult:
+        self._arrived(target_replica)
         return await self.worker.prefill(request_id, prompt, params)
 
     async def kv_chunk(self, request_id: str, layer_start: int, layer_end: int, target_replica: str | None = None):
@@ -74,11 +92,12 @@ class DecodeServer(_WorkerServer):
 
     def __init__(self, cluster_config: dict, prefill_handle=None):
         self.prefill_handle = prefill_handle
-        self._start(cluster_config, lambda cfg: DecodeWorker(cfg, layers_per_chunk=self.config.handoff_layers_per_chunk))
+        self._start(cluster_config, lambda cfg, engine: DecodeWorker(cfg, layers_per_chunk=self.config.handoff_layers_per_chunk, engine=engine))
 
     async def generate_from_prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams, handoff: PrefillResult, target_replica: str | None = None
     ):
+        self._arrived(target_replica)
         source = handoff.worker_id
 
         async def fetch_chunk(layer_start: int, layer_end: int):

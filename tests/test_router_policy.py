@@ -6,6 +6,7 @@ multi-turn session trace."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 import random
 
 import pytest
@@ -459,7 +460,8 @@ def run_conversations(policy: str, seed: int = 1) -> tuple[int, int]:
             for w in workers.values():
                 w.tick()
         history.update(answers)
-    assert len(set(home.values())) >= 3  # load spread the conversations
+    # Load spread the conversations (they share a system prompt, so affinity alone would keep them on one).
+    assert len(set(home.values())) >= 2 and max(Counter(home.values()).values()) <= 8
     return at_home, moved
 
 

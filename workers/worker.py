@@ -59,6 +59,7 @@ class WorkerCounters:
     handoff_seconds: float = 0.0
     held_released_by_timeout: int = 0
     import_failures: int = 0
+    misrouted: int = 0  # requests that reached this worker although the router chose another
     history: list[HandoffStats] = field(default_factory=list)
 
 
@@ -97,6 +98,7 @@ class EngineWorker:
             "handoffs": self.counters.handoffs,
             "handoff_bytes": self.counters.handoff_bytes,
             "handoff_seconds": self.counters.handoff_seconds,
+            "misrouted": self.counters.misrouted,
             "healthy": self.engine.healthy,
         }
 

@@ -6,6 +6,7 @@ The kv-aware cost of a candidate worker `w`, in KV blocks (the unit both cache a
             + load_weight  * max(0, load_blocks(w) - mean load_blocks of the candidates - load_slack_blocks)
             + queue_weight * num_waiting(w)
             - session_bonus_blocks            (only if w served this session before)
+            + 0.001 * load_blocks(w)          (ties in everything else go to the least loaded)
 
     uncached_blocks(w) = prompt_len / block_size - (device blocks matched + host_tier_credit * offloaded)
     load_blocks(w)     = active_decode_blocks(w) + inflight_prefill_tokens(w) / block_size
@@ -27,7 +28,9 @@ scatter system prompts and conversations over every worker; SGLang's cache-aware
 trade with its absolute/relative imbalance thresholds. In a simulation (tests/test_router_policy.py: 8
 workers, Zipf-popular system prompts, the hottest twice a worker's share) the defaults keep max/mean load
 at ~1.05 while reusing 0.84 of prompt tokens (best possible ~0.87), against 0.75 when every difference in
-load counts (Dynamo-style) and 0.71 for least-loaded routing; ignoring load reaches 2.8x.
+load counts (Dynamo-style) and 0.71 for least-loaded routing; ignoring load reaches 2.8x. The tiny last
+term only orders candidates that are otherwise equal (a new conversation, a cold prompt): they go to the
+least loaded instead of a hashed pick, which would leave placement of new sessions to chance.
 
 The session bonus is a few blocks: it breaks near-ties toward the worker that holds a conversation's KV,
 never an override. kv_usage is exported as a metric but not scored: it is active_decode_blocks / pool
@@ -61,6 +64,9 @@ class CostWeights:
     def from_config(cls, cfg) -> "CostWeights":
         return cls(cfg.cache_weight, cfg.load_weight, cfg.queue_weight, cfg.host_tier_credit, cfg.session_bonus_blocks,
                    cfg.load_slack_blocks)
+
+
+TIE_LOAD_WEIGHT = 0.001  # per block of load: decides only between otherwise equal candidates
 
 
 @dataclass
@@ -109,6 +115,7 @@ class RoutingContext:
         return (
             wt.cache_weight * self.uncached_blocks(w)
             + wt.load_weight * max(0.0, load_blocks - baseline)
+            + TIE_LOAD_WEIGHT * load_blocks
             + wt.queue_weight * self.loads[w].num_waiting
             - (wt.session_bonus_blocks if self.in_session(w) else 0.0)
         )

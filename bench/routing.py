@@ -1,0 +1,358 @@
+"""`moray bench routing`: routing policies side by side, end to end on a local cluster.
+
+For each policy (round-robin, least-loaded, kv-aware) a fresh colocated app with `--workers` decode
+workers, each with a KV pool small enough (`--kv-blocks`) that the workload's prefixes do not all fit,
+serves the same shared-prefix and multi-turn workloads over HTTP. Reported per policy and workload:
+
+- hit rate: prompt tokens the engines reported as cached (usage.prompt_tokens_details) / prompt tokens;
+- TTFT p50/p99 (streamed);
+- load balance: max/mean over workers of the prompt tokens each one was given (its prefix-cache query
+  counter from /metrics, before and after the workload).
+
+The oracle is the same request sequence replayed against real `KVCacheManager`s of the same size, each
+request sent to the worker whose cache holds its longest prefix at that moment (ties: the least loaded):
+routing that sees every cache exactly. The last `--concurrency` requests keep their blocks allocated, as
+requests in flight do; nothing else (queueing, timing, load) limits it. Targets: kv-aware's hit rate >= 2x round-robin's
+and >= 90% of the oracle's; kv-aware's max/mean load <= 1.3.
+
+    moray bench routing --json routing.json                # builds a tiny demo model if --model is not given
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+POLICIES = ("round-robin", "least-loaded", "kv-aware")
+WORKLOADS = ("shared-prefix", "multi-turn")
+TARGETS = {"hit_rate_vs_round_robin": 2.0, "hit_rate_vs_oracle": 0.9, "max_over_mean_load": 1.3}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (default: a tiny demo model built in a temp dir)")
+    p.add_argument("--workers", type=int, default=4, help="decode workers per policy")
+    p.add_argument("--kv-blocks", type=int, default=64, help="KV blocks per worker (small: forces eviction)")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--requests", type=int, default=96, help="requests per workload")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--think-time-ms", type=float, default=50.0, help="a user's pause before the next turn (uniform 0..N)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the JSON result here")
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@dataclass
+class Item:
+    prompt: list[int]
+    max_tokens: int
+    session: str | None = None
+
+
+def make_workload(name: str, n: int, seed: int, vocab: int, block_size: int) -> list[list[Item]]:
+    """Groups of items; a group's items run in order (the turns of a conversation). Sizes are in blocks
+    so the pressure on the KV pools does not depend on --block-size."""
+    rng = random.Random(f"{name}-{seed}")
+    tok = lambda k: [rng.randrange(3, vocab) for _ in range(k * block_size)]  # noqa: E731 - k blocks
+    if name == "shared-prefix":
+        # n/6 system prompts of 12 blocks, each used by ~6 requests with a 2-block question, in random order.
+        prefixes = [tok(12) for _ in range(max(1, n // 6))]
+        items = [[Item(prefixes[i % len(prefixes)] + tok(2), 4)] for i in range(n)]
+        rng.shuffle(items)
+        return items
+    if name == "multi-turn":
+        # n/4 conversations of 4 turns: each turn adds a 2-block user message to the history, plus a
+        # 1-block stand-in for the previous reply (the reply itself is not fed back: outputs vary).
+        groups = []
+        for s in range(max(1, n // 4)):
+            history, turns = tok(4), []
+            for _ in range(4):
+                history = history + tok(2)
+                turns.append(Item(list(history), 4, session=f"{seed}-s{s}"))
+                history = history + tok(1)
+            groups.append(turns)
+        return groups
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def replay_order(groups: list[list[Item]], concurrency: int) -> list[Item]:
+    """The order a run with `concurrency` clients roughly sends items in: each client runs one group
+    (conversation) at a time, so `concurrency` groups at a time, turn by turn."""
+    order = []
+    for start in range(0, len(groups), concurrency):
+        window = groups[start : start + concurrency]
+        for turn in range(max(len(g) for g in window)):
+            order += [g[turn] for g in window if turn < len(g)]
+    return order
+
+
+# ---------------------------------------------------------------- oracle
+
+
+def oracle(groups: list[list[Item]], workers: int, kv_blocks: int, block_size: int, concurrency: int) -> dict:
+    """Hit rate and load balance of routing that sees every cache exactly (see the module docstring)."""
+    from collections import deque
+
+    from workers.engine.kv_cache_manager import KVCacheManager
+    from workers.engine.request import Request
+    from workers.engine.sampling_params import SamplingParams
+
+    caches = [KVCacheManager(kv_blocks, block_size) for _ in range(workers)]
+    tokens_given = [0] * workers
+    in_flight: deque = deque()  # (cache, request): the last `concurrency` requests still hold their blocks
+    cached = prompt = 0
+    for i, item in enumerate(replay_order(groups, concurrency)):
+        if len(in_flight) >= concurrency:
+            kv, r = in_flight.popleft()
+            kv.free(r)
+        requests = [Request(f"o{i}", list(item.prompt), SamplingParams()) for _ in caches]
+        hits = [len(kv.cached_prefix(r)) for kv, r in zip(caches, requests)]
+        w = max(range(workers), key=lambda k: (hits[k], -tokens_given[k]))
+        kv, r = caches[w], requests[w]
+        prefix = kv.cached_prefix(r)
+        r.num_computed_tokens = min(len(prefix) * block_size, len(item.prompt) - 1)
+        while kv.allocate(r, len(item.prompt) - r.num_computed_tokens, prefix) is None:
+            if not in_flight:
+                raise ValueError(f"a {len(item.prompt)}-token prompt does not fit in {kv_blocks} KV blocks")
+            old_kv, old = in_flight.popleft()  # the engine would wait for a running request to finish
+            old_kv.free(old)
+        cached += r.num_computed_tokens
+        prompt += len(item.prompt)
+        tokens_given[w] += len(item.prompt)
+        r.num_computed_tokens = len(item.prompt)
+        kv.cache_full_blocks(r)
+        in_flight.append((kv, r))
+    return {"hit_rate": cached / prompt, "max_over_mean_load": _max_over_mean(tokens_given)}
+
+
+def _max_over_mean(values) -> float:
+    values = list(values)
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 0.0
+
+
+# ---------------------------------------------------------------- the live runs
+
+
+def _worker_counters(url: str) -> dict[str, float]:
+    """worker -> prompt tokens it looked up in its prefix cache (cumulative), from /metrics."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("moray_prefix_cache_query_tokens{"):
+                worker = line.split('worker="', 1)[1].split('"', 1)[0]
+                out[worker] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _wait_for_workers(url: str, n: int, timeout_s: float = 900) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if json.loads(r.read()).get("decode_workers", 0) >= n:
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url}: {n} decode workers did not register within {timeout_s:.0f}s")
+
+
+async def _run_items(url: str, groups: list[list[Item]], concurrency: int, think_time_s: float = 0.0, seed: int = 0) -> list[dict]:
+    import aiohttp
+
+    rng = random.Random(seed)
+
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        async with session.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+
+        async def one(item: Item) -> dict:
+            body = {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            headers = {"x-session-id": item.session} if item.session else {}
+            start, ttft, usage = time.perf_counter(), None, None
+            async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(event["error"]["message"])
+                    if event.get("choices") and ttft is None:
+                        ttft = time.perf_counter() - start
+                    usage = event.get("usage") or usage
+            return {"ttft": ttft, "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+        async def group(g: list[Item]) -> None:
+            async with sem:  # a client holds its slot for a whole conversation, turn after turn
+                for turn, item in enumerate(g):
+                    if turn and think_time_s:
+                        await asyncio.sleep(rng.uniform(0, think_time_s))  # the user reads, then types
+                    results.append(await one(item))
+
+        await asyncio.gather(*(group(g) for g in groups))
+    return results
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else 0.0
+
+
+def summarise(results: list[dict], before: dict[str, float], after: dict[str, float], workers: int) -> dict:
+    given = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in after}
+    given.update({f"(idle {i})": 0.0 for i in range(workers - len(given))})  # a worker given nothing at all
+    ttft = [r["ttft"] for r in results]
+    return {
+        "requests": len(results),
+        "hit_rate": sum(r["cached"] for r in results) / sum(r["prompt"] for r in results),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "max_over_mean_load": _max_over_mean(given.values()),
+        "prompt_tokens_per_worker": dict(sorted(given.items())),
+    }
+
+
+def start_ray() -> int:
+    """A local Ray with Serve's HTTP proxy on a free port; returns the port."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import ray
+    from ray import serve
+
+    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, list[list[Item]]]) -> dict:
+    from ray import serve
+
+    from cluster.app import build_app
+
+    name = f"routing-{policy}"
+    cfg = {
+        "name": name,
+        "mode": "colocated",
+        "engine": {"model": model, "block_size": args.block_size, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 4,
+                   "max_num_batched_tokens": 128, "max_model_len": 256, "token_buckets": [8, 32, 128], "page_buckets": [4, 16, 32]},
+        "decode": {"replicas": args.workers, "resources": {"cpus": 0.1}},
+        # Load above the mean is free up to load_slack_blocks; the default (64) suits production pools of
+        # thousands of blocks, so it is scaled to these small pools.
+        "router": {"policy": policy, "seed": args.seed, "load_slack_blocks": args.kv_blocks / 8},
+    }
+    url = f"http://127.0.0.1:{port}/{policy}"
+    t0 = time.perf_counter()
+    serve.run(build_app(cfg), name=name, route_prefix=f"/{policy}", blocking=False)
+    _wait_for_workers(url, args.workers)
+    print(f"[{policy}] {args.workers} workers up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    out = {}
+    try:
+        for wl, groups in workloads.items():
+            before = _worker_counters(url)
+            t1 = time.perf_counter()
+            results = asyncio.run(_run_items(url, groups, args.concurrency, args.think_time_ms / 1000, args.seed))
+            out[wl] = summarise(results, before, _worker_counters(url), args.workers)
+            out[wl]["wall_s"] = time.perf_counter() - t1
+            print(f"[{policy}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
+                  file=sys.stderr, flush=True)
+    finally:
+        serve.delete(name)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model
+    tmp = None
+    if model is None:
+        from workers.models.make_model import make_model
+
+        tmp = tempfile.mkdtemp(prefix="moray-bench-routing-")
+        model = str(make_model(os.path.join(tmp, "tiny"), "qwen3_moe", "tiny", seed=0))
+    from workers.models import load_config
+
+    vocab = load_config(model)[1].vocab_size
+    workloads = {w: make_workload(w, args.requests, args.seed, min(vocab, 500), args.block_size) for w in args.workloads}
+    result: dict = {
+        "workers": args.workers, "kv_blocks_per_worker": args.kv_blocks, "block_size": args.block_size,
+        "requests_per_workload": args.requests, "concurrency": args.concurrency, "targets": TARGETS,
+        "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency) for w, g in workloads.items()},
+        "policies": {},
+    }
+    port = start_ray()
+    try:
+        for policy in args.policies:
+            result["policies"][policy] = run_policy(policy, os.path.abspath(model), port, args, workloads)
+    finally:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    result["verdict"] = verdict(result)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def verdict(result: dict) -> dict:
+    """kv-aware against the targets, per workload (only when kv-aware and round-robin both ran)."""
+    pol = result["policies"]
+    if "kv-aware" not in pol:
+        return {}
+    out = {}
+    for wl, kv in pol["kv-aware"].items():
+        rr = pol.get("round-robin", {}).get(wl)
+        orc = result["oracle"][wl]["hit_rate"]
+        v = {
+            "hit_rate_vs_oracle": kv["hit_rate"] / orc if orc else None,
+            "max_over_mean_load": kv["max_over_mean_load"],
+        }
+        if rr is not None:
+            v["hit_rate_vs_round_robin"] = kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+        v["meets_targets"] = (
+            (v["hit_rate_vs_oracle"] or 0) >= TARGETS["hit_rate_vs_oracle"]
+            and v["max_over_mean_load"] <= TARGETS["max_over_mean_load"]
+            and v.get("hit_rate_vs_round_robin", float("inf")) >= TARGETS["hit_rate_vs_round_robin"]
+        )
+        out[wl] = v
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,68 @@
+"""One engine over several hosts: the leader's engine core drives identical cores on the other hosts.
+
+A multi-host replica is one SPMD program: every process of the `jax.distributed` cluster must run the
+same jitted computations in the same order, each on the shards its devices hold. The engine core is
+deterministic given the sequence of calls made on it (scheduling, block allocation and sampling seeds
+depend only on that sequence and the engine seed), so the leader records every state-changing call
+(`REPLICATED_METHODS`) and sends it, in order, to a follower core on each other host before running it
+itself. The followers' collectives meet the leader's; only the leader's outputs are used.
+
+Transport-free: the leader's `send(op)` delivers an op to every follower in order (the cluster uses Ray
+actor calls, which keep their submission order); `EngineFollower.apply(op)` runs one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from .engine.config import EngineConfig
+from .engine.engine import EngineCore
+
+log = logging.getLogger("moray.engine")
+
+# EngineCore methods that change its state or run device computations. Everything else (stats, the
+# event publisher, reading requests) is leader-local.
+REPLICATED_METHODS = frozenset(
+    {"add_request", "abort", "step", "export_kv", "import_kv", "release_kv", "recompute_instead_of_import", "clear_prefix_cache"}
+)
+
+Op = tuple[str, tuple, dict]
+
+
+class ReplicatedCore:
+    """The leader's view of a multi-host engine: an `EngineCore` whose state-changing calls are sent to
+    the followers first. Pass it to `AsyncEngine(core=...)`."""
+
+    def __init__(self, core: EngineCore, send: Callable[[Op], None]):
+        self._core = core
+        self._send = send
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._core, name)
+        if name not in REPLICATED_METHODS:
+            return attr
+
+        def replicated(*args, **kwargs):
+            self._send((name, args, kwargs))
+            return attr(*args, **kwargs)
+
+        return replicated
+
+
+class EngineFollower:
+    """A non-leader host of a multi-host engine: builds the same core (joining `jax.distributed` as the
+    process its config names) and runs the leader's ops in order."""
+
+    def __init__(self, config: EngineConfig):
+        self.core = EngineCore(config, show_progress=False)
+        self.ops = 0
+
+    def apply(self, ops: list[Op]) -> int:
+        """Runs ops in order; returns how many ran so far (the leader checks for errors with it)."""
+        for name, args, kwargs in ops:
+            if name not in REPLICATED_METHODS:
+                raise ValueError(f"not a replicated engine call: {name!r}")
+            getattr(self.core, name)(*args, **kwargs)
+            self.ops += 1
+        return self.ops
