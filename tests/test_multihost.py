@@ -83,11 +83,11 @@ def multihost_app(model_dir):
 
 
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
-    import ray
+    from ray import serve
 
-    # Two engine processes: the replica (leader) and one follower actor, each with 4 devices.
-    followers = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")]) if "EngineFollowerActor" in a.class_name]
-    assert len(followers) == 1
+    # One engine over two processes: the replica (leader) and its follower actor, 4 devices each.
+    load = serve.get_deployment_handle("DecodeServer", "multihost").load.remote().result(timeout_s=60)
+    assert load["num_processes"] == 2
     llm = LLM(str(model_dir), warmup=False, **ENGINE)
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     for prompt, want in zip(PROMPTS, expected):

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
+import jax
 import numpy as np
 
 from workers.engine.async_engine import AsyncEngine
@@ -100,6 +101,7 @@ class EngineWorker:
             "handoff_seconds": self.counters.handoff_seconds,
             "misrouted": self.counters.misrouted,
             "healthy": self.engine.healthy,
+            "num_processes": jax.process_count(),  # > 1: one engine over several hosts
         }
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
