@@ -25,7 +25,6 @@ In-process (one router and its engines in one process, tests): `attach_in_proces
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from .memory_index import MemoryKVIndex
 from .redis_conn import describe
 from .redis_index import (
     ALL_SCRIPTS, APPLY, SNAPSHOT, RedisKVIndex, check_worker_id, contiguous_runs, heartbeat_commands, model_tag, pack_blocks, pack_events,
+    unpack_decision,
     unpack_records,
 )
 from .types import IndexUnavailable, Role, WorkerLoad
@@ -419,8 +419,8 @@ class KVEventStreamConsumer:
         return n
 
     def _apply_entry(self, f: dict) -> None:
-        if f["t"] == "d":
-            self._apply_decision(f)
+        if f["t"] == "D":
+            self._apply_decisions(f)
             return
         w, epoch, seq = f["w"], int(f["ep"]), int(f["s"])
         if f["t"] == "e":
@@ -434,14 +434,14 @@ class KVEventStreamConsumer:
             blocks = [(h, tier) for _, h, tier in unpack_records(f["tiers"], f["d"], 17)]
             self.index.load_snapshot(w, epoch, seq, blocks, reset=f["r"] == "1")
 
-    def _apply_decision(self, f: dict) -> None:
-        """Another router's decision (this router's own ones are in the local index already)."""
-        if f.get("r") == self.remote.router_id:
+    def _apply_decisions(self, f: dict) -> None:
+        """Routers' decisions (this router's own ones are in the local index already)."""
+        if f["r"] == self.remote.router_id:
             return
-        d = bytes.fromhex(f["d"])
-        hashes = list(struct.unpack(f">{len(d) // 8}Q", d))
-        held = [int(x) for x in f["o"].split(",")]
-        self.index.record_decision(f["w"].split(","), hashes, int(f["x"]) / 1000, f["sess"] or None, held)
+        for key, rec in f.items():
+            if key not in ("t", "r"):
+                width, workers, held, hashes, session = unpack_decision(rec)
+                self.index.record_decision(workers, hashes, width / 1000, session, held)
 
     def start(self) -> "KVEventStreamConsumer":
         if self._thread is None:

@@ -29,10 +29,10 @@ one slot and the Lua scripts can touch them all; scripts declare `workers:{model
   sess:{model}:<session>      HASH  worker -> last use (ms), PEXPIRE session TTL.
   events:{model}              STREAM  one entry per batch, MAXLEN ~ stream_maxlen: t=e (events: w, ep,
                                     s = first seq, ts, tiers, d = 18-char records), t=s (snapshot part:
-                                    w, ep, s = last seq, r = reset, tiers, d = 17-char records) or t=d (a
-                                    routing decision: w = workers, o = blocks each holds already,
-                                    x = speculative width ms, sess, r = the router's
-                                    id, d = packed hashes).
+                                    w, ep, s = last seq, r = reset, tiers, d = 17-char records) or t=D (a
+                                    batch of routing decisions: r = the router's id, fields 0, 1, ...
+                                    = DECIDE records: speculative width, workers, blocks each holds,
+                                    hashes, session).
 
 Purges are O(1): a new epoch, a sequence gap, a `cleared` event or `remove_worker` bumps the worker's
 generation, which invalidates all its entries at once; the old generation's entries are deleted a few
@@ -67,6 +67,7 @@ _KIND_CODE = {KVEventKind.STORED: "s", KVEventKind.REMOVED: "r", KVEventKind.CLE
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:/-]+$")
 MAX_LOOKUP_BLOCKS = 4096  # Lua unpack() limits; 64k tokens at 16 per block (longer prompts: first 4096)
 SWEEP_BUDGET = 256  # superseded entries each write script deletes (the scripts say 256 too)
+DECIDE_BATCH = 256  # decisions per DECIDE call (Lua's unpack and argument limits stay far away)
 
 # Helpers shared by the scripts. ARGV[1] is always the hash tag "{model}". Hot paths use locals
 # (prefix strings, redis.call) because global and function lookups dominate small Lua loops.
@@ -325,43 +326,66 @@ sweep(256)
 return gen
 """)
 
-# KEYS[1] workers set. ARGV: tag, speculative bucket width ms (0 = no speculative entries), session
-# ('' = none), session ttl ms, number of workers, (worker, first block it lacks) per worker, block hashes
-# (packed). Speculative entries go only on the blocks each chosen worker does not hold yet (usually a
-# short tail), into the worker's set for the current time bucket; if that starts at the first block,
-# the block's spec hash names the worker too, so a lookup finds it as a candidate. Then: the stream's
-# max length (0 = do not append the decision to the stream) and the deciding router's id.
+# KEYS[1] workers set. ARGV: tag, stream max length (0 = do not append to the stream), the deciding
+# router's id, then one record per decision (a batch: one call however many decisions accumulated):
+#   "<spec bucket width ms, 0 = none>|<session ttl ms>|<w1,w2>|<first block each lacks>|<hashes>|<session>"
+# (the session last: it may contain anything). Speculative entries go only on the blocks each chosen
+# worker does not hold yet (usually a short tail), into the worker's set for the current time bucket; if
+# that starts at the first block, the block's spec hash names the worker too, so a lookup finds it as a
+# candidate. The decisions also go to the stream (one entry per batch, t=D), so routers that mirror the
+# index locally share them.
 DECIDE = LuaScript(_LUA_COMMON + r"""
-local width, session, nw = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
+local maxlen, rid = tonumber(ARGV[2]), ARGV[3]
 local now = now_ms()
-local hashes = ARGV[6 + 2 * nw]
-local n = #hashes / 16
-for j = 0, nw - 1 do
-  local w, start = ARGV[6 + 2 * j], tonumber(ARGV[7 + 2 * j])
-  if width > 0 and start < n then
-    local m = {}
-    for i = start, n - 1 do m[#m + 1] = string.sub(hashes, i * 16 + 1, i * 16 + 16) end
-    local k = WSPEC .. w .. ':' .. math.floor(now / width)
-    call('SADD', k, unpack(m))
-    call('PEXPIRE', k, 2 * width)
-    if start == 0 then
-      call('HSET', SPEC .. m[1], w, now + width)
-      call('PEXPIRE', SPEC .. m[1], width)
+local find, sub = string.find, string.sub
+local shared = {}
+for k = 4, #ARGV do
+  local rec = ARGV[k]
+  local p1 = find(rec, '|', 1, true)
+  local p2 = find(rec, '|', p1 + 1, true)
+  local p3 = find(rec, '|', p2 + 1, true)
+  local p4 = find(rec, '|', p3 + 1, true)
+  local p5 = find(rec, '|', p4 + 1, true)
+  local width, ttl = tonumber(sub(rec, 1, p1 - 1)), sub(rec, p1 + 1, p2 - 1)
+  local ws, starts = split(sub(rec, p2 + 1, p3 - 1)), split(sub(rec, p3 + 1, p4 - 1))
+  local hashes, session = sub(rec, p4 + 1, p5 - 1), sub(rec, p5 + 1)
+  local n = #hashes / 16
+  for j, w in ipairs(ws) do
+    local start = tonumber(starts[j])
+    if width > 0 and start < n then
+      local m = {}
+      for i = start, n - 1 do m[#m + 1] = sub(hashes, i * 16 + 1, i * 16 + 16) end
+      local key = WSPEC .. w .. ':' .. math.floor(now / width)
+      call('SADD', key, unpack(m))
+      call('PEXPIRE', key, 2 * width)
+      if start == 0 then
+        call('HSET', SPEC .. m[1], w, now + width)
+        call('PEXPIRE', SPEC .. m[1], width)
+      end
     end
+    if session ~= '' then call('HSET', 'sess:' .. tag .. ':' .. session, w, now) end
   end
-  if session ~= '' then call('HSET', 'sess:' .. tag .. ':' .. session, w, now) end
+  if session ~= '' then call('PEXPIRE', 'sess:' .. tag .. ':' .. session, ttl) end
+  if width > 0 or session ~= '' then shared[#shared + 1] = tostring(#shared / 2); shared[#shared + 1] = rec end
 end
-if session ~= '' then call('PEXPIRE', 'sess:' .. tag .. ':' .. session, ARGV[4]) end
--- The decision also goes to the stream, so routers that mirror the index locally share it too.
-local maxlen = tonumber(ARGV[7 + 2 * nw] or '0')
-if maxlen > 0 and (width > 0 or session ~= '') then
-  local ws, starts = {}, {}
-  for j = 0, nw - 1 do ws[#ws + 1] = ARGV[6 + 2 * j]; starts[#starts + 1] = ARGV[7 + 2 * j] end
-  call('XADD', 'events:' .. tag, 'MAXLEN', '~', maxlen, '*', 't', 'd', 'w', table.concat(ws, ','),
-       'o', table.concat(starts, ','), 'x', width, 'sess', session, 'r', ARGV[8 + 2 * nw], 'd', hashes)
+if maxlen > 0 and #shared > 0 then
+  call('XADD', 'events:' .. tag, 'MAXLEN', '~', maxlen, '*', 't', 'D', 'r', rid, unpack(shared))
 end
 return 1
 """)
+
+
+def pack_decision(width_ms: int, session_ttl_ms: int, workers: list[str], held: list[int], hashes: list[int], session: str) -> str:
+    """One DECIDE record (see the script)."""
+    return f"{width_ms}|{session_ttl_ms}|{','.join(workers)}|{','.join(map(str, held))}|{pack_hashes(hashes)}|{session}"
+
+
+def unpack_decision(rec: str) -> tuple[int, list[str], list[int], list[int], str | None]:
+    """(speculative width ms, workers, blocks each holds, block hashes, session) of a DECIDE record."""
+    width, _ttl, workers, held, hashes, session = rec.split("|", 5)
+    raw = bytes.fromhex(hashes)
+    return int(width), workers.split(","), [int(x) for x in held.split(",")], list(struct.unpack(f">{len(raw) // 8}Q", raw)), session or None
+
 
 # KEYS[1] workers set. ARGV: tag, worker ('' = every worker without a live heartbeat).
 REMOVE = LuaScript(_LUA_COMMON + r"""
@@ -667,19 +691,15 @@ class RedisKVIndex:
         ttl_s > 0 asks for them. With async_writes (the default) the call is queued for the writer
         thread, which pipelines whatever accumulated: the decision does not wait for a second round trip."""
         held = held or [0] * len(workers)
-        args = [self.tag, self._spec_width_ms if ttl_s > 0 else 0, session_id or "", int(self.session_ttl_s * 1000), len(workers)]
-        for w, start in zip(workers, held):
-            args += (w, start)
-        args.append(pack_hashes(block_hashes))
-        args += (self.stream_maxlen, self.router_id)
+        rec = pack_decision(self._spec_width_ms if ttl_s > 0 else 0, int(self.session_ttl_s * 1000), workers, held, block_hashes, session_id or "")
         if not self.async_writes:
-            self.breaker.call(lambda: DECIDE(self.client, [self.workers_key], args))
+            self.breaker.call(lambda: DECIDE(self.client, [self.workers_key], [self.tag, self.stream_maxlen, self.router_id, rec]))
             return
         self.breaker.guard()  # Redis down: fail now, do not queue
         if len(self._writes) >= self.max_queued_writes:
             raise IndexUnavailable("KV index write queue full")
         with self._write_cv:
-            self._writes.append(args)
+            self._writes.append(rec)
             self._queued += 1
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="moray-kv-index-writer", daemon=True)
@@ -703,13 +723,11 @@ class RedisKVIndex:
                 self._writes.clear()
 
             def send():
-                pipe = self.client.pipeline(transaction=False)
-                for args in batch:
-                    pipe.evalsha(DECIDE.sha, 1, self.workers_key, *args)
-                pipe.execute()
+                for start in range(0, len(batch), DECIDE_BATCH):  # one script call per batch
+                    DECIDE(self.client, [self.workers_key], [self.tag, self.stream_maxlen, self.router_id, *batch[start : start + DECIDE_BATCH]])
 
             try:
-                self.breaker.call(lambda: self._with_scripts(send))
+                self.breaker.call(send)
             except IndexUnavailable:
                 pass  # bookkeeping is best effort: lost speculative entries only cost some affinity
             with self._write_cv:
