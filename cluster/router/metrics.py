@@ -31,6 +31,7 @@ class RouterMetrics:
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25), registry=r,
         )
         self.prompt_tokens = Counter("moray_router_prompt_tokens", "prompt tokens routed", registry=r)
+        self.routed_tokens = Counter("moray_router_routed_prompt_tokens", "prompt tokens routed to each decode worker", ["worker"], registry=r)
         self.cached_best = Counter("moray_router_cached_tokens_best", "cached prefix tokens on the best live candidate", registry=r)
         self.cached_chosen = Counter("moray_router_cached_tokens_chosen", "cached prefix tokens on the chosen worker", registry=r)
         self.reused = Counter("moray_router_reused_tokens", "prefix tokens the engines reported actually reused", registry=r)

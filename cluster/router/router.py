@@ -20,6 +20,7 @@ Thread-safe; `route` is synchronous and fast (see `moray bench route`). From asy
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
@@ -31,6 +32,9 @@ from cluster.config import KVIndexConfig, RouterConfig
 from .metrics import RouterMetrics
 from .policy import CostWeights, Policy, RoutingContext, make_policy, select
 from .types import IndexUnavailable, KVIndex, Lookup, NoWorkersAvailable, Role, RouteDecision, RouteRequest, WorkerLoad
+
+
+RECENT_WORK_TAU_S = 30.0  # a conversation's turns come seconds apart; its placement should count for a while
 
 
 class PendingLoad:
@@ -72,6 +76,26 @@ class PendingLoad:
         return out
 
 
+class RecentWork:
+    """Prompt blocks this router sent each worker, decaying with time constant `tau_s`: the work a worker
+    was given lately, including conversations that are between turns (their KV is idle, so the worker's
+    reported load does not show them). Only breaks ties between otherwise equal candidates."""
+
+    def __init__(self, tau_s: float, clock: Callable[[], float]):
+        self.tau_s = tau_s
+        self.clock = clock
+        self._work: dict[str, tuple[float, float]] = {}  # worker -> (blocks, as of time)
+
+    def add(self, worker: str, blocks: float) -> None:
+        now = self.clock()
+        value, at = self._work.get(worker, (0.0, now))
+        self._work[worker] = (value * math.exp((at - now) / self.tau_s) + blocks, now)
+
+    def snapshot(self) -> dict[str, float]:
+        now = self.clock()
+        return {w: value * math.exp((at - now) / self.tau_s) for w, (value, at) in self._work.items()}
+
+
 class Router:
     def __init__(
         self,
@@ -96,6 +120,7 @@ class Router:
         self._lock = threading.Lock()
         # Pending bumps last one heartbeat TTL at most: by then a live worker has reported its real load.
         self._pending = PendingLoad(self.config.heartbeat_ttl_s, clock)
+        self._recent = RecentWork(RECENT_WORK_TAU_S, clock)
         self._last_loads: dict[str, WorkerLoad] = {}
         self._fallback = dict(fallback_workers or {})
         self._wire_index_metrics()
@@ -126,7 +151,7 @@ class Router:
         t0 = time.perf_counter()
         lookup, degraded = self._lookup(request)
         with self._lock:
-            decision = self._decide(request, lookup, self._pending.pending(lookup.loads), degraded)
+            decision = self._decide(request, lookup, self._pending.pending(lookup.loads), degraded, self._recent.snapshot())
             self._note_pending(request, decision)
         self.on_decision(request, decision, {w: m.blocks for w, m in lookup.matches.items()})
         self._observe(request, decision, lookup, time.perf_counter() - t0)
@@ -154,11 +179,11 @@ class Router:
             self._last_loads = lookup.loads
         return lookup, False
 
-    def _decide(self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool) -> RouteDecision:
+    def _decide(self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, recent: dict | None = None) -> RouteDecision:
         loads = lookup.loads
         if not loads:
             raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
-        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending)
+        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending, recent or {})
         # Without the index there is nothing to match: by load alone.
         policy = self._load_only if degraded else self.policy
         # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
@@ -200,6 +225,7 @@ class Router:
     def _note_pending(self, request: RouteRequest, d: RouteDecision) -> None:
         prompt_blocks = -(-request.prompt_len // self.block_size)
         self._pending.add(d.decode_worker, prompt_blocks, 0 if d.prefill_worker else d.uncached_tokens)
+        self._recent.add(d.decode_worker, prompt_blocks)
         if d.prefill_worker:
             self._pending.add(d.prefill_worker, 0, d.uncached_tokens)
 
@@ -224,6 +250,7 @@ class Router:
         m.decisions.labels(self.policy.name, d.reason).inc()
         m.prefill.labels("remote" if d.prefill_worker else "local").inc()
         m.prompt_tokens.inc(request.prompt_len)
+        m.routed_tokens.labels(d.decode_worker).inc(request.prompt_len)
         m.cached_best.inc(d.best_cached_tokens)
         m.cached_chosen.inc(d.expected_cached_tokens)
         m.maybe_update_loads(lookup.loads)
