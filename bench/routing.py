@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-time-ms", type=float, default=1000.0, help="a user's pause before the next turn (uniform 0..N)")
     p.add_argument("--slack-divisor", type=float, default=2.0,
                    help="router.load_slack_blocks = kv_blocks / this (the default 64 blocks is sized for production pools)")
+    p.add_argument("--repeats", type=int, default=1, help="fresh apps per policy; figures are medians over them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON result here")
 
@@ -310,13 +311,15 @@ def run(args: argparse.Namespace) -> int:
         "workers": args.workers, "kv_blocks_per_worker": args.kv_blocks, "block_size": args.block_size,
         "requests_per_workload": args.requests, "concurrency": args.concurrency, "targets": TARGETS,
         "router": {"load_slack_blocks": args.kv_blocks / args.slack_divisor}, "think_time_ms": args.think_time_ms,
+        "repeats": args.repeats,
         "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency) for w, g in workloads.items()},
         "policies": {},
     }
     port = start_ray()
     try:
         for policy in args.policies:
-            result["policies"][policy] = run_policy(policy, os.path.abspath(model), port, args, workloads)
+            runs = [run_policy(policy, os.path.abspath(model), port, args, workloads) for _ in range(args.repeats)]
+            result["policies"][policy] = {wl: median_of([r[wl] for r in runs]) for wl in workloads}
     finally:
         import ray
         from ray import serve
@@ -330,6 +333,22 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+MEDIAN_FIELDS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "max_over_mean_load", "wall_s")
+
+
+def median_of(runs: list[dict]) -> dict:
+    """One workload's figures over repeated runs: the medians, plus each run's own figures."""
+    import statistics
+
+    if len(runs) == 1:
+        return runs[0]
+    out = {k: statistics.median(r[k] for r in runs) for k in MEDIAN_FIELDS}
+    out["requests"] = runs[0]["requests"]
+    out["prompt_tokens_per_worker"] = runs[-1]["prompt_tokens_per_worker"]  # the last run's, for a look
+    out["runs"] = [{k: r[k] for k in MEDIAN_FIELDS} for r in runs]
+    return out
 
 
 def verdict(result: dict) -> dict:
