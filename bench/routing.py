@@ -243,7 +243,7 @@ def start_ray() -> int:
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,  # its own, always
              runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

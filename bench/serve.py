@@ -203,7 +203,7 @@ def start_pair(model: str):
     engine = {"model": os.path.abspath(model), "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512,
               "token_buckets": [8, 32, 128, 512], "page_buckets": [4, 16, 64]}
     base = {"engine": engine, "server": {"http_port": port}, "router": {"remote_prefill_min_tokens": 32}}
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
     serve.run(build_app({**base, "name": "disagg"}), name="disagg", route_prefix="/", blocking=False)
     serve.run(build_app({**base, "name": "colo", "mode": "colocated"}), name="colo", route_prefix="/colo", blocking=False)

@@ -39,7 +39,7 @@ def test_bench_routing_end_to_end(tmp_path, capsys):
                      "--policies", "round-robin", "kv-aware", "--think-time-ms", "100", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert json.loads(capsys.readouterr().out) == result
+    assert out.read_text().strip() in capsys.readouterr().out  # printed too (Ray may add its own lines)
     for policy in ("round-robin", "kv-aware"):
         for workload in ("shared-prefix", "multi-turn"):
             r = result["policies"][policy][workload]
