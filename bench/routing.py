@@ -28,7 +28,8 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+
+from bench.serve import Item, Result, one_request, pct
 
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
 WORKLOADS = ("shared-prefix", "multi-turn")
@@ -53,13 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- workloads
-
-
-@dataclass
-class Item:
-    prompt: list[int]
-    max_tokens: int
-    session: str | None = None
 
 
 def make_workload(name: str, n: int, seed: int, vocab: int, block_size: int) -> list[list[Item]]:
@@ -176,62 +170,39 @@ def _wait_for_workers(url: str, n: int, timeout_s: float = 900) -> None:
     raise TimeoutError(f"{url}: {n} decode workers did not register within {timeout_s:.0f}s")
 
 
-async def _run_items(url: str, groups: list[list[Item]], concurrency: int, think_time_s: float = 0.0, seed: int = 0) -> list[dict]:
+async def _run_items(url: str, groups: list[list[Item]], concurrency: int, think_time_s: float = 0.0, seed: int = 0) -> list[Result]:
     import aiohttp
 
     rng = random.Random(seed)
-
     sem = asyncio.Semaphore(concurrency)
-    results: list[dict] = []
+    results: list[Result] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         async with session.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-
-        async def one(item: Item) -> dict:
-            body = {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            headers = {"x-session-id": item.session} if item.session else {}
-            start, ttft, usage = time.perf_counter(), None, None
-            async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(event["error"]["message"])
-                    if event.get("choices") and ttft is None:
-                        ttft = time.perf_counter() - start
-                    usage = event.get("usage") or usage
-            return {"ttft": ttft, "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
         async def group(g: list[Item]) -> None:
             async with sem:  # a client holds its slot for a whole conversation, turn after turn
                 for turn, item in enumerate(g):
                     if turn and think_time_s:
                         await asyncio.sleep(rng.uniform(0, think_time_s))  # the user reads, then types
-                    results.append(await one(item))
+                    result = await one_request(session, url, model, item, None)
+                    if not result.ok:
+                        raise RuntimeError(result.error)
+                    results.append(result)
 
         await asyncio.gather(*(group(g) for g in groups))
     return results
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else 0.0
-
-
-def summarise(results: list[dict], before: dict[str, float], after: dict[str, float], workers: int) -> dict:
+def summarise(results: list[Result], before: dict[str, float], after: dict[str, float], workers: int) -> dict:
     given = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in after}
     given.update({f"(idle {i})": 0.0 for i in range(workers - len(given))})  # a worker given nothing at all
-    ttft = [r["ttft"] for r in results]
+    ttft = [r.ttft for r in results]
     return {
         "requests": len(results),
-        "hit_rate": sum(r["cached"] for r in results) / sum(r["prompt"] for r in results),
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p99_s": _pct(ttft, 99),
+        "hit_rate": sum(r.cached_tokens for r in results) / sum(r.prompt_tokens for r in results),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
         "max_over_mean_load": _max_over_mean(given.values()),
         "prompt_tokens_per_worker": dict(sorted(given.items())),
     }
@@ -243,19 +214,13 @@ def start_ray() -> int:
     import ray
     from ray import serve
 
+    from workers.parallel import free_port
+
     ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,  # its own, always
              runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, list[list[Item]]]) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import socket
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -22,6 +21,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import DistributedConfig, EngineConfig
 from workers.engine.engine import EngineCore
 from workers.multihost import EngineFollower, Op, ReplicatedCore
+from workers.parallel import free_port
 
 from .config import PoolConfig
 
@@ -72,12 +72,6 @@ class EngineFollowerActor:
         return self.follower.ops
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def process_config(config: EngineConfig, coordinator: str, hosts: int, process_id: int, seed: int) -> EngineConfig:
     distributed = DistributedConfig(coordinator_address=coordinator, num_processes=hosts, process_id=process_id)
     parallel = config.parallel.model_copy(update={"distributed": distributed})
@@ -91,7 +85,7 @@ def start_multihost_engine(config: EngineConfig, pool: PoolConfig, show_progress
     pg = ray.util.get_current_placement_group()
     if pg is None:
         raise RuntimeError(f"a replica over {hosts} hosts needs its placement group (placement_group_bundles)")
-    coordinator = f"{ray.util.get_node_ip_address()}:{_free_port()}"
+    coordinator = f"{ray.util.get_node_ip_address()}:{free_port()}"
     seed = config.seed if config.seed is not None else secrets.randbits(31)
     resources = {"TPU": pool.resources.tpu.chips_per_host} if pool.resources.tpu is not None else {}
     followers = [

@@ -31,12 +31,11 @@ FP8_TOP1 = 0.99
 SMALL_INIT = dict(initializer_range=0.05)
 
 
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
+def qwen2_ep_checkpoint(out_dir):
     """Hidden 256 (the k = 2 hierarchical dispatch splits it into two 128-lane halves), 16 experts top-4,
     a shared expert whose output must be combined consistently with the routed one."""
     return save_hf_checkpoint(
-        tmp_path_factory.mktemp("ep-qwen2"),
+        out_dir,
         "qwen2_moe",
         hidden_size=256,
         num_experts=16,
@@ -45,6 +44,11 @@ def qwen2(tmp_path_factory):
         shared_expert_intermediate_size=64,
         **SMALL_INIT,
     )
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return qwen2_ep_checkpoint(tmp_path_factory.mktemp("ep-qwen2"))
 
 
 def single(ckpt, prompts=PROMPTS):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ep_multiprocess_worker import CONFIGS, ENGINE, PROMPTS
-from hf_checkpoints import save_hf_checkpoint
+from test_ep_model import qwen2_ep_checkpoint
 from workers.engine import LLM, SamplingParams
 from workers.models import load_model, prompt_logits
 from workers.parallel import launch_local_processes
@@ -23,16 +23,7 @@ WORKER = Path(__file__).resolve().parent / "ep_multiprocess_worker.py"
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return save_hf_checkpoint(
-        tmp_path_factory.mktemp("ep-mp"),
-        "qwen2_moe",
-        hidden_size=256,
-        num_experts=16,
-        num_experts_per_tok=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        initializer_range=0.05,
-    )
+    return qwen2_ep_checkpoint(tmp_path_factory.mktemp("ep-mp"))
 
 
 def test_two_processes_match_one(ckpt, tmp_path):

@@ -292,8 +292,8 @@ class MemoryKVIndex:
         expiry = now + ttl_s
         with self._lock:
             self._sweep_spec(now)
-            slot = self._slot_bit(worker_id).bit_length() - 1
-            bit = 1 << slot
+            bit = self._slot_bit(worker_id)
+            slot = bit.bit_length() - 1
             masks = self._spec_masks
             for h in block_hashes:
                 self._spec.setdefault(h, {})[slot] = expiry

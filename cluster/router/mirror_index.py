@@ -21,7 +21,7 @@ from workers.engine.kv_events import KVEvent
 
 from .memory_index import MemoryKVIndex
 from .publisher import KVEventStreamConsumer
-from .redis_index import RedisKVIndex
+from .redis_index import SWEEP_BUDGET, RedisKVIndex
 from .types import IndexUnavailable, Lookup, WorkerLoad
 
 log = logging.getLogger("moray.router")
@@ -58,7 +58,6 @@ class MirroredKVIndex:
         """Loads the copy now (so the first request already sees the cache), then follows the stream."""
         try:
             self.consumer.poll_once()
-            self.consumer.available = True
         except IndexUnavailable as e:
             log.warning("KV index mirror: Redis unreachable at start (%s); routing by load until it answers", e)
         self.consumer.start()
@@ -66,9 +65,7 @@ class MirroredKVIndex:
 
     def catch_up(self) -> int:
         """Reads what the stream gained since the last poll, now (tests; a replica that must be current)."""
-        n = self.consumer.poll_once()
-        self.consumer.available = True
-        return n
+        return self.consumer.poll_once()
 
     # ---------------------------------------------------------------- lookups: local
 
@@ -124,8 +121,8 @@ class MirroredKVIndex:
             self.local.remove_worker(w)
         return removed
 
-    def sweep(self, budget: int | None = None) -> int:
-        return self.remote.sweep() if budget is None else self.remote.sweep(budget)
+    def sweep(self, budget: int = SWEEP_BUDGET) -> int:
+        return self.remote.sweep(budget)
 
     def flush(self, timeout: float = 2.0) -> bool:
         return self.remote.flush(timeout)

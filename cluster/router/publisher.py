@@ -403,11 +403,16 @@ class KVEventStreamConsumer:
 
     def poll_once(self) -> int:
         """Applies what the stream gained since the last call; returns the number of entries read.
-        Raises IndexUnavailable if Redis cannot be reached. (Non-blocking: a blocking XREAD would have to
-        outlast the client's socket timeout.)"""
-        if self.last_id is None or self._gap:
-            self.bootstrap()
-        resp = self.remote.breaker.call(lambda: self.client.xread({self.stream: self.last_id}, count=self.count))
+        Raises IndexUnavailable if Redis cannot be reached, and keeps `available` to match. (Non-blocking:
+        a blocking XREAD would have to outlast the client's socket timeout.)"""
+        try:
+            if self.last_id is None or self._gap:
+                self.bootstrap()
+            resp = self.remote.breaker.call(lambda: self.client.xread({self.stream: self.last_id}, count=self.count))
+        except IndexUnavailable:
+            self.available = False
+            raise
+        self.available = True
         n = 0
         for _, entries in resp or []:
             for entry_id, f in entries:
@@ -456,14 +461,12 @@ class KVEventStreamConsumer:
                 if down:
                     self.last_id = None  # Redis may have restarted: reload rather than trust our position
                 n = self.poll_once()
-                self.available = True
                 if down:
                     log.warning("KV stream consumer: Redis reachable again; index reloaded")
                     down = False
                 if n < self.count:
                     self._stop.wait(self.poll_interval_s)
             except IndexUnavailable as e:
-                self.available = False
                 if not down:
                     log.warning("KV stream consumer: %s", e)
                     down = True
