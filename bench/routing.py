@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-time-ms", type=float, default=1000.0, help="a user's pause before the next turn (uniform 0..N)")
     p.add_argument("--slack-divisor", type=float, default=2.0,
                    help="router.load_slack_blocks = kv_blocks / this (the default 64 blocks is sized for production pools)")
+    p.add_argument("--session-idle-s", type=float,
+                   help="router.session_idle_s (default: 3x the think time; the 60 s default is sized for human users)")
     p.add_argument("--repeats", type=int, default=1, help="fresh apps per policy; figures are medians over them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON result here")
@@ -223,6 +225,12 @@ def start_ray() -> int:
     return port
 
 
+def router_settings(args) -> dict:
+    """Router settings scaled to the benchmark: its pools are tiny and its users think for a second."""
+    idle = args.session_idle_s if args.session_idle_s is not None else max(1.0, 3 * args.think_time_ms / 1000)
+    return {"load_slack_blocks": args.kv_blocks / args.slack_divisor, "session_idle_s": idle}
+
+
 def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, list[list[Item]]]) -> dict:
     from ray import serve
 
@@ -238,7 +246,7 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
         # Load above the mean is free up to load_slack_blocks; the default (64) is sized for production
         # pools of thousands of blocks, so it is scaled to these small pools (half a pool by default:
         # measured on shared-prefix, kv_blocks/8 reached 0.82 of the oracle, /4 0.87, /2 0.93).
-        "router": {"policy": policy, "seed": args.seed, "load_slack_blocks": args.kv_blocks / args.slack_divisor},
+        "router": {"policy": policy, "seed": args.seed, **router_settings(args)},
     }
     url = f"http://127.0.0.1:{port}/{policy}"
     t0 = time.perf_counter()
@@ -275,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {
         "workers": args.workers, "kv_blocks_per_worker": args.kv_blocks, "block_size": args.block_size,
         "requests_per_workload": args.requests, "concurrency": args.concurrency, "targets": TARGETS,
-        "router": {"load_slack_blocks": args.kv_blocks / args.slack_divisor}, "think_time_ms": args.think_time_ms,
+        "router": router_settings(args), "think_time_ms": args.think_time_ms,
         "repeats": args.repeats,
         "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency) for w, g in workloads.items()},
         "policies": {},

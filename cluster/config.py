@@ -125,6 +125,9 @@ class RouterConfig(_Strict):
     load_slack_blocks: float = Field(default=64.0, ge=0, description="load above the mean that costs nothing")
     speculative_ttl_s: float = Field(default=2.0, ge=0, description="how long a decision counts as cached on the chosen workers")
     session_ttl_s: float = Field(default=600.0, gt=0)
+    session_idle_s: float = Field(
+        default=60.0, gt=0, description="a conversation counts as live on its worker this long after its last turn (balances new ones)"
+    )
     seed: int | None = Field(default=None, description="seeds temperature/exploration sampling (tests, benchmarks)")
 
 

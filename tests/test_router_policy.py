@@ -199,6 +199,48 @@ def test_ties_are_broken_per_request_not_always_the_same_worker():
     assert len(set(first)) == 4
 
 
+def test_new_conversations_go_where_the_fewest_live_ones_wait_between_turns():
+    clock = Clock()
+    index, router = setup({"d0": "decode", "d1": "decode"}, clock=clock, session_idle_s=30)
+    rng = random.Random(0)
+
+    def turn(session: str, n_blocks: int) -> str:
+        hashes = block_hashes(tokens(rng, n_blocks * BS), BS, MODEL)
+        return router.route(req(hashes, session=session, rid=f"{session}-{clock()}")).decode_worker
+
+    def later(seconds: float) -> None:  # every turn so far has finished: the workers report no load
+        clock.t += seconds
+        for w in ("d0", "d1"):
+            index.heartbeat(WorkerLoad(w, "decode", ts=clock()))
+
+    a = turn("a", 8)
+    later(1)
+    b = turn("b", 4)
+    assert b != a  # a is between turns: its worker runs nothing, yet a's next turn is coming to it
+    later(1)
+    assert turn("c", 4) == b  # 8 blocks of a waiting on one worker, 4 of b on the other
+    later(20)
+    assert turn("b", 6) == b  # b's second turn: back to its worker
+    later(15)
+    # a and c said nothing for 30 s: no longer live. The worker that served a is the one to use now,
+    # although it was given more work in the past.
+    assert turn("d", 4) == a
+
+
+def test_a_cold_prompt_without_a_session_avoids_the_worker_attracting_sessionless_work():
+    clock = Clock()
+    index, router = setup({"d0": "decode", "d1": "decode"}, clock=clock, session_idle_s=10)
+    index.apply(stored("d1", PROMPT[:40]))
+    for i in range(3):  # a system prompt cached on d1 pulls its requests there
+        assert router.route(req(PROMPT, rid=f"hot{i}")).decode_worker == "d1"
+    clock.t += 1
+    for w in ("d0", "d1"):  # they finished: no load anywhere
+        index.heartbeat(WorkerLoad(w, "decode", ts=clock()))
+    for i in range(6):  # cold prompts, each 8 blocks: d0 has been given less lately until 192 blocks
+        cold = block_hashes(list(range(50_000 + 1000 * i, 50_000 + 1000 * i + 8 * BS)), BS, MODEL)
+        assert router.route(req(cold, rid=f"cold{i}")).decode_worker == "d0"
+
+
 # ---------------------------------------------------------------- degradation and bookkeeping
 
 

@@ -6,7 +6,7 @@ The kv-aware cost of a candidate worker `w`, in KV blocks (the unit both cache a
             + load_weight  * max(0, load_blocks(w) - mean load_blocks of the candidates - load_slack_blocks)
             + queue_weight * num_waiting(w)
             - session_bonus_blocks            (only if w served this session before)
-            + 0.001 * recent_blocks(w)        (ties: the worker given the least work lately)
+            + 0.001 * (load_blocks(w) + upcoming_blocks(w))   (ties only: see below)
 
     uncached_blocks(w) = prompt_len / block_size - (device blocks matched + host_tier_credit * offloaded)
     load_blocks(w)     = active_decode_blocks(w) + inflight_prefill_tokens(w) / block_size
@@ -30,10 +30,18 @@ workers, Zipf-popular system prompts, the hottest twice a worker's share) the de
 at ~1.05 while reusing 0.84 of prompt tokens (best possible ~0.87), against 0.75 when every difference in
 load counts (Dynamo-style) and 0.71 for least-loaded routing; ignoring load reaches 2.8x. The tiny last
 term only orders candidates that are otherwise equal (a new conversation, a cold prompt): they go to the
-worker this router gave the fewest prompt blocks lately (decaying over 30 s) instead of a hashed pick,
-which would leave placement of new sessions to chance. Not the reported load: conversations between
-turns hold idle KV that it does not show, so a worker whose conversations are all thinking would look
-free and collect every new one (measured: max/mean 1.33-1.5 that way on the multi-turn benchmark).
+worker with the least work now and about to come, instead of a hashed pick, which would leave placement
+of new conversations and system prompts to chance. Work about to come (`upcoming_blocks`, kept by the
+router replica) is what will follow the KV a worker holds:
+  - the next turns of the live conversations whose last turn it served (live until `session_idle_s`
+    without a turn; a turn re-sends at least the previous prompt, which is what is counted);
+  - for requests without a session, the prompt blocks it was sent lately (decaying over
+    `session_idle_s`): they come back through the prefixes it holds, at about the rate they came.
+Load alone misses both: a worker whose conversations are all between turns runs nothing, looks free
+and collects every new one (measured on the multi-turn benchmark: max/mean 1.33-1.5). A decaying sum of
+all work misses the other way: it keeps counting conversations that ended and the previous workload, so a
+worker that had more then gets too little now (max/mean 1.17-1.5). Counted as above: multi-turn 1.17 and
+shared-prefix 1.04-1.12 in three runs each.
 
 The session bonus is a few blocks: it breaks near-ties toward the worker that holds a conversation's KV,
 never an override. kv_usage is exported as a metric but not scored: it is active_decode_blocks / pool
@@ -69,7 +77,7 @@ class CostWeights:
                    cfg.load_slack_blocks)
 
 
-TIE_RECENT_WEIGHT = 0.001  # per recently routed block: decides only between otherwise equal candidates
+TIE_WEIGHT = 0.001  # per block of load or upcoming work: decides only between otherwise equal candidates
 
 
 @dataclass
@@ -83,7 +91,7 @@ class RoutingContext:
     weights: CostWeights
     lookup: Lookup
     pending: dict[str, tuple[int, int]] = field(default_factory=dict)
-    recent: dict[str, float] = field(default_factory=dict)  # worker -> recently routed blocks (decaying)
+    upcoming: dict[str, float] = field(default_factory=dict)  # worker -> blocks about to come (router._upcoming_work)
     _kv_costs: dict[tuple, dict[str, float]] = field(default_factory=dict, repr=False)  # per candidate set
 
     @property
@@ -119,7 +127,7 @@ class RoutingContext:
         return (
             wt.cache_weight * self.uncached_blocks(w)
             + wt.load_weight * max(0.0, load_blocks - baseline)
-            + TIE_RECENT_WEIGHT * self.recent.get(w, 0.0)
+            + TIE_WEIGHT * (load_blocks + self.upcoming.get(w, 0.0))
             + wt.queue_weight * self.loads[w].num_waiting
             - (wt.session_bonus_blocks if self.in_session(w) else 0.0)
         )

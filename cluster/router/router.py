@@ -23,7 +23,7 @@ import asyncio
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from random import Random
 from typing import Callable
 
@@ -32,9 +32,6 @@ from cluster.config import KVIndexConfig, RouterConfig
 from .metrics import RouterMetrics
 from .policy import CostWeights, Policy, RoutingContext, make_policy, select
 from .types import IndexUnavailable, KVIndex, Lookup, NoWorkersAvailable, Role, RouteDecision, RouteRequest, WorkerLoad
-
-
-RECENT_WORK_TAU_S = 30.0  # a conversation's turns come seconds apart; its placement should count for a while
 
 
 class PendingLoad:
@@ -76,10 +73,54 @@ class PendingLoad:
         return out
 
 
+class LiveSessions:
+    """The conversations this router replica placed, per worker, while they are live: a session counts
+    on the worker that served its last turn until `idle_s` passes without another turn. Its next turn
+    will come back there (its KV is there), re-sending at least the prompt it sent last, so the sum of
+    those prompts is work a worker is about to get that its reported load does not show (between turns
+    a conversation runs nothing). New conversations go where the least of it waits.
+
+    Sessions are kept in order of their last turn, so expiry pops from the front; per-worker sums are
+    kept as they change, so a decision reads them in O(workers)."""
+
+    def __init__(self, idle_s: float, clock: Callable[[], float]):
+        self.idle_s = idle_s
+        self.clock = clock
+        self._sessions: OrderedDict[str, tuple[str, int, float]] = OrderedDict()  # session -> (worker, blocks, t)
+        self._blocks: dict[str, int] = {}  # worker -> prompt blocks of its live sessions
+
+    def note(self, session_id: str, worker: str, blocks: int) -> None:
+        self._drop(session_id)
+        self._sessions[session_id] = (worker, blocks, self.clock())
+        self._blocks[worker] = self._blocks.get(worker, 0) + blocks
+
+    def blocks(self) -> dict[str, int]:
+        """worker -> prompt blocks of the live sessions whose last turn it served."""
+        horizon = self.clock() - self.idle_s
+        while self._sessions:
+            session_id, (_, _, t) = next(iter(self._sessions.items()))
+            if t >= horizon:
+                break
+            self._drop(session_id)
+        return self._blocks
+
+    def _drop(self, session_id: str) -> None:
+        old = self._sessions.pop(session_id, None)
+        if old is not None:
+            worker, blocks, _ = old
+            left = self._blocks[worker] - blocks
+            if left:
+                self._blocks[worker] = left
+            else:
+                del self._blocks[worker]
+
+
 class RecentWork:
-    """Prompt blocks this router sent each worker, decaying with time constant `tau_s`: the work a worker
-    was given lately, including conversations that are between turns (their KV is idle, so the worker's
-    reported load does not show them). Only breaks ties between otherwise equal candidates."""
+    """Prompt blocks of requests without a session this router sent each worker, decaying with time
+    constant `tau_s`. Such requests come back to a worker through the prefixes it holds (a system prompt
+    reused by many), so the work a worker attracted lately is the best guess at what it is about to get.
+    (Conversations are counted by `LiveSessions` instead: a decaying sum would keep counting the ones
+    that ended.)"""
 
     def __init__(self, tau_s: float, clock: Callable[[], float]):
         self.tau_s = tau_s
@@ -120,7 +161,8 @@ class Router:
         self._lock = threading.Lock()
         # Pending bumps last one heartbeat TTL at most: by then a live worker has reported its real load.
         self._pending = PendingLoad(self.config.heartbeat_ttl_s, clock)
-        self._recent = RecentWork(RECENT_WORK_TAU_S, clock)
+        self._sessions = LiveSessions(self.config.session_idle_s, clock)
+        self._recent = RecentWork(self.config.session_idle_s, clock)  # the same horizon as a conversation's
         self._last_loads: dict[str, WorkerLoad] = {}
         self._fallback = dict(fallback_workers or {})
         self._wire_index_metrics()
@@ -151,7 +193,7 @@ class Router:
         t0 = time.perf_counter()
         lookup, degraded = self._lookup(request)
         with self._lock:
-            decision = self._decide(request, lookup, self._pending.pending(lookup.loads), degraded, self._recent.snapshot())
+            decision = self._decide(request, lookup, self._pending.pending(lookup.loads), degraded, self._upcoming_work())
             self._note_pending(request, decision)
         self.on_decision(request, decision, {w: m.blocks for w, m in lookup.matches.items()})
         self._observe(request, decision, lookup, time.perf_counter() - t0)
@@ -162,6 +204,14 @@ class Router:
         if not getattr(self.index, "blocking_lookups", False):
             return self.route(request)
         return await asyncio.to_thread(self.route, request)
+
+    def _upcoming_work(self) -> dict[str, float]:
+        """worker -> blocks of work likely to arrive soon that its load does not show yet: the next turns
+        of its live conversations and the sessionless work it has been attracting (see policy.py)."""
+        out = self._recent.snapshot()
+        for w, blocks in self._sessions.blocks().items():
+            out[w] = out.get(w, 0.0) + blocks
+        return out
 
     def _lookup(self, request: RouteRequest) -> tuple[Lookup, bool]:
         try:
@@ -179,11 +229,13 @@ class Router:
             self._last_loads = lookup.loads
         return lookup, False
 
-    def _decide(self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, recent: dict | None = None) -> RouteDecision:
+    def _decide(
+        self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, upcoming: dict | None = None
+    ) -> RouteDecision:
         loads = lookup.loads
         if not loads:
             raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
-        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending, recent or {})
+        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending, upcoming or {})
         # Without the index there is nothing to match: by load alone.
         policy = self._load_only if degraded else self.policy
         # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
@@ -225,7 +277,10 @@ class Router:
     def _note_pending(self, request: RouteRequest, d: RouteDecision) -> None:
         prompt_blocks = -(-request.prompt_len // self.block_size)
         self._pending.add(d.decode_worker, prompt_blocks, 0 if d.prefill_worker else d.uncached_tokens)
-        self._recent.add(d.decode_worker, prompt_blocks)
+        if request.session_id:
+            self._sessions.note(request.session_id, d.decode_worker, prompt_blocks)
+        else:
+            self._recent.add(d.decode_worker, prompt_blocks)
         if d.prefill_worker:
             self._pending.add(d.prefill_worker, 0, d.uncached_tokens)
 
