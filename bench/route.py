@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -235,12 +234,6 @@ def bench_memory(args, cached_h, req_h, rng) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_redis_mirror(args, cached_h, req_h, rng) -> dict:
     return bench_redis(args, cached_h, req_h, rng, mirror=True)
 
@@ -249,6 +242,7 @@ def bench_redis(args, cached_h, req_h, rng, mirror: bool = False) -> dict:
     from cluster.config import RouterConfig
     from cluster.router import MirroredKVIndex, RedisKVEventSink, RedisKVIndex, Router
     from cluster.router.redis_conn import connect
+    from workers.parallel import free_port
 
     proc = tmp = None
     url = args.redis_url
@@ -256,7 +250,7 @@ def bench_redis(args, cached_h, req_h, rng, mirror: bool = False) -> dict:
         if shutil.which("redis-server") is None:
             return {"skipped": "redis-server not found (apt-get install redis-server, or pass --redis-url)"}
         tmp = tempfile.mkdtemp(prefix="moray-bench-redis-")
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                  "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{port}/0"

@@ -7,7 +7,6 @@ A replica's worker id is its Serve replica id, so the router's choice can be hon
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from ray import serve
