@@ -143,16 +143,18 @@ def _max_over_mean(values) -> float:
 # ---------------------------------------------------------------- the live runs
 
 
-def _worker_counters(url: str) -> dict[str, float]:
-    """worker -> prompt tokens the router sent it (cumulative), from /metrics."""
+def _router_counters(url: str) -> dict[str, dict[str, float]]:
+    """From /metrics (cumulative): "worker" -> {worker: prompt tokens the router sent it}, and
+    "branch" -> {deciding branch: decisions}."""
     import urllib.request
 
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {"worker": {}, "branch": {}}
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("moray_router_routed_prompt_tokens_total{"):
-                worker = line.split('worker="', 1)[1].split('"', 1)[0]
-                out[worker] = float(line.rsplit(" ", 1)[1])
+            for prefix, label in (("moray_router_routed_prompt_tokens_total{", "worker"), ("moray_router_decisions_total{", "branch")):
+                if line.startswith(prefix):
+                    key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+                    out[label][key] = out[label].get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -196,8 +198,8 @@ async def _run_items(url: str, groups: list[list[Item]], concurrency: int, think
     return results
 
 
-def summarise(results: list[Result], before: dict[str, float], after: dict[str, float], workers: int) -> dict:
-    given = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in after}
+def summarise(results: list[Result], before: dict, after: dict, workers: int) -> dict:
+    given = {w: n - before["worker"].get(w, 0.0) for w, n in after["worker"].items()}
     given.update({f"(idle {i})": 0.0 for i in range(workers - len(given))})  # a worker given nothing at all
     ttft = [r.ttft for r in results]
     return {
@@ -207,6 +209,7 @@ def summarise(results: list[Result], before: dict[str, float], after: dict[str, 
         "ttft_p99_s": pct(ttft, 99),
         "max_over_mean_load": _max_over_mean(given.values()),
         "prompt_tokens_per_worker": dict(sorted(given.items())),
+        "decisions_by_branch": {b: int(n - before["branch"].get(b, 0.0)) for b, n in sorted(after["branch"].items())},
     }
 
 
@@ -256,10 +259,10 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
     out = {}
     try:
         for wl, groups in workloads.items():
-            before = _worker_counters(url)
+            before = _router_counters(url)
             t1 = time.perf_counter()
             results = asyncio.run(_run_items(url, groups, args.concurrency, args.think_time_ms / 1000, args.seed))
-            out[wl] = summarise(results, before, _worker_counters(url), args.workers)
+            out[wl] = summarise(results, before, _router_counters(url), args.workers)
             out[wl]["wall_s"] = time.perf_counter() - t1
             print(f"[{policy}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
                   file=sys.stderr, flush=True)
@@ -320,7 +323,7 @@ def median_of(runs: list[dict]) -> dict:
     out = {k: statistics.median(r[k] for r in runs) for k in MEDIAN_FIELDS}
     out["requests"] = runs[0]["requests"]
     out["prompt_tokens_per_worker"] = runs[-1]["prompt_tokens_per_worker"]  # the last run's, for a look
-    out["runs"] = [{k: r[k] for k in MEDIAN_FIELDS} for r in runs]
+    out["runs"] = [{k: r[k] for k in (*MEDIAN_FIELDS, "decisions_by_branch")} for r in runs]
     return out
 
 

@@ -46,6 +46,9 @@ def test_bench_routing_end_to_end(tmp_path, capsys):
             assert r["requests"] == 24 and 0.0 <= r["hit_rate"] <= 1.0
             assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["max_over_mean_load"] >= 1.0
             assert sum(r["prompt_tokens_per_worker"].values()) > 0
+            assert sum(r["decisions_by_branch"].values()) == 24  # every request decided once, by some branch
     kv, rr = result["policies"]["kv-aware"], result["policies"]["round-robin"]
     assert kv["shared-prefix"]["hit_rate"] > rr["shared-prefix"]["hit_rate"]
+    assert set(rr["shared-prefix"]["decisions_by_branch"]) == {"round-robin"}
+    assert kv["shared-prefix"]["decisions_by_branch"].get("cache-hit", 0) > 0
     assert set(result["verdict"]) == {"shared-prefix", "multi-turn"}
