@@ -117,6 +117,21 @@ def test_prefix_cache_hit_reports_cached_tokens(llm):
     assert b.num_cached_tokens == 23 and b.token_ids == a.token_ids
 
 
+def test_requests_sharing_a_new_prefix_together_compute_it_once(llm):
+    # Three prompts opening with the same 4 blocks (32 tokens), none of it cached, submitted at once: the
+    # first computes the prefix, the others wait a step for it instead of computing it again.
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 500) for _ in range(32)]
+    batch = [shared + [rng.randrange(3, 500) for _ in range(5 + i)] for i in range(3)]
+    waits = llm.engine.scheduler.num_prefix_waits
+    together = llm.generate(batch, GREEDY)
+    assert [o.num_cached_tokens for o in together] == [0, 32, 32]
+    assert llm.engine.scheduler.num_prefix_waits > waits
+    llm.engine.kv.clear_prefix_cache()  # alone: each computes the prefix itself
+    alone = [llm.generate([p], GREEDY)[0] for p in batch]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
 def test_preemption_with_tiny_kv_pool_gives_identical_outputs(tiny, llm):
     batch = prompts(8, seed=5, lo=20, hi=50)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

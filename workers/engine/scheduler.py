@@ -2,7 +2,10 @@
 
 Continuous batching under one token budget (`max_num_batched_tokens`): running requests first (their
 decode token, or the next chunk of an unfinished prefill), then waiting requests in arrival order,
-whose prompts are split into chunks when the budget runs out (chunked prefill). When the KV pool runs
+whose prompts are split into chunks when the budget runs out (chunked prefill). A waiting request whose
+next uncached block is being computed right now by a running request waits a step for it rather than
+computing the same prefix a second time (requests sharing a new system prompt that arrive together:
+the second would otherwise miss the cache, as it does in vLLM). When the KV pool runs
 dry, the most recently admitted running request is preempted: its blocks are freed and it starts over
 later (recompute; the prefix cache usually gives most of it back).
 The output is a plain `SchedulerOutput`; the runner turns it into device arrays.
@@ -49,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # steps a waiting request sat out for a prefix another was computing
         # Finished prefill-only requests whose blocks wait to be exported; and decode-side requests
         # whose blocks are allocated but whose KV is still arriving.
         self.held: dict[str, Request] = {}
@@ -139,12 +143,17 @@ class Scheduler:
             budget -= n
 
         # 2. Waiting requests, in order, while budget and sequence slots remain.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        computing = self._blocks_being_computed()
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             if request.block_ids:  # KV imported from a prefill worker: blocks already allocated
                 prefix = []
             else:
                 prefix = self.kv.cached_prefix(request)
+                if self._next_block_is_being_computed(request, len(prefix), computing):
+                    self.num_prefix_waits += 1
+                    continue  # next step it is cached
                 hit = len(prefix) * self.kv.block_size
                 # The last token is always computed: its logits give the first sampled token.
                 request.num_computed_tokens = min(hit, request.num_tokens - 1)
@@ -154,7 +163,7 @@ class Scheduler:
                 if not request.block_ids:
                     request.num_computed_tokens = 0
                 break  # the pool is full; wait for running requests to finish
-            self.waiting.popleft()
+            self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
@@ -162,7 +171,28 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
             out.block_copies += copies
             budget -= n
+            self._note_computing(request, computing)
         return out
+
+    def _blocks_being_computed(self) -> dict[int, Request]:
+        """block hash -> the running request computing that full block (it is not cached yet)."""
+        computing: dict[int, Request] = {}
+        for request in self.running:
+            self._note_computing(request, computing)
+        return computing
+
+    def _note_computing(self, request: Request, computing: dict[int, Request]) -> None:
+        for h in request.block_hashes[request.num_computed_tokens // self.kv.block_size :]:
+            computing.setdefault(h, request)
+
+    def _next_block_is_being_computed(self, request: Request, num_cached: int, computing: dict[int, Request]) -> bool:
+        if num_cached >= len(request.block_hashes) or not computing:
+            return False
+        other = computing.get(request.block_hashes[num_cached])
+        if other is None:
+            return False
+        shares_pool = getattr(self.kv, "shares_pool", None)  # data-parallel ranks: only its own rank's cache helps
+        return shares_pool is None or shares_pool(other, request)
 
     def advance(self, scheduled: ScheduledRequest) -> None:
         """Marks the step's tokens computed and registers blocks that became full in the prefix cache."""
