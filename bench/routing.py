@@ -2,7 +2,9 @@
 
 For each policy (round-robin, least-loaded, kv-aware) a fresh colocated app with `--workers` decode
 workers, each with a KV pool small enough (`--kv-blocks`) that the workload's prefixes do not all fit,
-serves the same shared-prefix and multi-turn workloads over HTTP. Reported per policy and workload:
+serves the same shared-prefix and multi-turn workloads over HTTP, one after the other, with a pause
+between them long enough for the router's memory of the previous one to fade (3 x session_idle_s).
+Reported per policy and workload:
 
 - hit rate: prompt tokens the engines reported as cached (usage.prompt_tokens_details) / prompt tokens;
 - TTFT p50/p99 (streamed);
@@ -50,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="router.load_slack_blocks = kv_blocks / this (the default 64 blocks is sized for production pools)")
     p.add_argument("--session-idle-s", type=float,
                    help="router.session_idle_s (default: 3x the think time; the 60 s default is sized for human users)")
-    p.add_argument("--repeats", type=int, default=1, help="fresh apps per policy; figures are medians over them")
+    p.add_argument("--repeats", type=int, default=3, help="fresh apps per policy; figures are medians over them (machines are noisy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON result here")
 
@@ -258,7 +260,11 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
     print(f"[{policy}] {args.workers} workers up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     out = {}
     try:
-        for wl, groups in workloads.items():
+        for i, (wl, groups) in enumerate(workloads.items()):
+            if i:
+                # Each workload starts from a quiet router: its memory of the last one (work a worker was
+                # attracting, live conversations; see cluster/router/policy.py) is let fade first.
+                time.sleep(3 * router_settings(args)["session_idle_s"])
             before = _router_counters(url)
             t1 = time.perf_counter()
             results = asyncio.run(_run_items(url, groups, args.concurrency, args.think_time_ms / 1000, args.seed))

@@ -36,7 +36,7 @@ def test_the_oracle_reaches_every_reusable_block_when_nothing_is_evicted():
 def test_bench_routing_end_to_end(tmp_path, capsys):
     out = tmp_path / "routing.json"
     rc = moray_main(["bench", "routing", "--workers", "2", "--kv-blocks", "48", "--requests", "24", "--concurrency", "4",
-                     "--policies", "round-robin", "kv-aware", "--think-time-ms", "100", "--json", str(out)])
+                     "--policies", "round-robin", "kv-aware", "--think-time-ms", "100", "--repeats", "1", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert out.read_text().strip() in capsys.readouterr().out  # printed too (Ray may add its own lines)
