@@ -302,10 +302,10 @@ class Router:
     def _observe(self, request: RouteRequest, d: RouteDecision, lookup: Lookup, seconds: float) -> None:
         m = self.metrics
         m.decision_seconds.observe(seconds)
-        m.decisions.labels(self.policy.name, d.reason).inc()
-        m.prefill.labels("remote" if d.prefill_worker else "local").inc()
+        m.child(m.decisions, self.policy.name, d.reason).inc()
+        m.child(m.prefill, "remote" if d.prefill_worker else "local").inc()
         m.prompt_tokens.inc(request.prompt_len)
-        m.routed_tokens.labels(d.decode_worker).inc(request.prompt_len)
+        m.child(m.routed_tokens, d.decode_worker).inc(request.prompt_len)
         m.cached_best.inc(d.best_cached_tokens)
         m.cached_chosen.inc(d.expected_cached_tokens)
         m.maybe_update_loads(lookup.loads)
