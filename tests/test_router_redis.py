@@ -22,6 +22,7 @@ from cluster.router import (
     WorkerLoad,
 )
 from cluster.router.redis_conn import connect, connect_from_config
+from cluster.router.redis_index import pack_decision, unpack_decision
 from test_router_policy import BS, MODEL, SimWorker, stored, tokens
 from workers.engine.block_hash import block_hashes
 from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
@@ -233,6 +234,20 @@ def test_speculative_entries_count_until_they_expire(backend):
     assert b.index.longest_prefix(CHAIN[:8]) == {"w0": 8, "w1": 8}
     b.advance(1.05)  # Redis buckets: an entry lives one to two ttl
     assert b.index.longest_prefix(CHAIN[:8]) == {"w0": 4}
+
+
+def test_a_decision_carries_only_the_blocks_its_workers_lack(backend):
+    b = backend(speculative_ttl_s=0.5)
+    b.live("w0", "w1")
+    b.index.apply(stored("w0", CHAIN[:4]))
+    b.index.apply(stored("w1", CHAIN[:6]))
+    b.index.record_decision(["w0", "w1"], CHAIN[:10], 0.5, None, held=[4, 6])
+    b.index.flush()
+    assert b.index.longest_prefix(CHAIN[:10]) == {"w0": 10, "w1": 10}
+    # On the wire (Redis, and the stream mirrors read): hashes from block 4 on; held relative to them.
+    rec = pack_decision(500, 1000, ["w0", "w1"], [4, 6], CHAIN[:10], "chat|1")
+    assert unpack_decision(rec) == (500, ["w0", "w1"], [0, 2], CHAIN[4:10], "chat|1")
+    assert unpack_decision(pack_decision(0, 1000, ["w0"], [0], CHAIN[:10], "s"))[3] == []  # session only
 
 
 def test_sessions_remove_worker_and_snapshots(backend):

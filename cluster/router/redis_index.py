@@ -32,7 +32,7 @@ one slot and the Lua scripts can touch them all; scripts declare `workers:{model
                                     w, ep, s = last seq, r = reset, tiers, d = 17-char records) or t=D (a
                                     batch of routing decisions: r = the router's id, fields 0, 1, ...
                                     = DECIDE records: speculative width, workers, blocks each holds,
-                                    hashes, session).
+                                    offset, the hashes from the offset on, session).
 
 Purges are O(1): a new epoch, a sequence gap, a `cleared` event or `remove_worker` bumps the worker's
 generation, which invalidates all its entries at once; the old generation's entries are deleted a few
@@ -328,9 +328,11 @@ return gen
 
 # KEYS[1] workers set. ARGV: tag, stream max length (0 = do not append to the stream), the deciding
 # router's id, then one record per decision (a batch: one call however many decisions accumulated):
-#   "<spec bucket width ms, 0 = none>|<session ttl ms>|<w1,w2>|<first block each lacks>|<hashes>|<session>"
+#   "<spec bucket width ms, 0 = none>|<session ttl ms>|<w1,w2>|<first block each lacks>|<offset>|<hashes>|<session>"
 # (the session last: it may contain anything). Speculative entries go only on the blocks each chosen
-# worker does not hold yet (usually a short tail), into the worker's set for the current time bucket; if
+# worker does not hold yet (usually a short tail), so a record carries only the hashes from the first
+# block any chosen worker lacks (`offset`, a block position) onward, not the whole prompt's; they go into
+# the worker's set for the current time bucket; if
 # that starts at the first block, the block's spec hash names the worker too, so a lookup finds it as a
 # candidate. The decisions also go to the stream (one entry per batch, t=D), so routers that mirror the
 # index locally share them.
@@ -346,15 +348,17 @@ for k = 4, #ARGV do
   local p3 = find(rec, '|', p2 + 1, true)
   local p4 = find(rec, '|', p3 + 1, true)
   local p5 = find(rec, '|', p4 + 1, true)
+  local p6 = find(rec, '|', p5 + 1, true)
   local width, ttl = tonumber(sub(rec, 1, p1 - 1)), sub(rec, p1 + 1, p2 - 1)
   local ws, starts = split(sub(rec, p2 + 1, p3 - 1)), split(sub(rec, p3 + 1, p4 - 1))
-  local hashes, session = sub(rec, p4 + 1, p5 - 1), sub(rec, p5 + 1)
-  local n = #hashes / 16
+  local offset = tonumber(sub(rec, p4 + 1, p5 - 1))
+  local hashes, session = sub(rec, p5 + 1, p6 - 1), sub(rec, p6 + 1)
+  local n = offset + #hashes / 16
   for j, w in ipairs(ws) do
     local start = tonumber(starts[j])
     if width > 0 and start < n then
       local m = {}
-      for i = start, n - 1 do m[#m + 1] = sub(hashes, i * 16 + 1, i * 16 + 16) end
+      for i = start - offset, n - offset - 1 do m[#m + 1] = sub(hashes, i * 16 + 1, i * 16 + 16) end
       local key = WSPEC .. w .. ':' .. math.floor(now / width)
       call('SADD', key, unpack(m))
       call('PEXPIRE', key, 2 * width)
@@ -376,15 +380,20 @@ return 1
 
 
 def pack_decision(width_ms: int, session_ttl_ms: int, workers: list[str], held: list[int], hashes: list[int], session: str) -> str:
-    """One DECIDE record (see the script)."""
-    return f"{width_ms}|{session_ttl_ms}|{','.join(workers)}|{','.join(map(str, held))}|{pack_hashes(hashes)}|{session}"
+    """One DECIDE record (see the script): only the hashes some chosen worker lacks travel."""
+    offset = min(min(held, default=0), len(hashes)) if width_ms > 0 else len(hashes)
+    return (f"{width_ms}|{session_ttl_ms}|{','.join(workers)}|{','.join(map(str, held))}|{offset}|"
+            f"{pack_hashes(hashes[offset:])}|{session}")
 
 
 def unpack_decision(rec: str) -> tuple[int, list[str], list[int], list[int], str | None]:
-    """(speculative width ms, workers, blocks each holds, block hashes, session) of a DECIDE record."""
-    width, _ttl, workers, held, hashes, session = rec.split("|", 5)
+    """(speculative width ms, workers, blocks each holds, block hashes, session) of a DECIDE record, the
+    hashes being those it carries (from its offset on) and the held counts relative to them."""
+    width, _ttl, workers, held, offset, hashes, session = rec.split("|", 6)
     raw = bytes.fromhex(hashes)
-    return int(width), workers.split(","), [int(x) for x in held.split(",")], list(struct.unpack(f">{len(raw) // 8}Q", raw)), session or None
+    start = int(offset)
+    return (int(width), workers.split(","), [max(0, int(x) - start) for x in held.split(",")],
+            list(struct.unpack(f">{len(raw) // 8}Q", raw)), session or None)
 
 
 # KEYS[1] workers set. ARGV: tag, worker ('' = every worker without a live heartbeat).
