@@ -40,8 +40,8 @@ router replica) is what will follow the KV a worker holds:
 Load alone misses both: a worker whose conversations are all between turns runs nothing, looks free
 and collects every new one (measured on the multi-turn benchmark: max/mean 1.33-1.5). A decaying sum of
 all work misses the other way: it keeps counting conversations that ended and the previous workload, so a
-worker that had more then gets too little now (max/mean 1.17-1.5). Counted as above: multi-turn 1.17 and
-shared-prefix 1.04-1.12 in three runs each.
+worker that had more then gets too little now (max/mean 1.17-1.5). Counted as above: multi-turn 1.00-1.17
+and shared-prefix 1.04-1.12 over eight runs (`moray bench routing`).
 
 The session bonus is a few blocks: it breaks near-ties toward the worker that holds a conversation's KV,
 never an override. kv_usage is exported as a metric but not scored: it is active_decode_blocks / pool
