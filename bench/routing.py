@@ -329,6 +329,7 @@ def median_of(runs: list[dict]) -> dict:
     out = {k: statistics.median(r[k] for r in runs) for k in MEDIAN_FIELDS}
     out["requests"] = runs[0]["requests"]
     out["prompt_tokens_per_worker"] = runs[-1]["prompt_tokens_per_worker"]  # the last run's, for a look
+    out["decisions_by_branch"] = runs[-1]["decisions_by_branch"]
     out["runs"] = [{k: r[k] for k in (*MEDIAN_FIELDS, "decisions_by_branch")} for r in runs]
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.routing import make_workload, oracle, replay_order
+from bench.routing import make_workload, median_of, oracle, replay_order
 from cluster.cli import main as moray_main
 
 
@@ -31,6 +31,14 @@ def test_the_oracle_reaches_every_reusable_block_when_nothing_is_evicted():
     shared = make_workload("shared-prefix", 48, 0, 500, 8)
     roomy, tight = oracle(shared, 4, 1000, 8, 8), oracle(shared, 4, 20, 8, 8)
     assert tight["hit_rate"] < roomy["hit_rate"] <= 1.0  # small pools evict
+
+
+def test_repeated_runs_report_medians_with_the_same_fields_as_one_run():
+    runs = [dict(requests=8, hit_rate=h, ttft_p50_s=0.1, ttft_p99_s=0.2, max_over_mean_load=l, wall_s=1.0,
+                 prompt_tokens_per_worker={"a": 1.0}, decisions_by_branch={"cache-hit": 8}) for h, l in ((0.5, 1.2), (0.7, 1.0), (0.6, 1.1))]
+    m = median_of(runs)
+    assert (m["hit_rate"], m["max_over_mean_load"]) == (0.6, 1.1)
+    assert set(runs[0]) <= set(m) and len(m["runs"]) == 3
 
 
 def test_bench_routing_end_to_end(tmp_path, capsys):

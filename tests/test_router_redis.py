@@ -447,6 +447,25 @@ def test_a_mirror_started_later_routes_by_the_existing_cache_and_follows_new_eve
         s.close()
 
 
+def test_a_mirror_skips_stream_entries_it_cannot_read_and_follows_the_rest(server, client):
+    connect(server.url(), 2.0).flushall()
+    writer = redis_index(server)
+    writer.heartbeat(WorkerLoad("w0", "decode", ts=time.time()))
+    reader = mirror(server)
+    stream = reader.consumer.stream
+    # What a router or worker of another version might write (rolling upgrade), and plain garbage.
+    client.xadd(stream, {"t": "D", "r": "other-router", "0": "500|1000|w0|0|not-hex|s"})
+    client.xadd(stream, {"t": "e", "w": "w0"})
+    writer.record_decision(["w0"], CHAIN[:6], 5.0, "chat-9")
+    assert writer.flush(5)
+    reader.catch_up()
+    assert reader.consumer.unreadable_entries == 2 and reader.consumer.available
+    assert reader.lookup(CHAIN[:6]).matches["w0"].blocks == 6  # the entry after them arrived
+    assert reader.session_workers("chat-9") == ["w0"]
+    reader.close()
+    writer.close()
+
+
 def test_a_dead_worker_leaves_the_mirror_within_the_ttl(server, client):
     workers, sinks, prompts = serve_cluster(server, n=2, sessions=4, heartbeat_ttl_s=1.0)
     index = MirroredKVIndex(redis_index(server, heartbeat_ttl_s=1.0), heartbeat_refresh_s=0.1).start()

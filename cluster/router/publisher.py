@@ -25,6 +25,7 @@ In-process (one router and its engines in one process, tests): `attach_in_proces
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import deque
@@ -374,6 +375,7 @@ class KVEventStreamConsumer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.available = False  # the last poll reached Redis (so the local copy is current)
+        self.unreadable_entries = 0  # stream entries skipped because they could not be parsed
         previous = index.on_purge
 
         def on_purge(worker, reason):
@@ -416,12 +418,24 @@ class KVEventStreamConsumer:
         n = 0
         for _, entries in resp or []:
             for entry_id, f in entries:
-                self._apply_entry(f)
+                self._apply_readable(entry_id, f)
                 self.last_id = entry_id
                 n += 1
         if time.monotonic() - self._loads_at >= self.heartbeat_refresh_s:
             self.refresh_loads()
         return n
+
+    def _apply_readable(self, entry_id: str, f: dict) -> None:
+        """Applies an entry, or skips it (counted, logged once) if it is not in a format this version
+        reads, e.g. written by a newer router or worker during a rolling upgrade: one unreadable entry
+        must not stop the mirror from following the rest of the stream."""
+        try:
+            self._apply_entry(f)
+        except (KeyError, ValueError, struct.error) as e:
+            if not self.unreadable_entries:
+                log.warning("KV stream consumer: skipping an entry it cannot read (%s: %r); counting further ones silently",
+                            entry_id, e)
+            self.unreadable_entries += 1
 
     def _apply_entry(self, f: dict) -> None:
         if f["t"] == "D":

@@ -14,6 +14,7 @@ The output is a plain `SchedulerOutput`; the runner turns it into device arrays.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import BlockCopy, KVCacheManager
@@ -142,10 +143,14 @@ class Scheduler:
             out.block_copies += copies
             budget -= n
 
-        # 2. Waiting requests, in order, while budget and sequence slots remain.
+        # 2. Waiting requests, in order, while budget and sequence slots remain. Requests waiting a step
+        # for a prefix being computed are passed over; the scan is bounded so that a burst of them costs
+        # each step at most `max_num_seqs` extra look-ups, not a pass over the whole queue.
         computing = self._blocks_being_computed()
-        for request in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+        passed_over = 0
+        scan = list(islice(self.waiting, self.max_num_seqs - len(self.running) + self.max_num_seqs))
+        for request in scan:
+            if budget == 0 or len(self.running) >= self.max_num_seqs or passed_over >= self.max_num_seqs:
                 break
             if request.block_ids:  # KV imported from a prefill worker: blocks already allocated
                 prefix = []
@@ -153,6 +158,7 @@ class Scheduler:
                 prefix = self.kv.cached_prefix(request)
                 if self._next_block_is_being_computed(request, len(prefix), computing):
                     self.num_prefix_waits += 1
+                    passed_over += 1
                     continue  # next step it is cached
                 hit = len(prefix) * self.kv.block_size
                 # The last token is always computed: its logits give the first sampled token.
@@ -174,25 +180,25 @@ class Scheduler:
             self._note_computing(request, computing)
         return out
 
-    def _blocks_being_computed(self) -> dict[int, Request]:
-        """block hash -> the running request computing that full block (it is not cached yet)."""
-        computing: dict[int, Request] = {}
+    def _blocks_being_computed(self) -> dict[int, list[Request]]:
+        """block hash -> the running requests computing that full block (it is not cached yet)."""
+        computing: dict[int, list[Request]] = {}
         for request in self.running:
             self._note_computing(request, computing)
         return computing
 
-    def _note_computing(self, request: Request, computing: dict[int, Request]) -> None:
+    def _note_computing(self, request: Request, computing: dict[int, list[Request]]) -> None:
         for h in request.block_hashes[request.num_computed_tokens // self.kv.block_size :]:
-            computing.setdefault(h, request)
+            computing.setdefault(h, []).append(request)
 
-    def _next_block_is_being_computed(self, request: Request, num_cached: int, computing: dict[int, Request]) -> bool:
+    def _next_block_is_being_computed(self, request: Request, num_cached: int, computing: dict[int, list[Request]]) -> bool:
         if num_cached >= len(request.block_hashes) or not computing:
             return False
-        other = computing.get(request.block_hashes[num_cached])
-        if other is None:
+        others = computing.get(request.block_hashes[num_cached])
+        if not others:
             return False
         shares_pool = getattr(self.kv, "shares_pool", None)  # data-parallel ranks: only its own rank's cache helps
-        return shares_pool is None or shares_pool(other, request)
+        return shares_pool is None or any(shares_pool(other, request) for other in others)
 
     def advance(self, scheduled: ScheduledRequest) -> None:
         """Marks the step's tokens computed and registers blocks that became full in the prefix cache."""
