@@ -133,35 +133,13 @@ class RoutingContext:
         )
 
     def kv_costs(self, candidates: list[str]) -> dict[str, float]:
-        """`cost` for every candidate, computed once per candidate set (a hot path: written as one pass
-        over locals rather than per-candidate method calls; `cost` is the readable form of the same)."""
+        """`cost` for every candidate, computed once per candidate set (the branch label reuses it)."""
         key = tuple(candidates)
         costs = self._kv_costs.get(key)
-        if costs is not None:
-            return costs
-        wt, loads, pending, bs = self.weights, self.loads, self.pending, self.block_size
-        load = {}
-        for w in candidates:
-            l = loads[w]
-            blocks, tokens = pending.get(w, (0, 0))
-            load[w] = l.active_decode_blocks + blocks + (l.inflight_prefill_tokens + tokens) / bs
-        baseline = sum(load.values()) / len(candidates) + wt.load_slack_blocks
-        matches, sessions, upcoming = self.lookup.matches, self.lookup.session_workers, self.upcoming
-        prompt_blocks, offload_discount = self.prompt_blocks, 1.0 - wt.host_tier_credit
-        costs = {}
-        for w in candidates:
-            m = matches.get(w, _NO_MATCH)
-            lb = load[w]
-            excess = lb - baseline
-            uncached = prompt_blocks - (m.blocks - m.offloaded * offload_discount)
-            costs[w] = (
-                wt.cache_weight * (uncached if uncached > 0.0 else 0.0)
-                + wt.load_weight * (excess if excess > 0.0 else 0.0)
-                + TIE_WEIGHT * (lb + upcoming.get(w, 0.0))
-                + wt.queue_weight * loads[w].num_waiting
-                - (wt.session_bonus_blocks if w in sessions else 0.0)
-            )
-        self._kv_costs[key] = costs
+        if costs is None:
+            load = {w: self.load_blocks(w) for w in candidates}
+            baseline = sum(load.values()) / len(candidates) + self.weights.load_slack_blocks
+            costs = self._kv_costs[key] = {w: self.cost(w, load[w], baseline) for w in candidates}
         return costs
 
 
