@@ -146,7 +146,7 @@ class Scheduler:
         # 2. Waiting requests, in order, while budget and sequence slots remain. Requests waiting a step
         # for a prefix being computed are passed over; the scan is bounded so that a burst of them costs
         # each step at most `max_num_seqs` extra look-ups, not a pass over the whole queue.
-        computing = self._blocks_being_computed()
+        computing = self._blocks_being_computed() if self.waiting else {}
         passed_over = 0
         scan = list(islice(self.waiting, self.max_num_seqs - len(self.running) + self.max_num_seqs))
         for request in scan:
