@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench.serve import Item, Result, one_request, pct
+from bench.serve import Item, Result, conversation, one_request, pct
 
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
 WORKLOADS = ("shared-prefix", "multi-turn")
@@ -73,16 +73,8 @@ def make_workload(name: str, n: int, seed: int, vocab: int, block_size: int) -> 
         return items
     if name == "multi-turn":
         # n/4 conversations of 4 turns: each turn adds a 2-block user message to the history, plus a
-        # 1-block stand-in for the previous reply (the reply itself is not fed back: outputs vary).
-        groups = []
-        for s in range(max(1, n // 4)):
-            history, turns = tok(4), []
-            for _ in range(4):
-                history = history + tok(2)
-                turns.append(Item(list(history), 4, session=f"{seed}-s{s}"))
-                history = history + tok(1)
-            groups.append(turns)
-        return groups
+        # 1-block stand-in for the previous reply.
+        return [conversation(tok, f"{seed}-s{s}", opening=4, user=2, reply=1, turns=4, max_tokens=4) for s in range(max(1, n // 4))]
     raise ValueError(f"unknown workload {name!r}")
 
 

@@ -52,18 +52,22 @@ def make_workload(name: str, n: int, seed: int, vocab: int = 500) -> list[list[I
         prefixes = [tok(192) for _ in range(max(1, n // 8))]
         return [[Item(prefixes[i % len(prefixes)] + tok(24), 16)] for i in range(n)]
     if name == "multi-turn":
-        groups = []
-        for s in range(max(1, n // 4)):
-            history, turns = tok(48), []
-            for t in range(4):
-                history = history + tok(24)
-                turns.append(Item(list(history), 12, session=f"s{s}", turn=t))
-                history = history + tok(12)  # stands in for the assistant's reply
-            groups.append(turns)
-        return groups
+        return [conversation(tok, f"s{s}", opening=48, user=24, reply=12, turns=4, max_tokens=12) for s in range(max(1, n // 4))]
     if name == "long-in-short-out":
         return [[Item(tok(400), 4)] for _ in range(n)]
     return [[Item(tok(16), 64)] for _ in range(n)]
+
+
+def conversation(tok, session: str, *, opening: int, user: int, reply: int, turns: int, max_tokens: int) -> list[Item]:
+    """One conversation's turns, in `tok`'s units: each turn adds a `user`-sized message to the history;
+    a `reply`-sized stand-in for the assistant's reply follows it (outputs vary, so the real reply is not
+    fed back)."""
+    history, items = tok(opening), []
+    for t in range(turns):
+        history = history + tok(user)
+        items.append(Item(list(history), max_tokens, session=session, turn=t))
+        history = history + tok(reply)
+    return items
 
 
 # ------------------------------------------------------------------------------------ client
