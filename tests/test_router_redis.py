@@ -149,11 +149,15 @@ def test_longest_prefix_for_every_worker_at_once(backend):
     b = backend()
     b.live("w0", "w1", "w2")
     b.index.apply(stored("w0", CHAIN[:10]))
-    b.index.apply(stored("w1", CHAIN[:5] + CHAIN[6:9]))  # a hole at block 5: its prefix is 5 blocks
-    b.index.apply(stored("w2", CHAIN[5:10]))  # no first block: no prefix at all
-    assert b.index.longest_prefix(CHAIN[:10]) == {"w0": 10, "w1": 5}
+    # Holes no longer end a match: hashes are chained, so holding block i means holding the prefix through
+    # block i (hybrid engines publish only the blocks they can resume from). The match is the deepest
+    # held block + 1. (Under the old consecutive rule w1 matched 5 and w2 nothing.)
+    b.index.apply(stored("w1", CHAIN[:5] + CHAIN[6:9]))  # a hole at block 5: deepest block 8
+    b.index.apply(stored("w2", CHAIN[5:10]))  # no first block, deepest block 9
+    assert b.index.longest_prefix(CHAIN[:10]) == {"w0": 10, "w1": 9, "w2": 10}
     assert b.index.longest_prefix(CHAIN[:3]) == {"w0": 3, "w1": 3}
-    assert b.index.longest_prefix([999] + CHAIN[1:10]) == {}
+    # A different first block changes every chained hash after it: nothing of the chain is held.
+    assert b.index.longest_prefix([999, 998, 997]) == {}
     assert b.index.longest_prefix([]) == {}
 
 
@@ -165,7 +169,12 @@ def test_slower_tiers_count_as_offloaded_and_removals_end_the_prefix(backend):
     assert b.index.lookup(CHAIN[:10]).matches == {"w0": PrefixMatch(8, 4)}
     b.index.apply([KVEvent("w0", 1, 9, KVEventKind.REMOVED, CHAIN[2], 0, BS, "device")])  # block 2: host only now
     assert b.index.lookup(CHAIN[:10]).matches == {"w0": PrefixMatch(8, 5)}
+    # A hole in the middle does not end the match (the deepest held block does; the old consecutive rule
+    # gave PrefixMatch(5, 2) here): blocks 2, 4, 6 and 7 are offloaded, block 5 is not held at all.
     b.index.apply([KVEvent("w0", 1, 10, KVEventKind.REMOVED, CHAIN[5], 0, BS, "host")])
+    assert b.index.lookup(CHAIN[:10]).matches == {"w0": PrefixMatch(8, 4)}
+    # Removing the tail (how engines evict) ends it.
+    b.index.apply([KVEvent("w0", 1, 11 + i, KVEventKind.REMOVED, CHAIN[7 - i], 0, BS, "host") for i in range(2)])
     assert b.index.lookup(CHAIN[:10]).matches == {"w0": PrefixMatch(5, 2)}  # blocks 2 and 4 offloaded
 
 
@@ -504,9 +513,9 @@ def test_the_sink_never_blocks_the_engine_and_catches_up_when_redis_appears(tmp_
         assert index.longest_prefix(list(range(1, 3001))) == {"w0": 3000}
         assert registry.get_sample_value("moray_kv_sink_resyncs_total", {"reason": "overflow"}) >= 1  # as a snapshot
         assert registry.get_sample_value("moray_kv_sink_errors_total") >= 1
-        pub.emit(KVEventKind.REMOVED, 2000, 1999, BS)  # and ordinary batches follow it
-        assert s.flush(5)
-        assert index.longest_prefix(list(range(1, 3001))) == {"w0": 1999}
+        pub.emit(KVEventKind.REMOVED, 3000, 2999, BS)  # and ordinary batches follow it (a tail eviction:
+        assert s.flush(5)  # a hole in the middle would not shorten the match, which is the deepest held block)
+        assert index.longest_prefix(list(range(1, 3001))) == {"w0": 2999}
     finally:
         s.close()
         server.stop()

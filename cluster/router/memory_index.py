@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from functools import reduce
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, ne, or_
 from typing import Callable, Iterable
@@ -218,9 +219,15 @@ class MemoryKVIndex:
             return {w: m.blocks for w, m in self._match(block_hashes, self.live_workers()).items()}
 
     def _match(self, block_hashes: list[int], live: dict) -> dict[str, PrefixMatch]:
-        """Every live worker's longest prefix: the running AND of the blocks' holder masks, each worker
-        dropping out at its first missing block. The per-block lookups run as C loops (map/accumulate);
-        Python code runs only where a worker drops out (and per block where offloaded entries exist)."""
+        """Every live worker's match: its DEEPEST held block along the request's chain (matched blocks =
+        that position + 1), not the end of its first consecutive run. Block hashes are chained (block i's
+        hash covers tokens 0..i), so holding block i means the worker computed exactly this prefix through
+        block i, whatever it holds before it. Hybrid (linear-attention) engines can resume only where a
+        recurrent-state snapshot exists and publish only those boundary blocks, so their holdings have
+        gaps by design; attention-only engines publish every block and evict a sequence's tail before its
+        prefix, so for them the deepest held block is the end of the consecutive run: one rule serves
+        both. The per-block lookups run as C loops (map/accumulate); Python code runs only where a worker
+        first appears walking back from the end (and per block where offloaded entries exist)."""
         live_mask = 0
         for w in live:
             slot = self._slot.get(w)
@@ -240,45 +247,34 @@ class MemoryKVIndex:
             found = self._walk_with_offloaded(held, slow, live_mask)
         else:
             found = self._walk(held, live_mask)
-        return {self._names[slot]: m for slot, m in found.items() if m.blocks}
+        return {self._names[slot]: m for slot, m in found.items()}
 
     @staticmethod
     def _walk(held: list[int], live_mask: int) -> dict[int, PrefixMatch]:
-        """Device blocks only: the running AND is computed in C, and Python looks only at the few
-        positions where it loses a worker (the running mask only ever loses bits)."""
-        running = list(accumulate(held, and_, initial=live_mask))
-        del running[0]  # running[i]: the live workers holding blocks 0..i
+        """Device blocks only: a suffix OR of the holder masks, computed in C from the chain's end
+        (seen[j]: the workers holding any of its last j blocks, a mask that only gains bits); Python
+        looks only at the few positions where it gains a worker, which is that worker's deepest block."""
+        n = len(held)
+        seen = list(accumulate(reversed(held), or_, initial=0))
         found: dict[int, PrefixMatch] = {}
-        active = running[0]
-        for i in compress(range(1, len(running)), map(ne, running, islice(running, 1, None))):
-            for slot in _slots(active & ~running[i]):
-                found[slot] = PrefixMatch(i, 0)
-            active = running[i]
-        for slot in _slots(active):
-            found[slot] = PrefixMatch(len(held), 0)
+        for j in compress(range(1, n + 1), map(ne, islice(seen, 1, None), seen)):
+            new = seen[j] & ~seen[j - 1] & live_mask
+            if new:
+                m = PrefixMatch(n - j + 1, 0)  # their deepest block is n - j (0-based)
+                for slot in _slots(new):
+                    found[slot] = m
         return found
 
     @staticmethod
     def _walk_with_offloaded(held: list[int], slow: list[int], live_mask: int) -> dict[int, PrefixMatch]:
-        """The block-by-block walk, counting for each worker the blocks it holds only in slower tiers."""
-        found: dict[int, PrefixMatch] = {}
-        offloaded: dict[int, int] = {}  # slot -> blocks so far it holds only in a slower tier
-        active = held[0] & live_mask  # the candidates: workers holding the first block
-        chain = accumulate(held, and_, initial=live_mask)
-        next(chain)
-        for i, still in enumerate(chain):  # still: the workers holding blocks 0..i
-            dropped = active & ~still
-            if dropped:
-                for slot in _slots(dropped):
-                    found[slot] = PrefixMatch(i, offloaded.get(slot, 0))
-                active = still
-                if not active:
-                    break
-            if active & slow[i]:
-                for slot in _slots(active & slow[i]):
-                    offloaded[slot] = offloaded.get(slot, 0) + 1
-        for slot in _slots(active):
-            found[slot] = PrefixMatch(len(held), offloaded.get(slot, 0))
+        """`_walk`, plus for each worker the chain positions it holds only in a slower tier. `slow` masks
+        are subsets of `held` ones, so every such position lies at or before the worker's deepest block:
+        a plain count over the chain, in C, for each of the (few) workers with any."""
+        found = MemoryKVIndex._walk(held, live_mask)
+        for slot in _slots(reduce(or_, slow, 0) & live_mask):
+            m = found.get(slot)
+            if m is not None:
+                found[slot] = PrefixMatch(m.blocks, sum(map(and_, slow, repeat(1 << slot))) >> slot)
         return found
 
     # ---------------------------------------------------------------- decisions and sessions
@@ -340,8 +336,8 @@ class MemoryKVIndex:
     def record_decision(
         self, workers: list[str], block_hashes: list[int], ttl_s: float, session_id: str | None, held: list[int] | None = None
     ) -> None:
-        """A decision's bookkeeping in one call: speculative entries for the blocks each chosen worker
-        does not hold yet (`held[i]` leading blocks it has), and the session record."""
+        """A decision's bookkeeping in one call: speculative entries for the blocks past each chosen
+        worker's match (`held[i]`: the blocks it matches), and the session record."""
         for i, w in enumerate(workers):
             self.note_speculative(w, block_hashes[held[i] if held else 0 :], ttl_s)
             if session_id:

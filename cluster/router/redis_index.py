@@ -39,10 +39,15 @@ generation, which invalidates all its entries at once; the old generation's entr
 hundred per write call afterwards (`sweep`), so a worker with 100k cached blocks restarting never stalls
 Redis (and with it every router's lookup).
 
-Lookups: `LOOKUP` computes every live worker's longest cached prefix server-side (the candidates holding
-the first block, then one SMISMEMBER per candidate over the whole chain) and returns the matches, every
-live worker's load and the session's workers: one round trip per routing decision. The server's clock
-(TIME) dates speculative entries, so router replicas on different machines agree on what has expired.
+Lookups: `LOOKUP` computes every live worker's match server-side: its deepest held block along the
+request's chain (+ 1), which for attention-only engines is the end of their cached prefix and for hybrid
+engines (publishing only the blocks they can resume from) the deepest reusable boundary. Candidates are
+the holders of the first block, then the live workers that hold only later blocks (found by reading the
+holders of the chain's blocks from its end, or by checking each remaining live worker, whichever is
+cheaper); one SMISMEMBER per candidate over the whole chain finds its deepest hit. The reply holds the
+matches, every live worker's load and the session's workers: one round trip per routing decision. The
+server's clock (TIME) dates speculative entries, so router replicas on different machines agree on what
+has expired.
 """
 
 from __future__ import annotations
@@ -149,14 +154,24 @@ end
 # Returns {matches = {w, blocks, offloaded, ...}, live = {w, load fields (empty unless wanted), ...},
 # the session's workers}.
 #
-# The walk: the candidates are the live workers that hold (or are about to compute) the first block;
-# each candidate's membership of every block is one SMISMEMBER on its reverse set, and its match is the
-# run of leading hits. That is a handful of calls per request whatever the prompt length, where a
-# per-block walk costs a call per block (and ~2 us each inside Lua).
+# The match rule (as in `MemoryKVIndex._match`): a worker's DEEPEST held block along the chain, + 1, not
+# the end of its first consecutive run. Hashes are chained, so holding block i means holding exactly this
+# prefix through block i; hybrid (linear-attention) engines publish only the blocks where a recurrent
+# state snapshot lets them resume, so their holdings have gaps by design, while attention-only engines
+# publish every block and evict tails first (deepest = end of the run).
+#
+# Candidates: the live workers holding (or about to compute) the first block, then, if some live worker
+# is not one yet, those holding only later blocks (a hybrid worker may hold a late boundary and not the
+# first block): see the script for the two exact ways. Each candidate's membership of every block is one
+# SMISMEMBER on its reverse set (slower tiers and speculative sets are read only if it misses a block on
+# the device); its match is its deepest hit. That is a handful of calls per candidate whatever the prompt
+# length, plus, to find the workers lacking the first block, up to a small call per block or an
+# SMISMEMBER per remaining live worker (~100 us of Redis time for a 76-block chain and 8 workers).
 LOOKUP = LuaScript(_LUA_COMMON + r"""
 local now = now_ms()
 local want = ARGV[4] == '1'
 local live, gens, ogens = {}, {}, {}
+local nlive = 0
 local g = call('HGETALL', GENS)
 local allgens = {}
 for j = 1, #g, 2 do allgens[g[j]] = g[j + 1] end
@@ -165,6 +180,7 @@ local function add(w, l)
   gens[w], ogens[w] = gen, 'o' .. gen
   live[#live + 1] = w
   live[#live + 1] = l
+  nlive = nlive + 1
 end
 if want then  -- the load hashes themselves (their TTL is the heartbeat)
   for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
@@ -178,63 +194,100 @@ local sub = string.sub
 local hashes = ARGV[3]
 local n = #hashes / 16
 local matches = {}
-if n > 0 then
-  local h0 = sub(hashes, 1, 16)
-  local cands, seen = {}, {}
-  local f = call('HGETALL', KV .. h0)
-  for j = 1, #f, 2 do
-    local w, v = f[j], f[j + 1]
-    if v == gens[w] or v == ogens[w] then cands[#cands + 1] = w; seen[w] = true end
-  end
-  local s = call('HGETALL', SPEC .. h0)
-  for j = 1, #s, 2 do
-    local w = s[j]
-    if gens[w] and not seen[w] and tonumber(s[j + 1]) > now then cands[#cands + 1] = w; seen[w] = true end
-  end
+if n > 0 and nlive > 0 then
   local lists = {}  -- member lists per suffix ('' for device blocks and speculative sets, '@host', ...)
   local function members(suffix)
     local m = lists[suffix]
     if m == nil then
       m = {}
-      for i = 1, n do m[i] = sub(hashes, i * 16 - 15, i * 16) .. suffix end
+      for k = 1, n do m[k] = sub(hashes, k * 16 - 15, k * 16) .. suffix end
       lists[suffix] = m
     end
     return m
   end
-  local function hit(arrays, i)
-    for _, a in ipairs(arrays) do if a[i] == 1 then return true end end
+  local cands, seen = {}, {}
+  local ncands = 0
+  local function take(h)  -- adds the live workers holding block h (current generation) as candidates
+    local f = call('HGETALL', KV .. h)
+    for j = 1, #f, 2 do
+      local w, v = f[j], f[j + 1]
+      if not seen[w] and (v == gens[w] or v == ogens[w]) then ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
+    end
+  end
+  local h0 = sub(hashes, 1, 16)
+  take(h0)
+  local s = call('HGETALL', SPEC .. h0)
+  for j = 1, #s, 2 do
+    local w = s[j]
+    if gens[w] and not seen[w] and tonumber(s[j + 1]) > now then ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
+  end
+  local rest = nlive - ncands
+  if rest > 0 then
+    -- The other live workers may hold later blocks only (hybrid engines publish just the boundaries
+    -- they can resume from). Two exact ways to find them, the cheaper one runs: take them all as
+    -- candidates (each: an SMISMEMBER over the chain, ~0.25 us a block, and ~3 small calls), or read
+    -- the holders of the other blocks from the chain's end (a call per block, ~1.3 us, stopping once
+    -- every live worker is a candidate). Measured on Redis 7.0; either way the result is the same.
+    if rest * (n + 12) <= 5 * (n - 1) then
+      for j = 1, #live, 2 do
+        local w = live[j]
+        if not seen[w] then ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
+      end
+    else
+      local dm, i = members(''), n
+      while ncands < nlive and i > 1 do
+        take(dm[i])
+        i = i - 1
+      end
+    end
+  end
+  local function hit(arrays, k)
+    for _, a in ipairs(arrays) do if a[k] == 1 then return true end end
     return false
   end
   local bucket = math.floor(now / tonumber(ARGV[5]))
-  for _, w in ipairs(cands) do
+  -- A candidate's hits in its slower tiers and in its speculative sets (read once it misses a block on
+  -- the device), and whether there are any such sets at all.
+  local function others(w, rset)
+    local slow, spec = {}, {}
+    for t in string.gmatch(call('HGET', WSTATE .. w, 'tiers') or '', '[^,]+') do
+      if t ~= 'device' then slow[#slow + 1] = call('SMISMEMBER', rset, unpack(members('@' .. t))) end
+    end
+    for b = bucket - 1, bucket do
+      local k = WSPEC .. w .. ':' .. b
+      if call('EXISTS', k) == 1 then spec[#spec + 1] = call('SMISMEMBER', k, unpack(members(''))) end
+    end
+    return slow, spec, #slow + #spec > 0
+  end
+  local dmembers = members('')
+  for c = 1, ncands do
+    local w = cands[c]
     local rset = WBLOCKS .. w .. ':' .. gens[w]
-    local dev = call('SMISMEMBER', rset, unpack(members('')))
-    local slow, spec = nil, nil  -- fetched only at the first block not on the device
-    local i, off = 1, 0
-    while i <= n do
-      if dev[i] ~= 1 then
-        if slow == nil then
-          slow = {}
-          for t in string.gmatch(call('HGET', WSTATE .. w, 'tiers') or '', '[^,]+') do
-            if t ~= 'device' then slow[#slow + 1] = call('SMISMEMBER', rset, unpack(members('@' .. t))) end
-          end
-        end
-        if hit(slow, i) then
-          off = off + 1
-        else
-          if spec == nil then
-            spec = {}
-            for b = bucket - 1, bucket do
-              local k = WSPEC .. w .. ':' .. b
-              if call('EXISTS', k) == 1 then spec[#spec + 1] = call('SMISMEMBER', k, unpack(members(''))) end
-            end
-          end
-          if not hit(spec, i) then break end
+    local dev = call('SMISMEMBER', rset, unpack(dmembers))
+    local d = n
+    while d > 0 and dev[d] ~= 1 do d = d - 1 end  -- the deepest block on the device
+    local slow, spec, any = nil, nil, false
+    if d < n then  -- a deeper one may sit in a slower tier, or be speculative
+      slow, spec, any = others(w, rset)
+      if any then
+        for k = n, d + 1, -1 do
+          if hit(spec, k) or hit(slow, k) then d = k; break end
         end
       end
-      i = i + 1
     end
-    if i > 1 then matches[#matches + 1] = w; matches[#matches + 1] = i - 1; matches[#matches + 1] = off end
+    local off = 0  -- positions up to d held only in a slower tier (a speculative entry counts as device)
+    if slow == nil or #slow > 0 then
+      for k = 1, d do
+        if dev[k] ~= 1 then
+          if slow == nil then
+            slow, spec = others(w, rset)
+            if #slow == 0 then break end
+          end
+          if hit(slow, k) and not hit(spec, k) then off = off + 1 end
+        end
+      end
+    end
+    if d > 0 then matches[#matches + 1] = w; matches[#matches + 1] = d; matches[#matches + 1] = off end
   end
 end
 local sess = {}
@@ -328,10 +381,10 @@ return gen
 
 # KEYS[1] workers set. ARGV: tag, stream max length (0 = do not append to the stream), the deciding
 # router's id, then one record per decision (a batch: one call however many decisions accumulated):
-#   "<spec bucket width ms, 0 = none>|<session ttl ms>|<w1,w2>|<first block each lacks>|<offset>|<hashes>|<session>"
-# (the session last: it may contain anything). Speculative entries go only on the blocks each chosen
-# worker does not hold yet (usually a short tail), so a record carries only the hashes from the first
-# block any chosen worker lacks (`offset`, a block position) onward, not the whole prompt's; they go into
+#   "<spec bucket width ms, 0 = none>|<session ttl ms>|<w1,w2>|<blocks each matches>|<offset>|<hashes>|<session>"
+# (the session last: it may contain anything). Speculative entries go only on the blocks past each chosen
+# worker's match (usually a short tail), so a record carries only the hashes from the smallest match
+# among the chosen workers (`offset`, a block position) onward, not the whole prompt's; they go into
 # the worker's set for the current time bucket; if
 # that starts at the first block, the block's spec hash names the worker too, so a lookup finds it as a
 # candidate. The decisions also go to the stream (one entry per batch, t=D), so routers that mirror the

@@ -75,8 +75,11 @@ _LOAD_PARSERS = {f.name: {"float": float, "int": int}.get(f.type, str) for f in 
 
 
 class PrefixMatch(NamedTuple):
-    """A worker's longest cached prefix of a request: `blocks` leading blocks, of which `offloaded` sit
-    only in a slower tier (host DRAM, disk), which the policy credits partially."""
+    """A worker's cached prefix of a request: `blocks` = its deepest held block along the request's chain
+    + 1 (block hashes are chained, so holding block i means holding the prefix through block i; hybrid
+    linear-attention engines publish only the blocks they can resume from, so holes before it do not
+    matter), and `offloaded` = the chain positions up to there it holds only in a slower tier (host
+    DRAM, disk), which the policy credits partially."""
 
     blocks: int
     offloaded: int = 0
@@ -102,7 +105,9 @@ class KVIndex(Protocol):
 
     def apply(self, events: Iterable[KVEvent]) -> None: ...
 
-    def longest_prefix(self, block_hashes: list[int]) -> dict[str, int]: ...
+    def longest_prefix(self, block_hashes: list[int]) -> dict[str, int]:
+        """Live worker -> matched blocks (`PrefixMatch.blocks`: its deepest held block + 1)."""
+        ...
 
     def lookup(self, block_hashes: list[int], session_id: str | None = None) -> Lookup: ...
 
