@@ -173,6 +173,11 @@ def _add_module_commands(sub, commands: dict[str, tuple[str, str]]) -> None:
         p.set_defaults(fn=module.run)
 
 
+# `workers.models.make_model.ARCHS`, spelled out: importing it would load JAX for every `moray` command
+# (tests/test_make_model.py checks the two agree).
+MAKE_MODEL_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moray", description="MoE serving on Ray: tools and servers")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress and timings")
@@ -180,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint")
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe"], default="qwen3_moe")
+    p.add_argument("--arch", choices=MAKE_MODEL_ARCHS, default="qwen3_moe")
     p.add_argument("--preset", choices=["tiny", "small", "bench"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_model)

@@ -70,3 +70,10 @@ def test_small_preset_is_sharded_and_loads_in_transformers(tmp_path):
     assert 50 * 2**20 <= total <= 100 * 2**20
     ours = prompt_logits(load_model(d, dtype="float32", show_progress=False), [PROMPT])[0]
     assert np.abs(ours - hf_logits(d, PROMPT)).max() <= 1e-4
+
+
+def test_cli_offers_every_arch():
+    from cluster.cli import MAKE_MODEL_ARCHS
+    from workers.models.make_model import ARCHS
+
+    assert sorted(MAKE_MODEL_ARCHS) == sorted(ARCHS)

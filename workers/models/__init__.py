@@ -1,11 +1,13 @@
 """Model families, config parsing and checkpoint loading. Imports only `kernels` from Moray.
 
-One file per family (`qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`), each exposing `MODEL_TYPE`,
-`config_from_hf(raw) -> ModelConfig`, `plan(cfg) -> ModelWeights of WeightSpec` and
+One file per family (`qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, the hybrid linear-attention
+`qwen3_5_moe.py` and `qwen3_next.py`), each exposing `MODEL_TYPE`, `config_from_hf(raw) -> ModelConfig`,
+`plan(cfg) -> ModelWeights of WeightSpec` and
 `forward(weights, cfg, tokens, positions, cache, logits_indices=None, experts=None) -> (logits, cache)`
 (`experts`: an executor replacing `routed_experts`, e.g. `moe_parallel.ExpertParallel` over a mesh).
-Adding a family (DeepSeek-V3 with MLA, the Qwen3-Next hybrid) means adding one such file and
-registering it below.
+Optional: `MODEL_TYPES` (every `model_type` the file serves, default `(MODEL_TYPE,)`) and
+`SKIPPED_PREFIXES` (checkpoint tensors of parts not served, e.g. a vision tower). Adding a family
+(DeepSeek-V3 with MLA) means adding one such file and registering it below.
 
 The families and the loader import jax, so they load on first use (PEP 562): jax-free submodules such as
 `quantize` (a `moray` subcommand) stay cheap to import.
@@ -20,9 +22,10 @@ _FROM_MODEL = ("LoadedModel", "default_dtype", "load_config", "load_model", "pro
 
 def __getattr__(name: str):
     if name == "FAMILIES":
-        from . import mixtral, qwen2_moe, qwen3_moe
+        from . import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
-        value = {m.MODEL_TYPE: m for m in (qwen3_moe, mixtral, qwen2_moe)}
+        families = (qwen3_moe, mixtral, qwen2_moe, qwen3_5_moe, qwen3_next)
+        value = {t: m for m in families for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))}
     elif name in _FROM_MODEL:
         value = getattr(import_module(".model", __name__), name)
     else:

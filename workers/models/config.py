@@ -30,6 +30,43 @@ class RopeConfig(BaseModel):
     factor: float = Field(default=1.0, gt=0)
 
 
+class LinearAttentionConfig(BaseModel):
+    """Gated DeltaNet layers (Qwen3.5, Qwen3-Next): per-sequence state instead of a growing KV cache.
+
+    Key head j serves value heads j*G .. j*G+G-1 (G = num_value_heads // num_key_heads).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    num_key_heads: int = Field(gt=0)
+    num_value_heads: int = Field(gt=0)
+    key_head_dim: int = Field(gt=0)
+    value_head_dim: int = Field(gt=0)
+    conv_kernel_size: int = Field(gt=1)
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "LinearAttentionConfig":
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of linear_num_key_heads "
+                f"({self.num_key_heads})"
+            )
+        return self
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q | k | v."""
+        return 2 * self.key_dim + self.value_dim
+
+
 class ModelConfig(BaseModel):
     """Everything the forward pass needs to know about an architecture, nothing about serving."""
 
@@ -61,6 +98,15 @@ class ModelConfig(BaseModel):
     max_position_embeddings: int = Field(default=4096, gt=0)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid models (Qwen3.5, Qwen3-Next): these layer ids are Gated DeltaNet, the rest full attention.
+    linear_attention_layers: tuple[int, ...] = ()
+    linear: LinearAttentionConfig | None = None
+    # q_proj yields per head [query | gate]; the attention output is multiplied by sigmoid(gate).
+    attn_output_gate: bool = False
+    # RoPE rotates the first head_dim * factor dims of each head (rotate-half); the rest pass through.
+    partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
+    # RMSNorm weights are offsets from one: norm(x) * (1 + w) (input, post-attention, final, q/k norms).
+    zero_centered_norm: bool = False
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
@@ -81,6 +127,17 @@ class ModelConfig(BaseModel):
                 raise ValueError("moe_intermediate_size must be positive for MoE layers")
         if not all(self.moe_layers) and self.intermediate_size <= 0:
             raise ValueError("intermediate_size must be positive for dense MLP layers")
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor ({self.partial_rotary_factor}) of head_dim ({self.head_dim}) must give an "
+                "even number of rotary dims"
+            )
+        if self.linear_attention_layers:
+            ids = self.linear_attention_layers
+            if list(ids) != sorted(set(ids)) or not all(0 <= i < self.num_layers for i in ids):
+                raise ValueError(f"linear attention layers {ids} must be distinct, sorted ids < num_hidden_layers")
+            if self.linear is None:
+                raise ValueError("linear attention layers need the linear_* settings")
         return self
 
     @property
@@ -90,6 +147,56 @@ class ModelConfig(BaseModel):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    # Layer bookkeeping for hybrid models. The KV cache holds one entry per full-attention layer and
+    # the state cache one per linear-attention layer, each indexed in layer order; for attention-only
+    # models kv_layer_index(l) == l.
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_attention_layers)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        linear = set(self.linear_attention_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers - len(self.linear_attention_layers)
+
+    @property
+    def num_state_layers(self) -> int:
+        return len(self.linear_attention_layers)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return layer in self.linear_attention_layers
+
+    def kv_layer_index(self, layer: int) -> int:
+        """Index of full-attention layer `layer` among the full-attention layers."""
+        if self.is_linear_layer(layer):
+            raise ValueError(f"layer {layer} is a linear-attention layer; it has no KV cache")
+        return layer - sum(1 for i in self.linear_attention_layers if i < layer)
+
+    def state_layer_index(self, layer: int) -> int:
+        """Index of linear-attention layer `layer` among the linear-attention layers."""
+        if not self.is_linear_layer(layer):
+            raise ValueError(f"layer {layer} is a full-attention layer; it has no linear-attention state")
+        return self.linear_attention_layers.index(layer)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """Per sequence and linear layer: the last K-1 conv inputs, [K-1, conv_dim]."""
+        return (self.linear.conv_kernel_size - 1, self.linear.conv_dim)
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """Per sequence and linear layer: one [dk, dv] state per value head."""
+        return (self.linear.num_value_heads, self.linear.key_head_dim, self.linear.value_head_dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,3 +310,78 @@ def windows_from_layer_types(raw: dict[str, Any], default: list[str]) -> tuple[i
         if t not in ("sliding_attention", "full_attention"):
             raise ModelLoadError(f"config.json: unsupported layer type '{t}' in layer_types")
     return tuple(window if t == "sliding_attention" and window else None for t in types)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid linear-attention models (Qwen3.5, Qwen3-Next).
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def text_config_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's keys of a vision-language composite (`text_config`), top-level keys as fallback.
+
+    `model_type` stays the composite's (the family and the checkpoint layout follow it). Tied embeddings
+    follow the composite's own `tie_word_embeddings` (what its ForConditionalGeneration class does).
+    """
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(
+            f"config.json: missing required key 'text_config' ({raw.get('model_type')} without a text model "
+            "cannot be served)"
+        )
+    outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**outer, **text, "model_type": raw["model_type"], "tie_word_embeddings": tie}
+
+
+def hybrid_layers_from_hf(raw: dict[str, Any]) -> tuple[int, ...]:
+    """Ids of the Gated DeltaNet layers, from `layer_types` or else every `full_attention_interval`-th
+    layer (default 4) being full attention."""
+    n = int(require(raw, "num_hidden_layers"))
+    types = raw.get("layer_types")
+    if types is None:
+        interval = raw.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or interval < 1:
+            raise ModelLoadError(f"config.json: full_attention_interval must be a positive integer, got {interval!r}")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n:
+        raise ModelLoadError("config.json: layer_types must have num_hidden_layers entries")
+    for t in types:
+        if t not in LAYER_TYPES:
+            raise ModelLoadError(
+                f"config.json: unsupported layer type '{t}' in layer_types (supported: {', '.join(LAYER_TYPES)})"
+            )
+    return tuple(i for i, t in enumerate(types) if t == "linear_attention")
+
+
+def hybrid_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields Qwen3.5 and Qwen3-Next share: layer kinds, Gated DeltaNet sizes, gated
+    attention with q/k norm and partial rotary, zero-centred RMSNorm."""
+    linear_layers = hybrid_layers_from_hf(raw)
+    linear = None
+    if linear_layers:
+        linear = dict(
+            num_key_heads=require(raw, "linear_num_key_heads"),
+            num_value_heads=require(raw, "linear_num_value_heads"),
+            key_head_dim=require(raw, "linear_key_head_dim"),
+            value_head_dim=require(raw, "linear_value_head_dim"),
+            conv_kernel_size=require(raw, "linear_conv_kernel_dim"),
+        )
+    # transformers keeps partial_rotary_factor in rope_parameters (older configs: top level); 0.25 when absent.
+    # Text-only mRoPE (`mrope_section`) gives every section the same position: plain RoPE.
+    params = raw.get("rope_parameters")
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = factor if factor is not None else raw.get("partial_rotary_factor", 0.25)
+    if raw.get("attention_bias"):  # q/k/v and o_proj biases: no released checkpoint has them
+        raise ModelLoadError("config.json: attention_bias true is not supported for this model type")
+    n = int(require(raw, "num_hidden_layers"))
+    return dict(
+        linear_attention_layers=linear_layers,
+        linear=linear,
+        attn_output_gate=True,
+        partial_rotary_factor=factor,
+        zero_centered_norm=True,
+        qk_norm=True,
+        sliding_windows=(None,) * n,
+    )

@@ -3,22 +3,33 @@
 Linear weights keep the checkpoint's [out, in] layout; projections that are always applied together are
 fused at load time (q|k|v, gate|up) so each becomes one matmul. A family file composes these pieces into
 its decoder block; anything a family does differently lives in that family's file.
+
+The cache protocol the model calls (`KVCache` here, the engine's paged caches elsewhere):
+- full-attention layers: `update_and_attend(cfg.kv_layer_index(layer), q, k, v, positions, sliding_window)`;
+- linear-attention layers (hybrid models, `linear_attention.py`), indexed by `cfg.state_layer_index(layer)`:
+  `causal_conv(state_layer, x [B, T, conv_dim], weight [conv_dim, K]) -> silu(conv) [B, T, conv_dim]` and
+  `gated_delta(state_layer, q, k, v, g, beta) -> [B, T, Hv, dv]`.
+Each call updates the cache's per-layer lists in place (the forward works on a shallow copy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
 
 from kernels.attention import causal_attention, ragged_paged_attention, write_kv
+from kernels.gated_delta import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
 from kernels.moe import route_softmax_topk, routed_experts
 from kernels.quant import QuantizedWeight, quantized_matmul
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .linear_attention import LinearAttentionWeights
 
 Array = jax.Array
 
@@ -26,7 +37,8 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionWeights:
-    qkv: Array  # [q_size + 2 * kv_size, hidden]
+    # [q_size + 2 * kv_size, hidden]; with attn_output_gate the q part is 2 * q_size, per head [query | gate]
+    qkv: Array
     o: Array  # [hidden, q_size]
     qkv_bias: Array | None = None  # [q_size + 2 * kv_size]
     q_norm: Array | None = None  # [head_dim], per-head RMSNorm (Qwen3)
@@ -54,7 +66,7 @@ class MoEWeights:
 @dataclass
 class LayerWeights:
     input_norm: Array
-    attn: AttentionWeights
+    attn: AttentionWeights | LinearAttentionWeights  # the layer's token mixer
     post_attn_norm: Array
     mlp: MLPWeights | MoEWeights
 
@@ -71,20 +83,36 @@ class ModelWeights:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Contiguous cache: slot j of sequence b holds position j. One [B, S, Hkv, D] pair per layer.
+    """Contiguous cache: slot j of sequence b holds position j. One [B, S, Hkv, D] pair per full-attention
+    layer; for hybrid models also, per linear-attention layer, the conv and recurrent states (float32).
 
-    Used by `moray logits` and parity tests; the engine uses `PagedKVCache`.
+    Used by `moray logits` and parity tests; the engine uses `PagedKVCache`. A linear layer's state
+    advances over every token it is given, so a row continued by later steps must have no padding in
+    earlier ones (right padding is harmless for the logits of the step itself).
     """
 
     k: list[Array]
     v: list[Array]
+    conv: list[Array] | None = None  # per linear layer [B, K-1, conv_dim]
+    recurrent: list[Array] | None = None  # per linear layer [B, Hv, dk, dv]
+    # Tokens per chunk of the chunked gated delta rule (prefill); static, so a change recompiles.
+    chunk_size: int = field(default=64, metadata=dict(static=True))
 
     @staticmethod
-    def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
+    def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype, chunk_size: int = 64) -> "KVCache":
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        conv = recurrent = None
+        if cfg.is_hybrid:
+            conv = [jnp.zeros((batch, *cfg.conv_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)]
+            recurrent = [
+                jnp.zeros((batch, *cfg.recurrent_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)
+            ]
         return KVCache(
-            k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-            v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+            k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_kv_layers)],
+            v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_kv_layers)],
+            conv=conv,
+            recurrent=recurrent,
+            chunk_size=chunk_size,
         )
 
     def update_and_attend(self, layer, q, k, v, positions, sliding_window):
@@ -93,6 +121,19 @@ class KVCache:
         self.k[layer] = self.k[layer].at[rows, positions].set(k.astype(self.k[layer].dtype), mode="drop")
         self.v[layer] = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
         return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window)
+
+    def causal_conv(self, layer, x, weight):
+        out, state = causal_conv1d(x, weight, self.conv[layer])
+        self.conv[layer] = state.astype(self.conv[layer].dtype)
+        return out
+
+    def gated_delta(self, layer, q, k, v, g, beta):
+        if q.shape[1] == 1:  # decode: one rank-1 update beats the chunked form's triangular solve
+            out, state = gated_delta_rule_recurrent(q, k, v, g, beta, self.recurrent[layer])
+        else:
+            out, state = gated_delta_rule_chunked(q, k, v, g, beta, self.recurrent[layer], self.chunk_size)
+        self.recurrent[layer] = state.astype(self.recurrent[layer].dtype)
+        return out
 
 
 @jax.tree_util.register_dataclass
@@ -147,9 +188,22 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * xf.astype(x.dtype)
 
 
+def zero_centered_rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """norm(x) * (1 + w), scaled in float32 before the cast back (transformers' Qwen3_5MoeRMSNorm)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def norm(x: Array, weight: Array, cfg: ModelConfig) -> Array:
+    """The model's RMSNorm (input, post-attention, final and q/k norms)."""
+    fn = zero_centered_rms_norm if cfg.zero_centered_norm else rms_norm
+    return fn(x, weight, cfg.rms_norm_eps)
+
+
 def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """cos/sin tables [B, T, head_dim] in float32 for the rotate_half convention."""
-    dim = cfg.head_dim
+    """cos/sin tables [B, T, rotary_dim] in float32 for the rotate_half convention."""
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if cfg.rope.scaling_type == "linear":
         inv_freq = inv_freq / cfg.rope.factor
@@ -159,11 +213,15 @@ def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """x [B, T, heads, D]; rotates the two halves of D (not interleaved pairs)."""
-    half = x.shape[-1] // 2
+    """x [B, T, heads, D]; rotates the two halves of the first rotary_dim (= cos's width) dims of D (not
+    interleaved pairs); the other dims pass through (partial rotary)."""
+    dim = cos.shape[-1]
+    x, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    out = x * cos + rotated * sin
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
 def attention(
@@ -178,16 +236,24 @@ def attention(
     """Self-attention for [B, T] new tokens; their K/V go into `cache` (updated in place)."""
     b, t, _ = x.shape
     qkv = linear(x, w.qkv, w.qkv_bias)
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q_width = 2 * cfg.q_size if cfg.attn_output_gate else cfg.q_size
+    q, k, v = jnp.split(qkv, [q_width, q_width + cfg.kv_size], axis=-1)
+    gate = None
+    if cfg.attn_output_gate:  # per head [query | gate]
+        q, gate = jnp.split(q.reshape(b, t, cfg.num_heads, 2 * cfg.head_dim), 2, axis=-1)
+        gate = gate.reshape(b, t, cfg.q_size)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q = norm(q, w.q_norm, cfg)
+        k = norm(k, w.k_norm, cfg)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    out = cache.update_and_attend(layer, q, k, v, positions, cfg.sliding_windows[layer])
-    return linear(out.reshape(b, t, cfg.q_size), w.o)
+    out = cache.update_and_attend(cfg.kv_layer_index(layer), q, k, v, positions, cfg.sliding_windows[layer])
+    out = out.reshape(b, t, cfg.q_size)
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate)
+    return linear(out, w.o)
 
 
 def swiglu_mlp(x: Array, w: MLPWeights) -> Array:
@@ -216,6 +282,9 @@ def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callabl
 # The decoder stack every family runs; a family supplies its block's MLP choice.
 
 MlpFn = Callable[[Array, "MLPWeights | MoEWeights", ModelConfig], Array]
+# A linear-attention token mixer: (x, weights, cfg, cache, state_layer) -> [B, T, hidden]
+# (`linear_attention.gated_deltanet`).
+LinearMixerFn = Callable[..., Array]
 
 
 def decoder_block(
@@ -227,10 +296,20 @@ def decoder_block(
     positions: Array,
     cache: "KVCache | PagedKVCache",
     moe_fn: MlpFn,
+    linear_mixer: LinearMixerFn | None = None,
 ) -> Array:
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)). Updates `cache` in place."""
-    h = x + attention(rms_norm(x, lw.input_norm, cfg.rms_norm_eps), lw.attn, cfg, rope, positions, cache, layer)
-    normed = rms_norm(h, lw.post_attn_norm, cfg.rms_norm_eps)
+    """Pre-norm residual block: x + mixer(norm(x)), then h + mlp(norm(h)). Updates `cache` in place.
+
+    The mixer is attention, or `linear_mixer` on the linear-attention layers of a hybrid model.
+    """
+    normed = norm(x, lw.input_norm, cfg)
+    if cfg.is_linear_layer(layer):
+        if linear_mixer is None:
+            raise ValueError(f"layer {layer} is a linear-attention layer but no linear mixer was given")
+        h = x + linear_mixer(normed, lw.attn, cfg, cache, cfg.state_layer_index(layer))
+    else:
+        h = x + attention(normed, lw.attn, cfg, rope, positions, cache, layer)
+    normed = norm(h, lw.post_attn_norm, cfg)
     mlp_out = moe_fn(normed, lw.mlp, cfg) if cfg.moe_layers[layer] else swiglu_mlp(normed, lw.mlp)
     return h + mlp_out
 
@@ -244,12 +323,14 @@ def decoder_forward(
     moe_fn: MlpFn,
     logits_indices: Array | None = None,
     experts: Callable | None = None,
+    linear_mixer: LinearMixerFn | None = None,
 ):
     """Returns float32 logits and the updated cache.
 
     Logits are [B, T, vocab], or [len(logits_indices), vocab] for those rows of the flattened batch
     only (the engine needs one row per sequence, and the LM head is the largest matmul of a step).
     `experts` (e.g. an expert-parallel executor) is handed to `moe_fn` in place of `routed_experts`.
+    `linear_mixer` runs the linear-attention layers of hybrid models.
     """
     if experts is not None:
         moe_fn = partial(moe_fn, experts=experts)
@@ -258,10 +339,10 @@ def decoder_forward(
     cache = jax.tree.map(lambda a: a, cache)  # a shallow copy whose per-layer lists we may replace
     for layer, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer_{layer}"):
-            x = decoder_block(x, lw, cfg, layer, rope, positions, cache, moe_fn)
+            x = decoder_block(x, lw, cfg, layer, rope, positions, cache, moe_fn, linear_mixer)
     if logits_indices is not None:
         x = x.reshape(-1, x.shape[-1])[logits_indices]
-    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    x = norm(x, weights.final_norm, cfg)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     if isinstance(head, QuantizedWeight):  # an LM head the checkpoint's quantization_config did not ignore
         logits = quantized_matmul(x, head)

@@ -19,11 +19,20 @@ from safetensors.numpy import save_file
 from ..progress import Progress
 from . import FAMILIES
 from .safetensors_io import INDEX_FILE, SINGLE_FILE
-from .weights import Concat, OneOf, Stack, Tensor, plan_leaves
+from .weights import Concat, OneOf, Rows, Stack, Tensor, plan_leaves
 
 log = logging.getLogger("moray.models")
 
-ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    # Hybrid linear attention. qwen3_5_moe is written as the released vision-language composite (text
+    # model under model.language_model, a minimal vision_config, no vision weights).
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+HYBRID_ARCHS = ("qwen3_5_moe", "qwen3_next")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,31 @@ PRESETS: dict[str, Preset] = {
     "bench": Preset(16384, 1024, 6, 16, 4, 64, 64, 8, 256, 2048, 0.02, 512 << 20),
 }
 MIXTRAL_BENCH = Preset(16384, 1024, 4, 16, 4, 64, 8, 2, 3584, 3584, 0.02, 512 << 20)
+
+
+@dataclass(frozen=True)
+class LinearPreset:
+    """The Gated DeltaNet part of a hybrid preset; every `full_attention_interval`-th layer is full attention."""
+
+    num_key_heads: int
+    num_value_heads: int
+    head_dim: int  # key and value heads alike
+    conv_kernel_size: int
+    full_attention_interval: int
+    partial_rotary_factor: float
+
+
+# Hybrid presets (qwen3_5_moe, qwen3_next); `intermediate_size` is the shared expert's. tiny: < 5 MB, 3 linear
+# + 1 full layer. small: ~7 MB, sharded. bench: ~1.2 GB float32, the released models' 3:1 layer mix and
+# head ratios (16 q / 2 KV heads of 128; 8 key / 16 value linear heads of 128), 64 experts top-8.
+HYBRID_PRESETS: dict[str, tuple[Preset, LinearPreset]] = {
+    "tiny": (Preset(512, 64, 4, 4, 2, 16, 8, 2, 32, 48, 0.2, 1 << 30), LinearPreset(2, 4, 16, 4, 4, 0.25)),
+    "small": (Preset(2048, 128, 4, 4, 2, 32, 16, 4, 32, 64, 0.1, 3 << 20), LinearPreset(4, 8, 32, 4, 4, 0.25)),
+    "bench": (
+        Preset(16384, 1024, 8, 16, 2, 128, 64, 8, 128, 512, 0.02, 512 << 20),
+        LinearPreset(8, 16, 128, 4, 4, 0.25),
+    ),
+}
 
 
 def hf_config(arch: str, p: Preset, eos_id: int, pad_id: int) -> dict[str, Any]:
@@ -96,13 +130,75 @@ def hf_config(arch: str, p: Preset, eos_id: int, pad_id: int) -> dict[str, Any]:
     return cfg
 
 
+def hybrid_config(arch: str, p: Preset, lp: LinearPreset, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """config.json of a Qwen3.5-MoE composite or a Qwen3-Next model, transformers 5.x key style."""
+    text: dict[str, Any] = {
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": lp.partial_rotary_factor,
+        },
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": p.initializer_range,
+        "layer_types": [
+            "full_attention" if (i + 1) % lp.full_attention_interval == 0 else "linear_attention"
+            for i in range(p.num_layers)
+        ],
+        "linear_num_key_heads": lp.num_key_heads,
+        "linear_num_value_heads": lp.num_value_heads,
+        "linear_key_head_dim": lp.head_dim,
+        "linear_value_head_dim": lp.head_dim,
+        "linear_conv_kernel_dim": lp.conv_kernel_size,
+        "num_experts": p.num_experts,
+        "num_experts_per_tok": p.top_k,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "shared_expert_intermediate_size": p.intermediate_size,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "use_cache": True,
+    }
+    if arch == "qwen3_next":
+        text.update(
+            intermediate_size=p.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True
+        )
+        return {"architectures": [ARCHS[arch]], "model_type": arch, **text, "dtype": "float32"}
+    vision = {  # the smallest vision tower transformers builds; the checkpoint holds none of its weights
+        "model_type": "qwen3_5_moe_vision",
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": p.hidden_size,
+        "patch_size": 16,
+    }
+    return {
+        "architectures": [ARCHS[arch]],
+        "model_type": arch,
+        "text_config": {"model_type": "qwen3_5_moe_text", **text, "dtype": "float32"},
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
 def _tensors(source) -> Iterator[Tensor]:
     """The checkpoint tensors behind a source, in the layout Hugging Face writes."""
     if isinstance(source, Tensor):
         yield source
     elif isinstance(source, OneOf):
         yield from _tensors(source.options[0])
-    elif isinstance(source, (Concat, Stack)):
+    elif isinstance(source, (Concat, Stack, Rows)):
         for part in source.parts:
             yield from _tensors(part)
 
@@ -113,6 +209,8 @@ def random_tensors(cfg, plan, seed: int, std: float) -> Iterator[tuple[str, np.n
         for t in _tensors(spec.source):
             if spec.init_scale is None:  # norms start at one, as transformers initialises them
                 yield t.key, np.ones(t.shape, np.float32)
+            elif spec.init_scale == 0:  # zero-centred norms (weight = offset from one) start at zero
+                yield t.key, np.zeros(t.shape, np.float32)
             else:
                 yield t.key, (rng.standard_normal(t.shape, dtype=np.float32) * std)
 
@@ -163,13 +261,15 @@ def make_model(out_dir: str | Path, arch: str, preset: str, seed: int = 0) -> Pa
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     p = MIXTRAL_BENCH if (arch, preset) == ("mixtral", "bench") else PRESETS[preset]
+    if arch in HYBRID_ARCHS:
+        p, linear_preset = HYBRID_PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tok = train_byte_level_bpe(out, vocab_size=min(p.vocab_size, 8192))
     eos = tok.eos_token_ids[0]
     pad = tok.encode("<|endoftext|>", add_special_tokens=False)[0]
-    raw = hf_config(arch, p, eos, pad)
+    raw = hybrid_config(arch, p, linear_preset, eos, pad) if arch in HYBRID_ARCHS else hf_config(arch, p, eos, pad)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -124,6 +124,11 @@ def load_model(
     else:
         reader = CheckpointReader(model_dir)
         ignorable = {k for k in reader.keys() if k.endswith(_IGNORABLE_SUFFIXES)}
+        skipped = {k for k in reader.keys() if k.startswith(getattr(family, "SKIPPED_PREFIXES", ()))}
+        if skipped:
+            parts = sorted({p for p in family.SKIPPED_PREFIXES if any(k.startswith(p) for k in skipped)})
+            log.info("skipping %d checkpoint tensors Moray does not serve (%s*)", len(skipped), "*, ".join(parts))
+        ignorable |= skipped
         if cfg.tie_word_embeddings:
             ignorable.add("lm_head.weight")  # some exporters write the tied head anyway
         check_quantized_tensors(plan, reader, raw_config)

@@ -25,6 +25,7 @@ router gate included: real checkpoints list those in `ignore`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -529,12 +530,13 @@ def _base_tensors(source) -> list[Tensor]:
 
 
 def _map_tensors(source, fn):
-    """The same Concat/Stack structure with every Tensor replaced by fn(tensor)."""
+    """The same Concat/Stack/Rows structure with every Tensor replaced by fn(tensor). Scales are per
+    output row, so a `Rows` reordering applies to them as it does to the values."""
     if isinstance(source, Tensor):
         return fn(source)
     if isinstance(source, OneOf):
         return _map_tensors(source.options[0], fn)
-    return type(source)(tuple(_map_tensors(p, fn) for p in source.parts))
+    return dataclasses.replace(source, parts=tuple(_map_tensors(p, fn) for p in source.parts))
 
 
 def _module_name(t: Tensor) -> str:

@@ -6,12 +6,14 @@ which places every tensor directly into its target sharding with `jax.make_array
 host reads only the slices its devices hold.
 
 Sources compose: `Tensor` (one checkpoint tensor), `Concat` (fuse along dim 0, e.g. gate|up or q|k|v),
-`Stack` (per-expert tensors stacked into [E, ...]); `OneOf` accepts alternative on-disk layouts (the
-per-expert keys Hugging Face writes, or transformers 5.x fused expert tensors).
+`Stack` (per-expert tensors stacked into [E, ...]), `Rows` (rows reordered, e.g. a projection fused per
+head group split into its parts); `OneOf` accepts alternative on-disk layouts (the per-expert keys
+Hugging Face writes, or transformers 5.x fused expert tensors).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -115,6 +117,42 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """The rows of one source in another order: row i is the source's row `order[i]` (un-interleaving a
+    fused projection at load time). `parts` holds the single source, so code walking Concat/Stack trees
+    (quantisation, make-model) walks this one too."""
+
+    parts: tuple[Any]
+    order: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.order), *self.parts[0].shape[1:])
+
+    keys = Concat.keys
+    present = Concat.present
+    check = Concat.check
+
+    def read(self, reader: CheckpointReader, index: Index) -> np.ndarray:
+        rows = index[0] if index else slice(None)
+        wanted = np.asarray(self.order)[rows]
+        lo, hi = int(wanted.min()), int(wanted.max()) + 1  # read the span the wanted rows lie in
+        return self.parts[0].read(reader, (slice(lo, hi), *index[1:]))[wanted - lo]
+
+
+def grouped_rows(group_sizes: tuple[int, ...], num_groups: int) -> tuple[int, ...]:
+    """The order that turns `num_groups` groups of [part 0 | part 1 | ...] (sizes `group_sizes`) into
+    [part 0 of every group | part 1 of every group | ...]."""
+    stride, starts = sum(group_sizes), np.cumsum((0, *group_sizes[:-1]))
+    return tuple(
+        g * stride + int(start) + i
+        for start, size in zip(starts, group_sizes)
+        for g in range(num_groups)
+        for i in range(size)
+    )
+
+
+@dataclass(frozen=True)
 class OneOf:
     """Alternative layouts of the same leaf; the first fully present one is used."""
 
@@ -153,9 +191,9 @@ def fused_experts(per_expert: list[Any], fused_key: str) -> OneOf:
 
 @dataclass(frozen=True)
 class WeightSpec:
-    source: Any  # Tensor | Concat | Stack | OneOf
+    source: Any  # Tensor | Concat | Stack | Rows | OneOf
     logical_axes: tuple[str | None, ...]
-    # Initialiser scale for dummy weights; norms use ones (scale None).
+    # Initialiser scale for dummy weights; norms use ones (scale None), zero-centred norms zeros (0.0).
     init_scale: float | None = 0.02
 
     @property
@@ -177,19 +215,26 @@ class WeightSpec:
     def dummy(self, key: jax.Array, mesh: Mesh, rules, dtype) -> jax.Array:
         """Random values of this leaf's shape and sharding (ones for norms)."""
         sharding = NamedSharding(mesh, partition_spec(self.logical_axes, rules))
-        if self.init_scale is None:
-            make = lambda k: jnp.ones(self.shape, dtype)
-        else:
-            make = lambda k: (jax.random.normal(k, self.shape, jnp.float32) * self.init_scale).astype(dtype)
-        return jax.jit(make, out_shardings=sharding)(key)
+        return _random_fn(self.shape, jnp.dtype(dtype), self.init_scale, sharding)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _random_fn(shape: tuple[int, ...], dtype, scale: float | None, sharding: NamedSharding):
+    """One compiled initialiser per distinct leaf kind: the layers of a model share theirs."""
+    if scale is None:
+        make = lambda k: jnp.ones(shape, dtype)
+    else:
+        make = lambda k: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
+    return jax.jit(make, out_shardings=sharding)
 
 
 def linear_spec(key: str, out_dim: int, in_dim: int, axes=("out", "in")) -> WeightSpec:
     return WeightSpec(Tensor(key, (out_dim, in_dim)), axes)
 
 
-def norm_spec(key: str, dim: int) -> WeightSpec:
-    return WeightSpec(Tensor(key, (dim,)), (None,), init_scale=None)
+def norm_spec(key: str, dim: int, zero_centered: bool = False) -> WeightSpec:
+    """A norm weight: ones for dummy weights, or zeros when it is an offset from one (norm(x) * (1 + w))."""
+    return WeightSpec(Tensor(key, (dim,)), (None,), init_scale=0.0 if zero_centered else None)
 
 
 # Logical axis -> mesh axis. Everything is replicated unless a rule says otherwise; parallel layouts
