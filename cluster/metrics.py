@@ -23,6 +23,9 @@ class FrontendMetrics:
         self.prefix_hit_tokens = Gauge("moray_prefix_cache_hit_tokens", "prompt tokens a worker found cached (cumulative)", ["worker", "role"], registry=r)
         self.prefix_query_tokens = Gauge("moray_prefix_cache_query_tokens", "prompt tokens a worker looked up (cumulative)", ["worker", "role"], registry=r)
         self.handoff_bytes = Gauge("moray_kv_handoff_bytes", "KV bytes a decode worker imported (cumulative)", ["worker"], registry=r)
+        self.handoff_state_bytes = Gauge(
+            "moray_kv_handoff_state_bytes", "of the handoff bytes, linear-attention state (hybrid models; cumulative)", ["worker"], registry=r
+        )
         self.handoff_seconds = Gauge("moray_kv_handoff_seconds", "time a decode worker spent importing KV (cumulative)", ["worker"], registry=r)
         self.misrouted = Gauge("moray_misrouted_requests", "requests a worker received although the router chose another (cumulative)", ["worker", "role"], registry=r)
         self.handoffs = Gauge("moray_kv_handoffs", "KV handoffs a decode worker completed (cumulative)", ["worker"], registry=r)
@@ -37,6 +40,7 @@ class FrontendMetrics:
         self.misrouted.labels(w, role).set(load.get("misrouted", 0))
         if role == "decode":
             self.handoff_bytes.labels(w).set(load.get("handoff_bytes", 0))
+            self.handoff_state_bytes.labels(w).set(load.get("handoff_state_bytes", 0))
             self.handoff_seconds.labels(w).set(load.get("handoff_seconds", 0.0))
             self.handoffs.labels(w).set(load.get("handoffs", 0))
 

@@ -48,15 +48,17 @@ class PrefillResult:
 
 @dataclass
 class HandoffStats:
-    bytes: int = 0
+    bytes: int = 0  # everything moved: attention KV plus linear-attention state
     seconds: float = 0.0
     chunks: int = 0
+    state_bytes: int = 0  # of `bytes`, the linear-attention state (hybrid models)
 
 
 @dataclass
 class WorkerCounters:
     handoffs: int = 0
     handoff_bytes: int = 0
+    handoff_state_bytes: int = 0
     handoff_seconds: float = 0.0
     held_released_by_timeout: int = 0
     import_failures: int = 0
@@ -75,7 +77,8 @@ class EngineWorker:
 
     @property
     def num_layers(self) -> int:
-        return self.engine.core.cfg.num_layers
+        """Units of a KV handoff: full-attention layers, plus the packed state of a hybrid model."""
+        return self.engine.core.num_handoff_layers
 
     def load(self) -> dict:
         s = self.engine.stats()
@@ -98,6 +101,7 @@ class EngineWorker:
             "last_seq": self.engine.core.events.last_seq,
             "handoffs": self.counters.handoffs,
             "handoff_bytes": self.counters.handoff_bytes,
+            "handoff_state_bytes": self.counters.handoff_state_bytes,
             "handoff_seconds": self.counters.handoff_seconds,
             "misrouted": self.counters.misrouted,
             "healthy": self.engine.healthy,
@@ -161,11 +165,6 @@ class PrefillWorker(EngineWorker):
         return await self.engine.release_kv(request_id)
 
 
-def layer_chunks(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
-    step = max(1, layers_per_chunk)
-    return [(l, min(l + step, num_layers)) for l in range(0, num_layers, step)]
-
-
 class DecodeWorker(EngineWorker):
     role = "decode"
 
@@ -200,14 +199,18 @@ class DecodeWorker(EngineWorker):
         start = time.perf_counter()
         stats = HandoffStats()
 
+        core = self.engine.core
+
         async def one(layer_start: int, layer_end: int) -> None:
             data = await fetch_chunk(layer_start, layer_end)
             stats.bytes += data.nbytes
+            if layer_start >= core.cfg.num_kv_layers:
+                stats.state_bytes += data.nbytes
             stats.chunks += 1
             await self.engine.import_kv(request_id, layer_start, data)
 
         try:
-            await asyncio.gather(*(one(a, b) for a, b in layer_chunks(self.num_layers, self.layers_per_chunk)))
+            await asyncio.gather(*(one(a, b) for a, b in core.handoff_chunks(self.layers_per_chunk)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any transport failure: recompute locally
@@ -226,6 +229,7 @@ class DecodeWorker(EngineWorker):
     def _count_handoff(self, stats: HandoffStats) -> None:
         self.counters.handoffs += 1
         self.counters.handoff_bytes += stats.bytes
+        self.counters.handoff_state_bytes += stats.state_bytes
         self.counters.handoff_seconds += stats.seconds
         self.counters.history = (self.counters.history + [stats])[-256:]
 

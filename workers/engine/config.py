@@ -101,6 +101,13 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(default=None, ge=2, description="overrides kv_cache_memory_bytes")
     kv_cache_memory_bytes: int = Field(default=256 << 20, gt=0)
     enable_prefix_caching: bool = True
+    # Hybrid (linear-attention) models: per-sequence state slots, float32, outside kv_cache_memory_bytes.
+    state_snapshots: int | None = Field(
+        default=None, ge=0, description="most state snapshots kept for prefix caching (LRU); default 2 x max_num_seqs"
+    )
+    num_state_slots: int | None = Field(
+        default=None, ge=1, description="state slots: one per live request plus snapshots; default 2 x max_num_seqs + state_snapshots"
+    )
 
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
@@ -122,6 +129,15 @@ class EngineConfig(BaseModel):
             if buckets is not None and (not buckets or sorted(set(buckets)) != buckets or buckets[0] < 1):
                 raise ValueError(f"{name} must be a non-empty, strictly increasing list of positive integers")
         return self
+
+    @property
+    def max_state_snapshots(self) -> int:
+        return 2 * self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
+
+    @property
+    def state_slots(self) -> int:
+        """Working slots for running, held and importing requests (2 x max_num_seqs), plus snapshots."""
+        return self.num_state_slots or 2 * self.max_num_seqs + self.max_state_snapshots
 
     @property
     def model_name(self) -> str:

@@ -120,6 +120,9 @@ class DataParallelKVCacheManager:
             return None
         return [BlockCopy(c.src + offset, c.dst + offset) for c in copies]
 
+    def plan_step(self, request: Request, start: int, num_new_tokens: int) -> None:
+        return None
+
     def cache_full_blocks(self, request: Request) -> None:
         with self._on_rank(request) as (manager, _):
             manager.cache_full_blocks(request)
@@ -141,21 +144,26 @@ class DataParallelRunner(ModelRunner):
         self.rank_sharding = NamedSharding(model.mesh, PartitionSpec(model.data_axes))
         super().__init__(model, config, blocks_per_rank * self.dp, max_model_len)
         replicated = NamedSharding(model.mesh, PartitionSpec())
-        pages = [self.rank_sharding] * self.cfg.num_layers
+        pages = [self.rank_sharding] * self.cfg.num_kv_layers
         # Logits replicated: every process of a multi-host engine samples the same tokens.
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), out_shardings=(replicated, pages))
+        self._step = jax.jit(
+            self._step_impl, donate_argnums=(1,), out_shardings=(replicated, pages, None), static_argnames=("decode_only",)
+        )
 
     def _new_pages(self, page_shape):
         zeros = jax.jit(lambda: jnp.zeros(page_shape, self.model.dtype), out_shardings=self.rank_sharding)
-        return [zeros() for _ in range(self.cfg.num_layers)]
+        return [zeros() for _ in range(self.cfg.num_kv_layers)]
 
-    def _step_impl(self, weights, kv_pages, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices):
+    def _step_impl(
+        self, weights, kv_pages, state_pools, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices, states, decode_only=False
+    ):
+        # Hybrid models are refused with data-parallel attention (EngineCore), so there are no states here.
         self.num_traces += 1
         cache = DataParallelPagedKVCache(
             list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, self.model.mesh, self.model.data_axes
         )
         logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
-        return logits, cache.pages
+        return logits, cache.pages, None
 
     def rank_of(self, block_ids: list[int]) -> int:
         return block_ids[0] // self.blocks_per_rank

@@ -27,6 +27,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
 from .request import Request, RequestStatus
 from .runner import ModelRunner, kv_bytes_per_block
+from .state_cache import HybridCacheManager
 from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -121,7 +122,18 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
         self.events = KVEventPublisher(config.worker_id)
-        if self.model.data_parallel_size > 1:  # each rank its own sequences and blocks (num_blocks each)
+        if self.cfg.is_hybrid and self.model.data_parallel_size > 1:
+            raise ValueError(
+                f"data-parallel attention (dp={self.model.data_parallel_size}) is not supported yet for hybrid "
+                f"linear-attention models ({self.cfg.model_type}); use dp=1 with expert parallelism"
+            )
+        if self.cfg.is_hybrid:  # paged KV for the full-attention layers + state slots for the linear ones
+            self.kv = HybridCacheManager(
+                num_blocks, config.block_size, config.state_slots, config.max_state_snapshots,
+                config.enable_prefix_caching, config.model_name, self.events,
+            )
+            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, config.state_slots)
+        elif self.model.data_parallel_size > 1:  # each rank its own sequences and blocks (num_blocks each)
             dp = self.model.data_parallel_size
             self.kv = DataParallelKVCacheManager(dp, num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
             self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len)
@@ -198,8 +210,20 @@ class EngineCore:
             self.scheduler.add(request)
             return
         request.kv_import_from_block = len(prefix)
-        request.pending_kv_layers = set(range(self.cfg.num_layers))
+        request.pending_kv_layers = set(range(self.num_handoff_layers))
         self.scheduler.add_importing(request)
+
+    @property
+    def num_handoff_layers(self) -> int:
+        """Units of a KV handoff: one per full-attention layer, plus one for the linear-attention state
+        of a hybrid model (index `cfg.num_kv_layers`: every linear layer's state, packed)."""
+        return self.cfg.num_kv_layers + (1 if self.cfg.is_hybrid else 0)
+
+    def handoff_chunks(self, layers_per_chunk: int) -> list[tuple[int, int]]:
+        """[start, end) ranges of handoff units; the state always travels as a chunk of its own."""
+        step, n = max(1, layers_per_chunk), self.cfg.num_kv_layers
+        chunks = [(l, min(l + step, n)) for l in range(0, n, step)]
+        return chunks + [(n, n + 1)] if self.cfg.is_hybrid else chunks
 
     def import_kv(self, request_id: str, layer_start: int, data: np.ndarray) -> bool:
         """Writes layers [layer_start, layer_start + len(data)) of the prompt's KV
@@ -208,12 +232,19 @@ class EngineCore:
         request = self.scheduler.importing.get(request_id)
         if request is None:
             return False
+        if self.cfg.is_hybrid and layer_start == self.cfg.num_kv_layers:
+            self.runner.scatter_state(self.kv.working_slot(request_id), data)
+            self.kv.state_written(request_id)
+            return self._imported(request, {layer_start})
         first = request.kv_import_from_block
         num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
         if data.shape[1] != num_blocks:
             raise ValueError(f"KV chunk has {data.shape[1]} blocks; the prompt needs {num_blocks}")
         self.runner.scatter_blocks(request.block_ids[first:num_blocks], layer_start, data[:, first:num_blocks])
-        request.pending_kv_layers -= set(range(layer_start, layer_start + data.shape[0]))
+        return self._imported(request, set(range(layer_start, layer_start + data.shape[0])))
+
+    def _imported(self, request: Request, units: set[int]) -> bool:
+        request.pending_kv_layers -= units
         if not request.pending_kv_layers:
             request.num_computed_tokens = request.num_prompt_tokens
             self.scheduler.admit_imported(request)
@@ -233,6 +264,8 @@ class EngineCore:
         request = self.scheduler.held.get(request_id)
         if request is None:
             raise KeyError(f"no held KV for request {request_id!r}")
+        if self.cfg.is_hybrid and layer_start == self.cfg.num_kv_layers:
+            return self.runner.gather_state(self.kv.working_slot(request_id))
         num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
         return self.runner.gather_blocks(request.block_ids[:num_blocks], layer_start, layer_end)
 

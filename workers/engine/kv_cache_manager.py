@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 from .block_hash import ROOT_PARENT, block_hashes
 from .kv_events import KVEventKind, KVEventPublisher
@@ -37,6 +38,8 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: first is evicted first
+        # Told the hash of every cached block evicted (the hybrid cache drops the snapshot ending there).
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -84,6 +87,8 @@ class BlockPool:
         if h is not None and self.cached.get(h) == b:
             del self.cached[h]
             self._emit(KVEventKind.REMOVED, h, self.parent_of[b], self.block_size)
+            if self.on_evict is not None:
+                self.on_evict(h)
         self.hash_of[b] = self.parent_of[b] = None
 
     def release(self, block_ids: list[int]) -> None:
@@ -184,6 +189,10 @@ class KVCacheManager:
         if prefix_blocks:
             self._num_cached_blocks[request.request_id] = len(prefix_blocks) - cow
         return copies
+
+    def plan_step(self, request: Request, start: int, num_new_tokens: int) -> None:
+        """Nothing beyond the block table: attention-only models need no per-step cache directions."""
+        return None
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the blocks that became full and computed in the prefix cache."""

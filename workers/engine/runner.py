@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
+from workers.models.paged_state import KEEP, PagedHybridCache
 
 from ..progress import Progress
 from .config import EngineConfig, powers_of_two_up_to
@@ -49,12 +50,24 @@ class StepInputs:
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]
+    # Hybrid models (linear-attention state slots, see `state_cache.StateStep`); None otherwise.
+    state_slots: np.ndarray | None = None  # i32[S]
+    state_init: np.ndarray | None = None  # i32[S]
+    snap_slots: np.ndarray | None = None  # i32[S]
+    snap_lens: np.ndarray | None = None  # i32[S]
+    decode_only: bool = False  # every sequence has exactly one token (a hybrid model's decode program)
+
+    def states(self) -> tuple | None:
+        if self.state_slots is None:
+            return None
+        return (self.state_slots, self.state_init, self.snap_slots, self.snap_lens)
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int):
+    def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int, num_state_slots: int = 0):
         self.model = model
         self.cfg = model.cfg
+        self.num_state_slots = num_state_slots if self.cfg.is_hybrid else 0
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.max_num_seqs = config.max_num_seqs
@@ -67,25 +80,46 @@ class ModelRunner:
             raise ValueError(f"the largest page bucket must be >= max_model_len / block_size = {max_pages}")
         page_shape = (num_blocks, config.block_size, 2 * self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_pages = self._new_pages(page_shape)
+        # Linear-attention layers: conv and recurrent state pools, float32, addressed by slot.
+        self.state_pools = self._new_state_pools() if self.num_state_slots else None
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnames=("decode_only",))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
 
-    def _new_pages(self, page_shape: tuple[int, ...]) -> list[jax.Array]:
+    def _replicated(self, make) -> jax.Array:
         # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
         # on that, so uncommitted initial pages would compile the first bucket twice.
-        replicated = NamedSharding(self.model.mesh, PartitionSpec())
-        return [jax.device_put(jnp.zeros(page_shape, self.model.dtype), replicated) for _ in range(self.cfg.num_layers)]
+        return jax.device_put(make(), NamedSharding(self.model.mesh, PartitionSpec()))
+
+    def _new_pages(self, page_shape: tuple[int, ...]) -> list[jax.Array]:
+        return [self._replicated(lambda: jnp.zeros(page_shape, self.model.dtype)) for _ in range(self.cfg.num_kv_layers)]
+
+    def _new_state_pools(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        n, cfg = self.num_state_slots, self.cfg
+        conv = [self._replicated(lambda: jnp.zeros((n, *cfg.conv_state_shape), jnp.float32)) for _ in range(cfg.num_state_layers)]
+        rec = [self._replicated(lambda: jnp.zeros((n, *cfg.recurrent_state_shape), jnp.float32)) for _ in range(cfg.num_state_layers)]
+        return conv, rec
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return state_bytes_per_sequence(self.cfg)
 
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model, self.block_size)
 
-    def _step_impl(self, weights, kv_pages, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices):
+    def _step_impl(
+        self, weights, kv_pages, state_pools, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices, states, decode_only=False
+    ):
         self.num_traces += 1  # runs only while tracing: counts compilations
-        cache = PagedKVCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+        if state_pools is None:
+            cache = PagedKVCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+        else:
+            conv, rec = state_pools
+            cache = PagedHybridCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, list(conv), list(rec), *states, decode_only=decode_only)
         logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
-        return logits, cache.pages
+        pools = None if state_pools is None else (cache.conv, cache.recurrent)
+        return logits, cache.pages, pools
 
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
@@ -117,13 +151,33 @@ class ModelRunner:
             logits_idx[i] = offset - 1
         cu[len(out.scheduled) + 1 :] = offset
         num_seqs = np.array([len(out.scheduled)], np.int32)
-        return StepInputs(tokens, positions, slots, kv_lens, pages, cu, num_seqs, logits_idx)
+        inputs = StepInputs(tokens, positions, slots, kv_lens, pages, cu, num_seqs, logits_idx)
+        if self.num_state_slots:
+            self._prepare_states(inputs, out)
+        return inputs
+
+    def _prepare_states(self, inputs: StepInputs, out: SchedulerOutput) -> None:
+        """Per sequence: its working slot, how it starts, and the snapshot the step writes."""
+        self._empty_states(inputs)
+        for i, item in enumerate(out.scheduled):
+            st = item.cache_step
+            inputs.state_slots[i], inputs.state_init[i] = st.slot, st.init
+            inputs.snap_slots[i], inputs.snap_lens[i] = st.snap_slot, st.snap_len
+        inputs.decode_only = all(item.num_new_tokens == 1 for item in out.scheduled)
+
+    def _empty_states(self, inputs: StepInputs) -> None:
+        s = len(inputs.kv_lens)
+        inputs.state_slots = np.zeros((s,), np.int32)
+        inputs.state_init = np.full((s,), KEEP, np.int32)
+        inputs.snap_slots = np.full((s,), -1, np.int32)
+        inputs.snap_lens = np.zeros((s,), np.int32)
 
     def run(self, inputs: StepInputs) -> jax.Array:
         """Runs one step; returns float32 logits [S_bucket, vocab] on device (row i = scheduled request i)."""
-        logits, self.kv_pages = self._step(
+        logits, self.kv_pages, self.state_pools = self._step(
             self.model.weights,
             self.kv_pages,
+            self.state_pools,
             inputs.tokens,
             inputs.positions,
             inputs.slot_mapping,
@@ -132,6 +186,8 @@ class ModelRunner:
             inputs.cu_q_lens,
             inputs.num_seqs,
             inputs.logits_indices,
+            inputs.states(),
+            decode_only=inputs.decode_only,
         )
         return logits
 
@@ -161,10 +217,27 @@ class ModelRunner:
         end = layer_start + data.shape[0]
         self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
 
-    def dummy_inputs(self, n: int, p: int) -> StepInputs:
+    def gather_state(self, slot: int) -> np.ndarray:
+        """One sequence's linear-attention state, packed flat (float32): every layer's conv state, then
+        every layer's recurrent state (the handoff's state chunk)."""
+        conv, rec = _gather_state_jit(self.state_pools, jnp.int32(slot))
+        return np.concatenate([np.asarray(a).ravel() for a in (*conv, *rec)])
+
+    def scatter_state(self, slot: int, packed: np.ndarray) -> None:
+        cfg = self.cfg
+        conv_n, rec_n = math.prod(cfg.conv_state_shape), math.prod(cfg.recurrent_state_shape)
+        layers = cfg.num_state_layers
+        if packed.shape != (layers * (conv_n + rec_n),) or packed.dtype != np.float32:
+            raise ValueError(f"state chunk has shape {packed.shape} ({packed.dtype}); expected ({layers * (conv_n + rec_n)},) float32")
+        conv = [packed[i * conv_n : (i + 1) * conv_n].reshape(cfg.conv_state_shape) for i in range(layers)]
+        base = layers * conv_n
+        rec = [packed[base + i * rec_n : base + (i + 1) * rec_n].reshape(cfg.recurrent_state_shape) for i in range(layers)]
+        self.state_pools = _scatter_state_jit(self.state_pools, jnp.int32(slot), conv, rec)
+
+    def dummy_inputs(self, n: int, p: int, decode_only: bool = False) -> StepInputs:
         """Inputs of bucket shape (n tokens, p pages) that compute nothing real (all tokens padding)."""
         s = self.seqs_for(n)
-        return StepInputs(
+        inputs = StepInputs(
             tokens=np.zeros((1, n), np.int32),
             positions=np.zeros((1, n), np.int32),
             slot_mapping=np.full((n,), -1, np.int32),
@@ -174,14 +247,27 @@ class ModelRunner:
             num_seqs=np.zeros((1,), np.int32),
             logits_indices=np.zeros((s,), np.int32),
         )
+        if self.num_state_slots:
+            self._empty_states(inputs)
+            inputs.decode_only = decode_only
+        return inputs
+
+    def step_shapes(self) -> list[tuple[int, int, bool]]:
+        """Every (token bucket, page bucket, decode-only) program a step can use. Hybrid models have a
+        decode-only variant (one vectorised state update) for buckets a decode batch can pick."""
+        shapes = [(n, p, False) for n in self.token_buckets for p in self.page_buckets]
+        if self.num_state_slots:
+            largest_decode = pick_bucket(self.token_buckets, min(self.max_num_seqs, self.token_buckets[-1]))
+            shapes += [(n, p, True) for n in self.token_buckets if n <= largest_decode for p in self.page_buckets]
+        return shapes
 
     def warmup(self, sample_fn=None, show_progress: bool = True) -> float:
-        """Compiles every (token bucket, page bucket) step program, and the sampler per sequence bucket."""
+        """Compiles every step program (`step_shapes`), and the sampler per sequence bucket."""
         start = time.perf_counter()
-        shapes = [(n, p) for n in self.token_buckets for p in self.page_buckets]
+        shapes = self.step_shapes()
         progress = Progress(len(shapes), "compiling step buckets", enabled=show_progress)
-        for n, p in shapes:
-            logits = self.run(self.dummy_inputs(n, p))
+        for n, p, decode_only in shapes:
+            logits = self.run(self.dummy_inputs(n, p, decode_only))
             if sample_fn is not None:
                 sample_fn(logits)
             jax.block_until_ready(logits)
@@ -208,10 +294,27 @@ _gather_jit = jax.jit(_gather_blocks)
 _scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
 
 
-_gather_jit = jax.jit(_gather_blocks)
-_scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
+def _gather_state(pools, slot):
+    conv, rec = pools
+    return [c[slot] for c in conv], [r[slot] for r in rec]
+
+
+def _scatter_state(pools, slot, conv_data, rec_data):
+    conv, rec = pools
+    return [c.at[slot].set(d) for c, d in zip(conv, conv_data)], [r.at[slot].set(d) for r, d in zip(rec, rec_data)]
+
+
+_gather_state_jit = jax.jit(_gather_state)
+_scatter_state_jit = jax.jit(_scatter_state, donate_argnums=(0,))
 
 
 def kv_bytes_per_block(model: LoadedModel, block_size: int) -> int:
     cfg = model.cfg
-    return cfg.num_layers * block_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+    return cfg.num_kv_layers * block_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+
+
+def state_bytes_per_sequence(cfg) -> int:
+    """float32 conv + recurrent state of every linear-attention layer (0 for attention-only models)."""
+    if not cfg.is_hybrid:
+        return 0
+    return cfg.num_state_layers * 4 * (math.prod(cfg.conv_state_shape) + math.prod(cfg.recurrent_state_shape))

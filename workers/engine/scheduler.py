@@ -26,6 +26,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # first position computed this step
+    # Per-sequence cache directions for the runner beyond block tables (a hybrid model's state slot and
+    # snapshot: `state_cache.StateStep`); None for attention-only models. Opaque to the scheduler.
+    cache_step: object | None = None
 
     @property
     def completes_known_tokens(self) -> bool:
@@ -139,7 +142,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            out.scheduled.append(self._scheduled(request, n))
             out.block_copies += copies
             budget -= n
 
@@ -174,11 +177,15 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            out.scheduled.append(self._scheduled(request, n))
             out.block_copies += copies
             budget -= n
             self._note_computing(request, computing)
         return out
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, n, start, self.kv.plan_step(request, start, n))
 
     def _blocks_being_computed(self) -> dict[int, list[Request]]:
         """block hash -> the running requests computing that full block (it is not cached yet)."""

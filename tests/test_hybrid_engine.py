@@ -1,0 +1,203 @@
+"""The engine on hybrid linear-attention models (Qwen3.5-MoE, Qwen3-Next): greedy parity with
+transformers, chunking/batching/preemption invariance, prefix caching through state snapshots (and
+never without one), KV events that predict the engine's reuse to the block, and the KV + state handoff."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from cluster.router.memory_index import MemoryKVIndex
+from cluster.router.types import WorkerLoad
+from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from workers.engine.block_hash import block_hashes
+from workers.engine.engine import KVImport
+from workers.engine.kv_events import KVEventKind
+from workers.models.make_model import make_model
+
+ARGS = dict(
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=160,
+    token_buckets=[8, 64],
+    page_buckets=[4, 20],
+    # One persistent XLA cache for the engines of this module: each engine traces its own step programs,
+    # and the ragged state kernels compile slowly on CPU, so later engines reuse the first one's binaries.
+    compilation_cache_dir=tempfile.mkdtemp(prefix="moray-hybrid-xla-"),
+    warmup=False,  # compile only the programs a test uses (the ragged state kernels compile slowly on CPU)
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("qwen3_5_moe") / "m", "qwen3_5_moe", "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("qwen3_next") / "m", "qwen3_next", "tiny", seed=5)
+
+
+# Each family runs the parity, chunking and handoff tests; the cache-behaviour tests, which do not
+# depend on the family's math, run on Qwen3.5 (the model Moray serves first).
+@pytest.fixture(params=["qwen3_5_moe", "qwen3_next"])
+def family_dir(request):
+    return request.getfixturevalue({"qwen3_5_moe": "qwen35", "qwen3_next": "qwen3_next"}[request.param])
+
+
+@pytest.fixture
+def model_dir(qwen35):
+    return qwen35
+
+
+@pytest.fixture(scope="module")
+def llm(qwen35) -> LLM:
+    return LLM(str(qwen35), **ARGS)
+
+
+def test_greedy_generate_equals_transformers(family_dir):
+    model_dir, llm = family_dir, LLM(str(family_dir), **ARGS)
+    batch = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45, 1, 90, 33], list(range(1, 30))]
+    ours = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(batch, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_one_chunk(family_dir, chunk):
+    model_dir = family_dir
+    prompt = prompts(1, seed=2, lo=100, hi=101)[0]
+    whole = LLM(str(model_dir), **{**ARGS, "max_num_batched_tokens": 128, "token_buckets": [8, 128], "enable_prefix_caching": False})
+    expected = whole.generate([prompt], GREEDY)[0]
+    buckets = [chunk] if chunk < 8 else [8, chunk]
+    chunked = LLM(str(model_dir), **{**ARGS, "max_num_batched_tokens": chunk, "token_buckets": buckets, "enable_prefix_caching": False})
+    assert chunked.generate([prompt], GREEDY)[0].token_ids == expected.token_ids
+
+
+def test_concurrent_requests_equal_alone(llm):
+    batch = prompts(16, seed=1)
+    together = llm.generate(batch, GREEDY)
+    for prompt, out in zip(batch[:6], together[:6]):
+        assert llm.generate([prompt], GREEDY)[0].token_ids == out.token_ids
+    assert len({tuple(o.token_ids) for o in together}) > 1
+
+
+def test_preemption_gives_identical_outputs(model_dir, llm):
+    batch = prompts(8, seed=5, lo=20, hi=50)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = llm.generate(batch, params)
+    small = LLM(str(model_dir), **{**ARGS, "num_kv_blocks": 24, "enable_prefix_caching": False})
+    got = small.generate(batch, params)
+    assert small.engine.preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    _assert_all_free(small.engine)
+
+
+def _assert_all_free(engine: EngineCore) -> None:
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert not engine.kv.slots.working and not engine.kv.slots.pending
+
+
+def test_second_turn_reuses_the_first_turns_blocks(model_dir, llm):
+    turn1 = prompts(1, seed=7, lo=37, hi=38)[0]  # 4 full blocks of 8 + 5 tokens
+    first = llm.generate([turn1], GREEDY)[0]  # 12 more tokens: 49 in all, 6 full blocks computed
+    turn2 = turn1 + first.token_ids + [7, 8, 9, 10, 11]
+    second = llm.generate([turn2], GREEDY)[0]
+    assert second.num_cached_tokens == 48
+    uncached = LLM(str(model_dir), **{**ARGS, "enable_prefix_caching": False}).generate([turn2], GREEDY)[0]
+    assert second.token_ids == uncached.token_ids
+
+
+def test_prefix_without_a_snapshot_is_recomputed_not_reused(model_dir):
+    """One snapshot slot: a second prompt's snapshot evicts the first's, whose attention blocks stay
+    cached. The first prompt again must be recomputed (hit 0), giving the same tokens."""
+    engine = LLM(str(model_dir), **{**ARGS, "state_snapshots": 1})
+    a, b = prompts(2, seed=8, lo=30, hi=40)
+    first = engine.generate([a], GREEDY)[0]
+    engine.generate([b], GREEDY)
+    hashes = block_hashes(a, 8, engine.engine.config.model_name)
+    assert engine.engine.kv.attn.pool.longest_cached_prefix(hashes)  # its KV blocks are still there
+    again = engine.generate([a], GREEDY)[0]
+    assert again.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids
+
+
+def test_events_predict_the_engines_reuse_to_the_block(model_dir):
+    """The router's index, fed the engine's events, predicts exactly the tokens the engine reuses."""
+    llm = LLM(str(model_dir), **ARGS)
+    engine = llm.engine
+    index = MemoryKVIndex(heartbeat_ttl_s=1e9)
+    index.heartbeat(WorkerLoad(engine.config.worker_id, ts=0.0))
+    engine.events.add_listener(lambda e: index.apply([e]))
+    rng = random.Random(9)
+    base = prompts(3, seed=9, lo=20, hi=45)
+    for p in base:
+        llm.generate([p], GREEDY)
+    stored = engine.kv.num_snapshots
+    assert stored > 0
+    for i in range(12):
+        p = base[i % 3]
+        probe = p[: rng.randrange(1, len(p) + 1)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))]
+        hashes = block_hashes(probe, 8, engine.config.model_name)
+        predicted = index.longest_prefix(hashes).get(engine.config.worker_id, 0) * 8
+        out = llm.generate([probe], SamplingParams(temperature=0.0, max_tokens=1))[0]
+        # The engine never reuses the last prompt token's block boundary (that token is computed).
+        assert out.num_cached_tokens == min(predicted, (len(probe) - 1) // 8 * 8), (i, len(probe))
+
+
+def test_events_announce_only_reusable_boundaries(model_dir):
+    llm = LLM(str(model_dir), **ARGS)
+    sub = llm.engine.events.subscribe()
+    prompt = prompts(1, seed=10, lo=37, hi=38)[0]
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    stored = [e for e in sub.drain() if e.kind is KVEventKind.STORED]
+    # One prefill step over 37 tokens crosses boundaries 8..32: only the last one gets a snapshot.
+    assert [e.block_hash for e in stored] == [block_hashes(prompt, 8, llm.engine.config.model_name)[3]]
+
+
+def _engine(model_dir, worker):
+    return EngineCore(EngineConfig(model=str(model_dir), worker_id=worker, **ARGS), show_progress=False)
+
+
+def _run(engine, rid):
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_handoff_carries_kv_and_state(family_dir):
+    model_dir = family_dir
+    prefill, decode, single = _engine(model_dir, "p0"), _engine(model_dir, "d0"), _engine(model_dir, "s0")
+    for i, prompt in enumerate(prompts(3, seed=11, lo=5, hi=60)):
+        rid = f"r{i}"
+        prefill.add_request(rid, prompt, GREEDY.model_copy(update={"max_tokens": 1}), hold_kv=True)
+        first = _run(prefill, rid)[-1]
+        decode.add_request(rid, prompt, GREEDY, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens))
+        chunks = [(a, prefill.export_kv(rid, a, b)) for a, b in prefill.handoff_chunks(1)]
+        assert len(chunks) == prefill.cfg.num_kv_layers + 1
+        state = chunks[-1][1]
+        assert state.dtype == np.float32 and state.nbytes == prefill.runner.state_bytes_per_slot
+        assert prefill.release_kv(rid)
+        for start, data in reversed(chunks):  # any order
+            assert decode.import_kv(rid, start, data)
+        got = _run(decode, rid)[-1]
+        single.add_request(rid, prompt, GREEDY)
+        assert got.token_ids == _run(single, rid)[-1].token_ids
+    for e in (prefill, decode):
+        _assert_all_free(e)

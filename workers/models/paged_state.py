@@ -1,0 +1,76 @@
+"""The engine's cache for hybrid models: paged attention KV plus linear-attention state slots.
+
+`PagedHybridCache` is `PagedKVCache` (full-attention layers, flat ragged batch) with two more pools per
+linear-attention layer, indexed by slot: conv states [slots, K-1, conv_dim] and recurrent states
+[slots, Hv, dk, dv], both float32. Per scheduled sequence the step carries its working slot, how that
+slot starts (`state_init`: keep, zero, or copy a snapshot slot) and where to write a snapshot of the
+state at a block boundary inside the step. The slot bookkeeping is the engine's
+(`workers/engine/state_cache.py`); this class only moves states on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from kernels.gated_delta import ragged_causal_conv1d, ragged_gated_delta_rule
+
+from .layers import PagedKVCache
+
+Array = jax.Array
+KEEP, ZERO = -2, -1  # state_init values besides a snapshot slot to copy from
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PagedHybridCache(PagedKVCache):
+    conv: list[Array]  # per linear layer [slots, K-1, conv_dim] float32
+    recurrent: list[Array]  # per linear layer [slots, Hv, dk, dv] float32
+    state_slots: Array  # i32[S] working slot of each sequence
+    state_init: Array  # i32[S] KEEP | ZERO | slot to copy from
+    snap_slots: Array  # i32[S] snapshot destination, -1 for none
+    snap_lens: Array  # i32[S] tokens of this step before the snapshot
+    # Static: every sequence has one token and sequence i owns token i (a decode-only step).
+    decode_only: bool = field(default=False, metadata=dict(static=True))
+
+    def _initialised(self, pool: Array) -> Array:
+        """The pool with each sequence's working slot set up for this step (zeroed or copied). Most
+        steps (decode) start nothing new: the cond skips the gather of every sequence's state."""
+
+        def init(pool):
+            src = jnp.maximum(self.state_init, 0)
+            fresh = jnp.where((self.state_init == ZERO).reshape(-1, *(1,) * (pool.ndim - 1)), 0, pool[src])
+            dst = jnp.where(self.state_init == KEEP, pool.shape[0], self.state_slots)  # KEEP: dropped
+            return pool.at[dst].set(fresh.astype(pool.dtype), mode="drop")
+
+        return jax.lax.cond(jnp.any(self.state_init != KEEP), init, lambda p: p, pool)
+
+    def causal_conv(self, layer: int, x: Array, weight: Array) -> Array:
+        b, t, c = x.shape
+        pool = self._initialised(self.conv[layer])
+        out, self.conv[layer] = ragged_causal_conv1d(
+            x.reshape(b * t, c), weight, pool, self.state_slots, self.cu_q_lens, self.num_seqs, self.snap_lens, self.snap_slots
+        )
+        return out.reshape(b, t, c)
+
+    def gated_delta(self, layer: int, q: Array, k: Array, v: Array, g: Array, beta: Array) -> Array:
+        b, t = q.shape[:2]
+        flat = lambda a: a.reshape(b * t, *a.shape[2:])
+        pool = self._initialised(self.recurrent[layer])
+        out, self.recurrent[layer] = ragged_gated_delta_rule(
+            flat(q),
+            flat(k),
+            flat(v),
+            flat(g),
+            flat(beta),
+            pool,
+            self.state_slots,
+            self.cu_q_lens,
+            self.num_seqs,
+            self.snap_lens,
+            self.snap_slots,
+            decode_only=self.decode_only,
+        )
+        return out.reshape(b, t, *out.shape[1:])
