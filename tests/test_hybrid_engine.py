@@ -201,3 +201,40 @@ def test_handoff_carries_kv_and_state(family_dir):
         assert got.token_ids == _run(single, rid)[-1].token_ids
     for e in (prefill, decode):
         _assert_all_free(e)
+
+
+@pytest.mark.parametrize("parallel", [{"mesh": "2x4", "dp": 2, "tp": 4, "moe": {"dispatch": "hierarchical"}}], ids=["dp2-tp4"])
+def test_data_parallel_ranks_keep_their_states(qwen35, llm, parallel):
+    """Data-parallel attention on 8 virtual devices: each rank owns its sequences' state slots; greedy
+    tokens equal one device's, also with a small pool that preempts and a prefix hit on a rank."""
+    from workers.engine.data_parallel import DataParallelRunner
+
+    batch = prompts(8, seed=12, lo=20, hi=50)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(batch, params)]
+    dp = LLM(str(qwen35), parallel=parallel, num_kv_blocks=20, **ARGS)
+    assert isinstance(dp.engine.runner, DataParallelRunner)
+    assert [o.token_ids for o in dp.generate(batch, params)] == expected
+    assert dp.engine.preemptions > 0
+    prompt = prompts(1, seed=13, lo=37, hi=38)[0]
+    first, again = dp.generate([prompt], params)[0], dp.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == first.token_ids
+    assert dp.engine.kv.num_free_blocks == dp.engine.kv.pool.num_blocks
+    assert all(not m.slots.working for m in dp.engine.kv.ranks)
+
+
+def test_aborts_return_every_block_and_state_slot(qwen35):
+    engine = _engine(qwen35, "abort")
+    rng = random.Random(14)
+    for i, p in enumerate(prompts(12, seed=14, lo=5, hi=70)):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 20), ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps % 2 == 0:
+            for rid in list(engine.scheduler.requests)[:1]:
+                engine.abort(rid)
+    _assert_all_free(engine)
+    held = engine.kv.slots
+    assert len(held.free) + len(held.snapshots) == held.num_slots  # every slot is free or a snapshot

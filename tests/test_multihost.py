@@ -26,7 +26,15 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("multihost") / "tiny", "qwen3_moe", "tiny", seed=5)
 
 
-def test_a_follower_replaying_the_leaders_calls_stays_identical(model_dir):
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("multihost-hybrid") / "tiny", "qwen3_5_moe", "tiny", seed=5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_a_follower_replaying_the_leaders_calls_stays_identical(request, arch):
+    """Also for a hybrid model: its state slots and snapshots follow the same calls deterministically."""
+    model_dir = request.getfixturevalue("model_dir" if arch == "qwen3_moe" else "hybrid_dir")
     cfg = EngineConfig(model=str(model_dir), worker_id="lead", seed=3, warmup=False, **ENGINE)
     follower = EngineFollower(cfg.model_copy(update={"worker_id": "follow"}))
     sent = []
@@ -43,6 +51,8 @@ def test_a_follower_replaying_the_leaders_calls_stays_identical(model_dir):
     follower.apply(sent)
     assert follower.ops == len(sent)
     assert follower.core.kv.num_free_blocks == leader.kv.num_free_blocks
+    if arch == "qwen3_5_moe":
+        assert follower.core.kv.slots.snapshots == leader.kv.slots.snapshots and leader.kv.num_snapshots > 0
     # The follower's own outputs for the same calls: replay them one by one and compare the finals.
     replay = EngineFollower(cfg.model_copy(update={"worker_id": "again"}))
     finals = {}

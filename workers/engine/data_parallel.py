@@ -25,14 +25,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from workers.models import LoadedModel
-from workers.models.dp_attention import DataParallelPagedKVCache
+from workers.models.dp_attention import DataParallelHybridCache, DataParallelPagedKVCache
 
 from .config import EngineConfig
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .kv_events import KVEventPublisher
 from .request import Request
-from .runner import ModelRunner, StepInputs, pick_bucket
+from .runner import KEEP, ModelRunner, StepInputs, pick_bucket
 from .scheduler import SchedulerOutput
+from .state_cache import HybridCacheManager, HybridPrefix
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,19 @@ class _PoolTotals:
     num_free: int
 
 
+def _shifted(prefix, delta: int):
+    """A prefix's block ids moved between rank-local and global, keeping what else it carries (a hybrid
+    prefix's rank-local snapshot slot)."""
+    out = type(prefix)(b + delta for b in prefix) if isinstance(prefix, HybridPrefix) else [b + delta for b in prefix]
+    if isinstance(prefix, HybridPrefix):
+        out.snapshot_slot = prefix.snapshot_slot
+    return out
+
+
 class DataParallelKVCacheManager:
+    """One cache manager per rank (a `KVCacheManager`, or a `HybridCacheManager` when
+    `slots_per_rank` is given: each rank then also owns state slots [r * slots, (r + 1) * slots))."""
+
     def __init__(
         self,
         dp: int,
@@ -50,8 +63,17 @@ class DataParallelKVCacheManager:
         enable_prefix_caching: bool = True,
         extra_keys: str = "",
         events: KVEventPublisher | None = None,
+        slots_per_rank: int = 0,
+        snapshots_per_rank: int = 0,
     ):
-        self.ranks = [KVCacheManager(blocks_per_rank, block_size, enable_prefix_caching, extra_keys, events) for _ in range(dp)]
+        if slots_per_rank:
+            self.ranks = [
+                HybridCacheManager(blocks_per_rank, block_size, slots_per_rank, snapshots_per_rank, enable_prefix_caching, extra_keys, events)
+                for _ in range(dp)
+            ]
+        else:
+            self.ranks = [KVCacheManager(blocks_per_rank, block_size, enable_prefix_caching, extra_keys, events) for _ in range(dp)]
+        self.slots_per_rank = slots_per_rank
         self.blocks_per_rank = blocks_per_rank
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -110,18 +132,34 @@ class DataParallelKVCacheManager:
 
     def cached_prefix(self, request: Request) -> list[int]:
         with self._on_rank(request) as (manager, offset):
-            return [b + offset for b in manager.cached_prefix(request)]
+            return _shifted(manager.cached_prefix(request), offset)
 
     def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=()) -> list[BlockCopy] | None:
         with self._on_rank(request) as (manager, offset):
-            local_prefix = [b - offset for b in prefix_blocks]
-            copies = manager.allocate(request, num_new_tokens, local_prefix)
+            copies = manager.allocate(request, num_new_tokens, _shifted(prefix_blocks, -offset))
         if copies is None:
             return None
         return [BlockCopy(c.src + offset, c.dst + offset) for c in copies]
 
-    def plan_step(self, request: Request, start: int, num_new_tokens: int) -> None:
-        return None
+    def plan_step(self, request: Request, start: int, num_new_tokens: int):
+        """Rank-local directions (hybrid: rank-local state slots, as the runner lays each rank out)."""
+        with self._on_rank(request) as (manager, _):
+            return manager.plan_step(request, start, num_new_tokens)
+
+    def working_slot(self, request_id: str) -> int | None:
+        """A hybrid request's working slot as a global id (rank r's slots follow rank r - 1's)."""
+        r = self._rank_of.get(request_id)
+        slot = None if r is None else self.ranks[r].working_slot(request_id)
+        return None if slot is None else r * self.slots_per_rank + slot
+
+    def state_written(self, request_id: str) -> None:
+        r = self._rank_of.get(request_id)
+        if r is not None:
+            self.ranks[r].state_written(request_id)
+
+    @property
+    def num_snapshots(self) -> int:
+        return sum(getattr(m, "num_snapshots", 0) for m in self.ranks)
 
     def cache_full_blocks(self, request: Request) -> None:
         with self._on_rank(request) as (manager, _):
@@ -138,32 +176,44 @@ class DataParallelKVCacheManager:
 
 
 class DataParallelRunner(ModelRunner):
-    def __init__(self, model: LoadedModel, config: EngineConfig, blocks_per_rank: int, max_model_len: int):
+    def __init__(self, model: LoadedModel, config: EngineConfig, blocks_per_rank: int, max_model_len: int, slots_per_rank: int = 0):
         self.dp = model.data_parallel_size
         self.blocks_per_rank = blocks_per_rank
+        self.slots_per_rank = slots_per_rank
         self.rank_sharding = NamedSharding(model.mesh, PartitionSpec(model.data_axes))
-        super().__init__(model, config, blocks_per_rank * self.dp, max_model_len)
+        super().__init__(model, config, blocks_per_rank * self.dp, max_model_len, slots_per_rank * self.dp)
         replicated = NamedSharding(model.mesh, PartitionSpec())
         pages = [self.rank_sharding] * self.cfg.num_kv_layers
+        pools = None
+        if self.num_state_slots:
+            pools = ([self.rank_sharding] * self.cfg.num_state_layers,) * 2
         # Logits replicated: every process of a multi-host engine samples the same tokens.
         self._step = jax.jit(
-            self._step_impl, donate_argnums=(1,), out_shardings=(replicated, pages, None), static_argnames=("decode_only",)
+            self._step_impl, donate_argnums=(1, 2), out_shardings=(replicated, pages, pools), static_argnames=("decode_only",)
         )
 
     def _new_pages(self, page_shape):
         zeros = jax.jit(lambda: jnp.zeros(page_shape, self.model.dtype), out_shardings=self.rank_sharding)
         return [zeros() for _ in range(self.cfg.num_kv_layers)]
 
+    def _new_state_pools(self):
+        """Rank r's slots are rows [r * slots, (r + 1) * slots) of each pool, on rank r's devices."""
+        n, cfg = self.num_state_slots, self.cfg
+        zeros = lambda shape: jax.jit(lambda: jnp.zeros((n, *shape), jnp.float32), out_shardings=self.rank_sharding)()
+        return [zeros(cfg.conv_state_shape) for _ in range(cfg.num_state_layers)], [zeros(cfg.recurrent_state_shape) for _ in range(cfg.num_state_layers)]
+
     def _step_impl(
         self, weights, kv_pages, state_pools, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices, states, decode_only=False
     ):
-        # Hybrid models are refused with data-parallel attention (EngineCore), so there are no states here.
         self.num_traces += 1
-        cache = DataParallelPagedKVCache(
-            list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, self.model.mesh, self.model.data_axes
-        )
+        meta = (list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, self.model.mesh, self.model.data_axes)
+        if state_pools is None:
+            cache = DataParallelPagedKVCache(*meta)
+        else:
+            conv, rec = state_pools
+            cache = DataParallelHybridCache(*meta, list(conv), list(rec), *states, decode_only=decode_only)
         logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
-        return logits, cache.pages, None
+        return logits, cache.pages, None if state_pools is None else (cache.conv, cache.recurrent)
 
     def rank_of(self, block_ids: list[int]) -> int:
         return block_ids[0] // self.blocks_per_rank
@@ -193,13 +243,18 @@ class DataParallelRunner(ModelRunner):
             inputs.page_indices[r, i, : len(blocks)] = blocks
             inputs.cu_q_lens[r, i + 1 :] = o + k
             inputs.logits_indices[row] = r * n + o + k - 1  # a row of the flattened [dp * n] batch
+            if self.num_state_slots:  # rank-local slots (the DP manager plans each rank locally)
+                st = item.cache_step
+                inputs.state_slots[r, i], inputs.state_init[r, i] = st.slot, st.init
+                inputs.snap_slots[r, i], inputs.snap_lens[r, i] = st.snap_slot, st.snap_len
             offset[r], seq[r] = o + k, i + 1
         inputs.num_seqs[:, 0] = seq
+        inputs.decode_only = bool(self.num_state_slots) and all(item.num_new_tokens == 1 for item in out.scheduled)
         return inputs
 
-    def dummy_inputs(self, n: int, p: int) -> StepInputs:
+    def dummy_inputs(self, n: int, p: int, decode_only: bool = False) -> StepInputs:
         s, dp = self.seqs_for(n), self.dp
-        return StepInputs(
+        inputs = StepInputs(
             tokens=np.zeros((dp, n), np.int32),
             positions=np.zeros((dp, n), np.int32),
             slot_mapping=np.full((dp, n), -1, np.int32),
@@ -209,9 +264,18 @@ class DataParallelRunner(ModelRunner):
             num_seqs=np.zeros((dp, 1), np.int32),
             logits_indices=np.zeros((dp * s,), np.int32),
         )
+        if self.num_state_slots:
+            inputs.state_slots = np.zeros((dp, s), np.int32)
+            inputs.state_init = np.full((dp, s), KEEP, np.int32)
+            inputs.snap_slots = np.full((dp, s), -1, np.int32)
+            inputs.snap_lens = np.zeros((dp, s), np.int32)
+            inputs.decode_only = decode_only
+        return inputs
 
     def run(self, inputs: StepInputs) -> jax.Array:
         """Places each rank's rows on its devices, then runs the step."""
-        per_rank = ("tokens", "positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+        per_rank = ["tokens", "positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
+        if self.num_state_slots:
+            per_rank += ["state_slots", "state_init", "snap_slots", "snap_lens"]
         placed = {name: jax.device_put(getattr(inputs, name), self.rank_sharding) for name in per_rank}
-        return super().run(StepInputs(**placed, logits_indices=inputs.logits_indices))
+        return super().run(StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only))

@@ -122,21 +122,21 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
         self.events = KVEventPublisher(config.worker_id)
-        if self.cfg.is_hybrid and self.model.data_parallel_size > 1:
-            raise ValueError(
-                f"data-parallel attention (dp={self.model.data_parallel_size}) is not supported yet for hybrid "
-                f"linear-attention models ({self.cfg.model_type}); use dp=1 with expert parallelism"
+        # Hybrid models: paged KV for the full-attention layers + state slots for the linear ones.
+        slots = config.state_slots if self.cfg.is_hybrid else 0
+        if self.model.data_parallel_size > 1:  # each rank its own sequences, blocks and state slots
+            dp = self.model.data_parallel_size
+            self.kv = DataParallelKVCacheManager(
+                dp, num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events,
+                slots_per_rank=slots, snapshots_per_rank=config.max_state_snapshots,
             )
-        if self.cfg.is_hybrid:  # paged KV for the full-attention layers + state slots for the linear ones
+            self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots)
+        elif self.cfg.is_hybrid:
             self.kv = HybridCacheManager(
                 num_blocks, config.block_size, config.state_slots, config.max_state_snapshots,
                 config.enable_prefix_caching, config.model_name, self.events,
             )
-            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, config.state_slots)
-        elif self.model.data_parallel_size > 1:  # each rank its own sequences and blocks (num_blocks each)
-            dp = self.model.data_parallel_size
-            self.kv = DataParallelKVCacheManager(dp, num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
-            self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len)
+            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         else:
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)

@@ -18,6 +18,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from kernels.attention import ragged_paged_attention, write_kv
 
+from .paged_state import ragged_conv_step, ragged_delta_step
+
 Array = jax.Array
 
 
@@ -50,5 +52,45 @@ class DataParallelPagedKVCache:
         attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 9, out_specs=(rank, rank), check_vma=False)
         out, self.pages[layer] = attend(
             self.pages[layer], q, k, v, self.slot_mapping, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs
+        )
+        return out
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DataParallelHybridCache(DataParallelPagedKVCache):
+    """Hybrid (linear-attention) models with data-parallel attention: each rank's state slots are its
+    shard of the pools (rank-local slot ids), and the state update runs per rank like attention does."""
+
+    conv: list[Array] = field(default_factory=list)  # per linear layer [dp * slots, K-1, conv_dim]
+    recurrent: list[Array] = field(default_factory=list)  # per linear layer [dp * slots, Hv, dk, dv]
+    state_slots: Array | None = None  # i32[dp, S] rank-local working slots
+    state_init: Array | None = None  # i32[dp, S]
+    snap_slots: Array | None = None  # i32[dp, S]
+    snap_lens: Array | None = None  # i32[dp, S]
+    decode_only: bool = field(default=False, metadata=dict(static=True))
+
+    def _per_rank(self, fn, n_token_args: int, pool: Array, *token_args):
+        rank = PartitionSpec(self.axes)
+
+        def body(pool, *args):
+            tokens, meta = args[:n_token_args], args[n_token_args:]
+            out, pool = fn([t[0] for t in tokens], pool, tuple(m[0] for m in meta))
+            return out[None], pool
+
+        meta = (self.state_slots, self.state_init, self.snap_slots, self.snap_lens, self.cu_q_lens, self.num_seqs)
+        specs = (rank,) * (1 + n_token_args + len(meta))
+        run = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(rank, rank), check_vma=False)
+        return run(pool, *token_args, *meta)
+
+    def causal_conv(self, layer: int, x: Array, weight: Array) -> Array:
+        # The conv weight is replicated: closed over, not split per rank.
+        out, self.conv[layer] = self._per_rank(lambda t, pool, meta: ragged_conv_step(t[0], weight, pool, meta), 1, self.conv[layer], x)
+        return out
+
+    def gated_delta(self, layer: int, q: Array, k: Array, v: Array, g: Array, beta: Array) -> Array:
+        decode_only = self.decode_only
+        out, self.recurrent[layer] = self._per_rank(
+            lambda t, pool, meta: ragged_delta_step(*t, pool, meta, decode_only), 5, self.recurrent[layer], q, k, v, g, beta
         )
         return out

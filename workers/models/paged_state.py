@@ -35,42 +35,49 @@ class PagedHybridCache(PagedKVCache):
     # Static: every sequence has one token and sequence i owns token i (a decode-only step).
     decode_only: bool = field(default=False, metadata=dict(static=True))
 
-    def _initialised(self, pool: Array) -> Array:
-        """The pool with each sequence's working slot set up for this step (zeroed or copied). Most
-        steps (decode) start nothing new: the cond skips the gather of every sequence's state."""
-
-        def init(pool):
-            src = jnp.maximum(self.state_init, 0)
-            fresh = jnp.where((self.state_init == ZERO).reshape(-1, *(1,) * (pool.ndim - 1)), 0, pool[src])
-            dst = jnp.where(self.state_init == KEEP, pool.shape[0], self.state_slots)  # KEEP: dropped
-            return pool.at[dst].set(fresh.astype(pool.dtype), mode="drop")
-
-        return jax.lax.cond(jnp.any(self.state_init != KEEP), init, lambda p: p, pool)
-
     def causal_conv(self, layer: int, x: Array, weight: Array) -> Array:
         b, t, c = x.shape
-        pool = self._initialised(self.conv[layer])
-        out, self.conv[layer] = ragged_causal_conv1d(
-            x.reshape(b * t, c), weight, pool, self.state_slots, self.cu_q_lens, self.num_seqs, self.snap_lens, self.snap_slots
-        )
+        out, self.conv[layer] = ragged_conv_step(x.reshape(b * t, c), weight, self.conv[layer], self._meta())
         return out.reshape(b, t, c)
 
     def gated_delta(self, layer: int, q: Array, k: Array, v: Array, g: Array, beta: Array) -> Array:
         b, t = q.shape[:2]
         flat = lambda a: a.reshape(b * t, *a.shape[2:])
-        pool = self._initialised(self.recurrent[layer])
-        out, self.recurrent[layer] = ragged_gated_delta_rule(
-            flat(q),
-            flat(k),
-            flat(v),
-            flat(g),
-            flat(beta),
-            pool,
-            self.state_slots,
-            self.cu_q_lens,
-            self.num_seqs,
-            self.snap_lens,
-            self.snap_slots,
-            decode_only=self.decode_only,
+        out, self.recurrent[layer] = ragged_delta_step(
+            flat(q), flat(k), flat(v), flat(g), flat(beta), self.recurrent[layer], self._meta(), self.decode_only
         )
         return out.reshape(b, t, *out.shape[1:])
+
+    def _meta(self) -> tuple[Array, ...]:
+        return (self.state_slots, self.state_init, self.snap_slots, self.snap_lens, self.cu_q_lens, self.num_seqs)
+
+
+# One sequence batch's state update, shared with the data-parallel cache (which runs it per rank).
+# meta = (state_slots, state_init, snap_slots, snap_lens, cu_q_lens, num_seqs).
+
+
+def initialised(pool: Array, state_slots: Array, state_init: Array) -> Array:
+    """The pool with each sequence's working slot set up for this step (zeroed or copied). Most steps
+    (decode) start nothing new: the cond skips the gather of every sequence's state."""
+
+    def init(pool):
+        src = jnp.maximum(state_init, 0)
+        fresh = jnp.where((state_init == ZERO).reshape(-1, *(1,) * (pool.ndim - 1)), 0, pool[src])
+        dst = jnp.where(state_init == KEEP, pool.shape[0], state_slots)  # KEEP: dropped
+        return pool.at[dst].set(fresh.astype(pool.dtype), mode="drop")
+
+    return jax.lax.cond(jnp.any(state_init != KEEP), init, lambda p: p, pool)
+
+
+def ragged_conv_step(x: Array, weight: Array, pool: Array, meta: tuple[Array, ...]) -> tuple[Array, Array]:
+    slots, init, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
+    pool = initialised(pool, slots, init)
+    return ragged_causal_conv1d(x, weight, pool, slots, cu_q_lens, num_seqs, snap_lens, snap_slots)
+
+
+def ragged_delta_step(q, k, v, g, beta, pool: Array, meta: tuple[Array, ...], decode_only: bool) -> tuple[Array, Array]:
+    slots, init, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
+    pool = initialised(pool, slots, init)
+    return ragged_gated_delta_rule(
+        q, k, v, g, beta, pool, slots, cu_q_lens, num_seqs, snap_lens, snap_slots, decode_only=decode_only
+    )
