@@ -190,6 +190,11 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(prefix_blocks) - cow
         return copies
 
+    def shares_pool(self, a: Request, b: Request) -> bool:
+        """Whether freeing `a`'s cache can make room for `b`: always, with one pool (the data-parallel
+        manager answers per rank)."""
+        return True
+
     def plan_step(self, request: Request, start: int, num_new_tokens: int) -> None:
         """Nothing beyond the block table: attention-only models need no per-step cache directions."""
         return None

@@ -116,10 +116,7 @@ class Scheduler:
     def _victim_for(self, request: Request) -> Request:
         """The most recently admitted running request whose blocks can make room for `request` (with
         data-parallel attention, one on the same rank; `request` itself as the last resort)."""
-        shares_pool = getattr(self.kv, "shares_pool", None)
-        if shares_pool is None:
-            return self.running[-1]
-        return next(r for r in reversed(self.running) if shares_pool(r, request))
+        return next(r for r in reversed(self.running) if self.kv.shares_pool(r, request))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -204,8 +201,7 @@ class Scheduler:
         others = computing.get(request.block_hashes[num_cached])
         if not others:
             return False
-        shares_pool = getattr(self.kv, "shares_pool", None)  # data-parallel ranks: only its own rank's cache helps
-        return shares_pool is None or any(shares_pool(other, request) for other in others)
+        return any(self.kv.shares_pool(other, request) for other in others)  # data-parallel: its own rank's only
 
     def advance(self, scheduled: ScheduledRequest) -> None:
         """Marks the step's tokens computed and registers blocks that became full in the prefix cache."""

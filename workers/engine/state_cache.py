@@ -169,6 +169,11 @@ class HybridCacheManager:
         """A snapshot about to be copied must not be evicted to make room for the copy."""
         return 1 if getattr(prefix_blocks, "snapshot_slot", None) is not None else 0
 
+    def shares_pool(self, a: Request, b: Request) -> bool:
+        """Whether freeing `a`'s cache can make room for `b`: always, with one pool (the data-parallel
+        manager answers per rank)."""
+        return True
+
     def plan_step(self, request: Request, start: int, num_new_tokens: int) -> StateStep:
         """The working slot, how it starts, and the snapshot this step writes (the last block boundary
         the step crosses, when that prefix is not snapshotted yet)."""
