@@ -28,6 +28,7 @@ def worker_load(load: dict) -> WorkerLoad:
         epoch=load["epoch"],
         last_seq=load["last_seq"],
         ts=time.time(),
+        sparse_blocks=bool(load.get("sparse_blocks", False)),  # hybrid engines: boundary blocks only
     )
 
 

@@ -131,9 +131,9 @@ class Backend:
         else:
             time.sleep(seconds)
 
-    def live(self, *workers: str, role: str = "decode") -> None:
+    def live(self, *workers: str, role: str = "decode", sparse: bool = False) -> None:
         for w in workers:
-            self.index.heartbeat(WorkerLoad(w, role, ts=time.time()))
+            self.index.heartbeat(WorkerLoad(w, role, ts=time.time(), sparse_blocks=sparse))
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -147,7 +147,8 @@ def backend(request):
 
 def test_longest_prefix_for_every_worker_at_once(backend):
     b = backend()
-    b.live("w0", "w1", "w2")
+    b.live("w0", "w1")
+    b.live("w2", sparse=True)  # may lack a chain's first block: a hybrid engine (Redis looks only for those)
     b.index.apply(stored("w0", CHAIN[:10]))
     # Holes no longer end a match: hashes are chained, so holding block i means holding the prefix through
     # block i (hybrid engines publish only the blocks they can resume from). The match is the deepest

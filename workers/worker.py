@@ -106,6 +106,7 @@ class EngineWorker:
             "misrouted": self.counters.misrouted,
             "healthy": self.engine.healthy,
             "num_processes": jax.process_count(),  # > 1: one engine over several hosts
+            "sparse_blocks": self.engine.core.cfg.is_hybrid,  # publishes only block boundaries (the router's lookup)
         }
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -20,7 +20,8 @@ Typical use (a router replica):
 and on each worker, next to its engine:
 
     sink = RedisKVEventSink.from_config(cfg.kv_index, cfg.router, model_name, worker_id, role="decode",
-                                        load_fn=lambda: load_from_engine_stats(worker_id, "decode", core.stats()))
+                                        load_fn=lambda: load_from_engine_stats(worker_id, "decode", core.stats(),
+                                                                               sparse_blocks=core.cfg.is_hybrid))
     sink.attach(core.events)
 """
 

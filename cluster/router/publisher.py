@@ -57,9 +57,12 @@ def attach_in_process(index, publisher: KVEventPublisher) -> None:
     publisher.add_listener(lambda e: index.apply([e]))
 
 
-def load_from_engine_stats(worker_id: str, role: Role, stats, inflight_prefill_tokens: int = 0) -> WorkerLoad:
+def load_from_engine_stats(
+    worker_id: str, role: Role, stats, inflight_prefill_tokens: int = 0, sparse_blocks: bool = False
+) -> WorkerLoad:
     """A WorkerLoad from `EngineCore.stats()`. Blocks not free are held by running sequences. The engine's
-    stats do not separate un-prefilled prompt tokens, so the caller passes them if it tracks them."""
+    stats do not separate un-prefilled prompt tokens, so the caller passes them if it tracks them.
+    `sparse_blocks`: the engine publishes only reusable block boundaries (`core.cfg.is_hybrid`)."""
     return WorkerLoad(
         worker_id=worker_id,
         role=role,
@@ -68,6 +71,7 @@ def load_from_engine_stats(worker_id: str, role: Role, stats, inflight_prefill_t
         kv_usage=stats.kv_usage,
         num_waiting=stats.num_waiting,
         ts=time.time(),
+        sparse_blocks=sparse_blocks,
     )
 
 

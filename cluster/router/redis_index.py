@@ -24,6 +24,7 @@ one slot and the Lua scripts can touch them all; scripts declare `workers:{model
                                     (how a lookup finds a worker that holds nothing of it yet).
   load:{model}:<w>            HASH  the worker's WorkerLoad fields, PEXPIRE heartbeat TTL: the heartbeat.
                                     No key, not live: its entries are ignored and nothing routes to it.
+                                    sparse_blocks = 1: it publishes only block boundaries (hybrid).
   live:{model}                ZSET  worker -> heartbeat deadline (ms, server clock): liveness in one call.
   workers:{model}             SET   workers that ever heartbeated (to enumerate them without SCAN).
   sess:{model}:<session>      HASH  worker -> last use (ms), PEXPIRE session TTL.
@@ -42,9 +43,11 @@ Redis (and with it every router's lookup).
 Lookups: `LOOKUP` computes every live worker's match server-side: its deepest held block along the
 request's chain (+ 1), which for attention-only engines is the end of their cached prefix and for hybrid
 engines (publishing only the blocks they can resume from) the deepest reusable boundary. Candidates are
-the holders of the first block, then the live workers that hold only later blocks (found by reading the
-holders of the chain's blocks from its end, or by checking each remaining live worker, whichever is
-cheaper); one SMISMEMBER per candidate over the whole chain finds its deepest hit. The reply holds the
+the holders of the first block, then, among live workers whose heartbeat says `sparse_blocks` (hybrid)
+only, those that hold later blocks alone (found by reading the holders of the chain's blocks from its
+end, or by checking each such worker, whichever is cheaper): an attention-only worker holding any block
+of a chain holds its first block too, so a cluster without hybrid workers pays nothing for the search.
+One SMISMEMBER per candidate over the whole chain finds its deepest hit. The reply holds the
 matches, every live worker's load and the session's workers: one round trip per routing decision. The
 server's clock (TIME) dates speculative entries, so router replicas on different machines agree on what
 has expired.
@@ -150,7 +153,8 @@ end
 # <tier index><hash>; tier names as a comma-separated table the indexes refer to.
 
 # KEYS[1] workers set. ARGV: tag, session ('' = none), block hashes (packed), want loads (1|0),
-# speculative bucket width (ms).
+# speculative bucket width (ms), the workers whose (cached) load says sparse_blocks, comma-separated
+# (read only when loads are not wanted: with them, the load hashes say it).
 # Returns {matches = {w, blocks, offloaded, ...}, live = {w, load fields (empty unless wanted), ...},
 # the session's workers}.
 #
@@ -161,12 +165,16 @@ end
 # publish every block and evict tails first (deepest = end of the run).
 #
 # Candidates: the live workers holding (or about to compute) the first block, then, if some live worker
-# is not one yet, those holding only later blocks (a hybrid worker may hold a late boundary and not the
-# first block): see the script for the two exact ways. Each candidate's membership of every block is one
-# SMISMEMBER on its reverse set (slower tiers and speculative sets are read only if it misses a block on
-# the device); its match is its deepest hit. That is a handful of calls per candidate whatever the prompt
-# length, plus, to find the workers lacking the first block, up to a small call per block or an
-# SMISMEMBER per remaining live worker (~100 us of Redis time for a 76-block chain and 8 workers).
+# that publishes only block boundaries (load field sparse_blocks: hybrid engines) is not one yet, those
+# of them holding only later blocks (a hybrid worker may hold a late boundary and not the first block):
+# see the script for the two exact ways. Attention-only workers are never searched for: by contract they
+# hold a chain's first block whenever they hold any of it (they publish every block and evict a
+# sequence's tail first), so without hybrid workers the lookup costs what the first-gap rule did. Each
+# candidate's membership of every block is one SMISMEMBER on its reverse set (slower tiers and
+# speculative sets are read only if it misses a block on the device); its match is its deepest hit. That
+# is a handful of calls per candidate whatever the prompt length, plus, to find the sparse workers
+# lacking the first block, up to a small call per block or an SMISMEMBER per such worker (~100 us of
+# Redis time for a 76-block chain and 8 hybrid workers).
 LOOKUP = LuaScript(_LUA_COMMON + r"""
 local now = now_ms()
 local want = ARGV[4] == '1'
@@ -207,11 +215,15 @@ if n > 0 and nlive > 0 then
   end
   local cands, seen = {}, {}
   local ncands = 0
-  local function take(h)  -- adds the live workers holding block h (current generation) as candidates
+  -- Adds the live workers holding block h (current generation) as candidates; only those in `only`
+  -- if given.
+  local function take(h, only)
     local f = call('HGETALL', KV .. h)
     for j = 1, #f, 2 do
       local w, v = f[j], f[j + 1]
-      if not seen[w] and (v == gens[w] or v == ogens[w]) then ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
+      if not seen[w] and (v == gens[w] or v == ogens[w]) and (only == nil or only[w]) then
+        ncands = ncands + 1; cands[ncands] = w; seen[w] = true
+      end
     end
   end
   local h0 = sub(hashes, 1, 16)
@@ -221,22 +233,42 @@ if n > 0 and nlive > 0 then
     local w = s[j]
     if gens[w] and not seen[w] and tonumber(s[j + 1]) > now then ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
   end
-  local rest = nlive - ncands
-  if rest > 0 then
-    -- The other live workers may hold later blocks only (hybrid engines publish just the boundaries
-    -- they can resume from). Two exact ways to find them, the cheaper one runs: take them all as
-    -- candidates (each: an SMISMEMBER over the chain, ~0.25 us a block, and ~3 small calls), or read
-    -- the holders of the other blocks from the chain's end (a call per block, ~1.3 us, stopping once
-    -- every live worker is a candidate). Measured on Redis 7.0; either way the result is the same.
-    if rest * (n + 12) <= 5 * (n - 1) then
+  if ncands < nlive then
+    -- The other live workers that publish only block boundaries (hybrid engines: heartbeat field
+    -- sparse_blocks) may hold later blocks only. Attention-only workers are not searched: holding any
+    -- block of the chain, they hold its first block too (so none of them is missed above).
+    local sparse, rest = {}, {}
+    if want then
       for j = 1, #live, 2 do
-        local w = live[j]
-        if not seen[w] then ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
+        local w, l = live[j], live[j + 1]
+        if not seen[w] then
+          for k = 1, #l, 2 do
+            if l[k] == 'sparse_blocks' then
+              local v = l[k + 1]
+              if v == '1' or v == 'True' or v == 'true' then sparse[w] = true; rest[#rest + 1] = w end
+              break
+            end
+          end
+        end
       end
     else
-      local dm, i = members(''), n
-      while ncands < nlive and i > 1 do
-        take(dm[i])
+      for w in string.gmatch(ARGV[6] or '', '[^,]+') do
+        if gens[w] and not seen[w] and not sparse[w] then sparse[w] = true; rest[#rest + 1] = w end
+      end
+    end
+    -- Two exact ways to find those holding later blocks, the cheaper one runs: take them all as
+    -- candidates (each: an SMISMEMBER over the chain, ~0.25 us a block, and ~3 small calls), or read
+    -- the holders of the other blocks from the chain's end (a call per block, ~1.3 us, stopping once
+    -- every sparse worker is a candidate). Measured on Redis 7.0; either way the result is the same.
+    local nrest = #rest
+    if nrest == 0 then
+      -- no hybrid worker left to look for: nothing to do
+    elseif nrest * (n + 12) <= 5 * (n - 1) then
+      for _, w in ipairs(rest) do ncands = ncands + 1; cands[ncands] = w; seen[w] = true end
+    else
+      local dm, i, target = members(''), n, ncands + nrest
+      while ncands < target and i > 1 do
+        take(dm[i], sparse)
         i = i - 1
       end
     end
@@ -259,7 +291,7 @@ if n > 0 and nlive > 0 then
     end
     return slow, spec, #slow + #spec > 0
   end
-  local dmembers = members('')
+  local dmembers = ncands > 0 and members('') or nil  -- (built only if needed: ~0.1 us a block)
   for c = 1, ncands do
     local w = cands[c]
     local rset = WBLOCKS .. w .. ':' .. gens[w]
@@ -565,7 +597,8 @@ def parse_load(worker_id: str, flat: list[str]) -> WorkerLoad:
 
 
 def load_mapping(load: WorkerLoad) -> dict[str, str]:
-    return {k: str(v) for k, v in load.to_dict().items() if k != "worker_id"}
+    """The load HASH's fields (bools as "1"/"0", which the LOOKUP script and `WorkerLoad.from_dict` read)."""
+    return {k: (str(int(v)) if isinstance(v, bool) else str(v)) for k, v in load.to_dict().items() if k != "worker_id"}
 
 
 def heartbeat_commands(pipe, tag: str, load: WorkerLoad, ttl_s: float) -> None:
@@ -627,6 +660,7 @@ class RedisKVIndex:
         # Speculative entries live in time buckets of this width (see the layout): one to two widths.
         self._spec_width_ms = max(1, int(speculative_ttl_s * 1000))
         self._loads: dict[str, WorkerLoad] = {}
+        self._sparse = ""  # the cached loads' workers with sparse_blocks, comma-separated (LOOKUP's ARGV)
         self._loads_at = -float("inf")
         self.async_writes = async_writes
         self.max_queued_writes = max_queued_writes
@@ -722,13 +756,16 @@ class RedisKVIndex:
 
     def lookup(self, block_hashes: list[int], session_id: str | None = None) -> Lookup:
         """One round trip. Loads change only with heartbeats (every few seconds), so their values are
-        re-read at most every `load_cache_s`; liveness is checked on every call."""
+        re-read at most every `load_cache_s`; liveness is checked on every call. Between re-reads the
+        script learns which live workers are sparse (`WorkerLoad.sparse_blocks`) from the cached loads."""
         packed = pack_hashes(block_hashes[:MAX_LOOKUP_BLOCKS])
         want = time.monotonic() - self._loads_at >= self.load_cache_s
-        matches_flat, live, sess = self._run(LOOKUP, [session_id or "", packed, 1 if want else 0, self._spec_width_ms])
+        args = [session_id or "", packed, 1 if want else 0, self._spec_width_ms, "" if want else self._sparse]
+        matches_flat, live, sess = self._run(LOOKUP, args)
         names = live[::2]
         if want:
             self._loads = {w: parse_load(w, fields) for w, fields in zip(names, live[1::2])}
+            self._sparse = ",".join(w for w, load in self._loads.items() if load.sparse_blocks)
             self._loads_at = time.monotonic()
         elif any(w not in self._loads for w in names):  # a worker joined since: read its load now
             self._loads_at = -float("inf")

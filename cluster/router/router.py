@@ -287,7 +287,9 @@ class Router:
     def on_decision(self, request: RouteRequest, decision: RouteDecision, held: dict[str, int] | None = None) -> None:
         """Index bookkeeping: the chosen workers are about to hold the prompt's blocks (speculative
         entries, so the next request with this prefix follows at once) and served this session.
-        `held`: leading blocks each worker already holds (no speculative entry needed for those)."""
+        `held`: each worker's matched blocks (`PrefixMatch.blocks`: its deepest held block along the chain
+        + 1, holes before it included, as hybrid engines hold only boundaries); speculative entries go on
+        the blocks past that only."""
         held = held or {}
         if decision.degraded:
             return  # the index is down; nothing to write, and no request should wait on it

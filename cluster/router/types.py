@@ -60,6 +60,11 @@ class WorkerLoad:
     last_seq: int = -1  # the last KV event sequence number the worker emitted
     ts: float = 0.0  # wall-clock time the load was measured (seconds)
     index_lag_s: float = 0.0  # how old the worker's last shipped KV events were when they left it
+    # Publishes only reusable block boundaries (hybrid linear-attention models: the blocks where it keeps
+    # a recurrent-state snapshot), so it may hold later blocks of a chain and not its first one. False
+    # (attention-only engines): every block is published and a sequence's tail is evicted first, so a
+    # worker holding any block of a chain holds its first block too; the Redis lookup relies on that.
+    sparse_blocks: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,8 +75,20 @@ class WorkerLoad:
         return WorkerLoad(**{k: _LOAD_PARSERS[k](v) for k, v in d.items() if k in _LOAD_PARSERS})
 
 
+def parse_bool(v) -> bool:
+    """A bool from a Redis string ("1"/"0", as heartbeats write it, or "True"/"False") or a native value."""
+    if isinstance(v, (bool, int)):
+        return bool(v)
+    s = v.decode() if isinstance(v, bytes) else str(v)
+    if s in ("1", "True", "true"):
+        return True
+    if s in ("0", "False", "false", ""):
+        return False
+    raise ValueError(f"not a bool: {v!r}")
+
+
 # One parser per WorkerLoad field (on every Redis lookup; kept off the dataclass machinery).
-_LOAD_PARSERS = {f.name: {"float": float, "int": int}.get(f.type, str) for f in fields(WorkerLoad)}
+_LOAD_PARSERS = {f.name: {"float": float, "int": int, "bool": parse_bool}.get(f.type, str) for f in fields(WorkerLoad)}
 
 
 class PrefixMatch(NamedTuple):
