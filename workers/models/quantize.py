@@ -14,8 +14,12 @@ the library and `moray` all read it.
 Scales keep the weight's dtype (as the library does) and arithmetic happens in that dtype.
 Linear modules are the 2-D `*.weight` tensors other than the token embedding; MoE experts are already
 one Linear per expert projection in Hugging Face checkpoints. Routers (`mlp.gate`, Mixtral's
-`block_sparse_moe.gate`, Qwen2-MoE's `shared_expert_gate`) and `lm_head` are left unquantised by default;
-`--ignore` adds module names or `re:` patterns. This module imports no jax (the CLI imports it eagerly).
+`block_sparse_moe.gate`, Qwen2-MoE's `shared_expert_gate`), `lm_head` and the vision tower of
+vision-language composites (`model.visual.*`, e.g. Qwen3.5: Moray serves only the text model, the tower
+holds 2-D tensors that are no Linear such as `pos_embed`, and widths like 4304 that fit no group) are left
+unquantised by default; `--ignore` adds module names or `re:` patterns (they match the full key path, e.g.
+`re:.*linear_attn.*` under a composite's `model.language_model.`). This module imports no jax (the CLI
+imports it eagerly).
 """
 
 from __future__ import annotations
@@ -39,7 +43,13 @@ from .safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 log = logging.getLogger("moray.models")
 
 SCHEMES = ("w4a16", "fp8", "mxfp8")
-DEFAULT_IGNORE = ("lm_head", r"re:.*mlp\.gate$", r"re:.*block_sparse_moe\.gate$", r"re:.*shared_expert_gate$")
+DEFAULT_IGNORE = (
+    "lm_head",
+    r"re:.*mlp\.gate$",
+    r"re:.*block_sparse_moe\.gate$",
+    r"re:.*shared_expert_gate$",
+    r"re:model\.visual\.",  # vision-language composites: the vision tower (not served by Moray)
+)
 FORMATS = {"w4a16": "pack-quantized", "fp8": "float-quantized", "mxfp8": "mxfp8-quantized"}
 MAX_SHARD_BYTES = 4 << 30
 
@@ -304,7 +314,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="extend",
         default=[],
         metavar="PATTERN",
-        help="module names or re:REGEX to keep unquantised, in addition to lm_head and the MoE routers",
+        help="module names or re:REGEX to keep unquantised, in addition to lm_head, the MoE routers and a "
+        "vision-language composite's vision tower (model.visual.*)",
     )
 
 
