@@ -245,7 +245,11 @@ class DataParallelRunner(ModelRunner):
             inputs.logits_indices[row] = r * n + o + k - 1  # a row of the flattened [dp * n] batch
             if self.num_state_slots:  # rank-local slots (the DP manager plans each rank locally)
                 st = item.cache_step
-                inputs.state_slots[r, i], inputs.state_init[r, i] = st.slot, st.init
+                inputs.state_slots[r, i] = st.slot
+                if st.init != KEEP:  # set up before the step, by global slot id
+                    offset_slots = r * self.slots_per_rank
+                    src = st.init if st.init < 0 else st.init + offset_slots
+                    inputs.state_inits.append((st.slot + offset_slots, src))
                 inputs.snap_slots[r, i], inputs.snap_lens[r, i] = st.snap_slot, st.snap_len
             offset[r], seq[r] = o + k, i + 1
         inputs.num_seqs[:, 0] = seq
@@ -266,7 +270,6 @@ class DataParallelRunner(ModelRunner):
         )
         if self.num_state_slots:
             inputs.state_slots = np.zeros((dp, s), np.int32)
-            inputs.state_init = np.full((dp, s), KEEP, np.int32)
             inputs.snap_slots = np.full((dp, s), -1, np.int32)
             inputs.snap_lens = np.zeros((dp, s), np.int32)
             inputs.decode_only = decode_only
@@ -276,6 +279,8 @@ class DataParallelRunner(ModelRunner):
         """Places each rank's rows on its devices, then runs the step."""
         per_rank = ["tokens", "positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
         if self.num_state_slots:
-            per_rank += ["state_slots", "state_init", "snap_slots", "snap_lens"]
+            per_rank += ["state_slots", "snap_slots", "snap_lens"]
         placed = {name: jax.device_put(getattr(inputs, name), self.rank_sharding) for name in per_rank}
-        return super().run(StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only))
+        return super().run(
+            StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only, state_inits=inputs.state_inits)
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
-from workers.models.paged_state import KEEP, PagedHybridCache
+from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
 
 from ..progress import Progress
 from .config import EngineConfig, powers_of_two_up_to
@@ -52,7 +52,8 @@ class StepInputs:
     logits_indices: np.ndarray  # i32[S]
     # Hybrid models (linear-attention state slots, see `state_cache.StateStep`); None otherwise.
     state_slots: np.ndarray | None = None  # i32[S]
-    state_init: np.ndarray | None = None  # i32[S]
+    # (slot, ZERO | snapshot slot) for sequences starting this step; applied before the step, by global slot.
+    state_inits: list[tuple[int, int]] = field(default_factory=list)
     snap_slots: np.ndarray | None = None  # i32[S]
     snap_lens: np.ndarray | None = None  # i32[S]
     decode_only: bool = False  # every sequence has exactly one token (a hybrid model's decode program)
@@ -60,7 +61,7 @@ class StepInputs:
     def states(self) -> tuple | None:
         if self.state_slots is None:
             return None
-        return (self.state_slots, self.state_init, self.snap_slots, self.snap_lens)
+        return (self.state_slots, self.snap_slots, self.snap_lens)
 
 
 class ModelRunner:
@@ -161,19 +162,22 @@ class ModelRunner:
         self._empty_states(inputs)
         for i, item in enumerate(out.scheduled):
             st = item.cache_step
-            inputs.state_slots[i], inputs.state_init[i] = st.slot, st.init
+            inputs.state_slots[i] = st.slot
+            if st.init != KEEP:
+                inputs.state_inits.append((st.slot, st.init))
             inputs.snap_slots[i], inputs.snap_lens[i] = st.snap_slot, st.snap_len
         inputs.decode_only = all(item.num_new_tokens == 1 for item in out.scheduled)
 
     def _empty_states(self, inputs: StepInputs) -> None:
         s = len(inputs.kv_lens)
         inputs.state_slots = np.zeros((s,), np.int32)
-        inputs.state_init = np.full((s,), KEEP, np.int32)
         inputs.snap_slots = np.full((s,), -1, np.int32)
         inputs.snap_lens = np.zeros((s,), np.int32)
 
     def run(self, inputs: StepInputs) -> jax.Array:
         """Runs one step; returns float32 logits [S_bucket, vocab] on device (row i = scheduled request i)."""
+        if inputs.state_inits:
+            self.init_state_slots(inputs.state_inits)
         logits, self.kv_pages, self.state_pools = self._step(
             self.model.weights,
             self.kv_pages,
@@ -216,6 +220,19 @@ class ModelRunner:
         padded[:, : len(block_ids)] = data
         end = layer_start + data.shape[0]
         self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
+
+    def init_state_slots(self, inits: list[tuple[int, int]]) -> None:
+        """Zeroes or copies into the working slots of sequences that start now ((slot, source) pairs with
+        global slot ids), padded to a power of two so few programs are compiled."""
+        n = pick_bucket(self.init_buckets, len(inits))
+        dst = np.full((n,), self.num_state_slots, np.int32)  # padding: past the pool, dropped
+        src = np.zeros((n,), np.int32)
+        dst[: len(inits)], src[: len(inits)] = zip(*inits)
+        self.state_pools = _init_slots_jit(self.state_pools, dst, src)
+
+    @property
+    def init_buckets(self) -> list[int]:
+        return powers_of_two_up_to(max(self.max_num_seqs, 1))
 
     def gather_state(self, slot: int) -> np.ndarray:
         """One sequence's linear-attention state, packed flat (float32): every layer's conv state, then
@@ -272,6 +289,9 @@ class ModelRunner:
                 sample_fn(logits)
             jax.block_until_ready(logits)
             progress(1)
+        if self.num_state_slots:  # the slot set-up programs (nothing real: every destination is padding)
+            for n in self.init_buckets:
+                self.state_pools = _init_slots_jit(self.state_pools, np.full((n,), self.num_state_slots, np.int32), np.zeros((n,), np.int32))
         elapsed = time.perf_counter() - start
         log.info("warm-up compiled %d step programs in %.1fs", len(shapes), elapsed)
         return elapsed
@@ -305,6 +325,7 @@ def _scatter_state(pools, slot, conv_data, rec_data):
 
 
 _gather_state_jit = jax.jit(_gather_state)
+_init_slots_jit = jax.jit(init_slots, donate_argnums=(0,))
 _scatter_state_jit = jax.jit(_scatter_state, donate_argnums=(0,))
 
 

@@ -65,7 +65,6 @@ class DataParallelHybridCache(DataParallelPagedKVCache):
     conv: list[Array] = field(default_factory=list)  # per linear layer [dp * slots, K-1, conv_dim]
     recurrent: list[Array] = field(default_factory=list)  # per linear layer [dp * slots, Hv, dk, dv]
     state_slots: Array | None = None  # i32[dp, S] rank-local working slots
-    state_init: Array | None = None  # i32[dp, S]
     snap_slots: Array | None = None  # i32[dp, S]
     snap_lens: Array | None = None  # i32[dp, S]
     decode_only: bool = field(default=False, metadata=dict(static=True))
@@ -78,7 +77,7 @@ class DataParallelHybridCache(DataParallelPagedKVCache):
             out, pool = fn([t[0] for t in tokens], pool, tuple(m[0] for m in meta))
             return out[None], pool
 
-        meta = (self.state_slots, self.state_init, self.snap_slots, self.snap_lens, self.cu_q_lens, self.num_seqs)
+        meta = (self.state_slots, self.snap_slots, self.snap_lens, self.cu_q_lens, self.num_seqs)
         specs = (rank,) * (1 + n_token_args + len(meta))
         run = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(rank, rank), check_vma=False)
         return run(pool, *token_args, *meta)

@@ -2,9 +2,11 @@
 
 `PagedHybridCache` is `PagedKVCache` (full-attention layers, flat ragged batch) with two more pools per
 linear-attention layer, indexed by slot: conv states [slots, K-1, conv_dim] and recurrent states
-[slots, Hv, dk, dv], both float32. Per scheduled sequence the step carries its working slot, how that
-slot starts (`state_init`: keep, zero, or copy a snapshot slot) and where to write a snapshot of the
-state at a block boundary inside the step. The slot bookkeeping is the engine's
+[slots, Hv, dk, dv], both float32. Per scheduled sequence the step carries its working slot and where
+to write a snapshot of the state at a block boundary inside the step. Setting a slot up for a new
+sequence (zeroing it, or copying a snapshot into it) is a separate small program the runner runs
+before the step, only when a sequence starts: inside the step, even a skipped branch made XLA copy
+every state pool (measured: ~1.6 GiB per decode step on the bench model). The slot bookkeeping is the engine's
 (`workers/engine/state_cache.py`); this class only moves states on the device.
 """
 
@@ -20,7 +22,7 @@ from kernels.gated_delta import ragged_causal_conv1d, ragged_gated_delta_rule
 from .layers import PagedKVCache
 
 Array = jax.Array
-KEEP, ZERO = -2, -1  # state_init values besides a snapshot slot to copy from
+KEEP, ZERO = -2, -1  # how a working slot starts, besides a snapshot slot to copy from
 
 
 @jax.tree_util.register_dataclass
@@ -29,7 +31,6 @@ class PagedHybridCache(PagedKVCache):
     conv: list[Array]  # per linear layer [slots, K-1, conv_dim] float32
     recurrent: list[Array]  # per linear layer [slots, Hv, dk, dv] float32
     state_slots: Array  # i32[S] working slot of each sequence
-    state_init: Array  # i32[S] KEEP | ZERO | slot to copy from
     snap_slots: Array  # i32[S] snapshot destination, -1 for none
     snap_lens: Array  # i32[S] tokens of this step before the snapshot
     # Static: every sequence has one token and sequence i owns token i (a decode-only step).
@@ -49,35 +50,32 @@ class PagedHybridCache(PagedKVCache):
         return out.reshape(b, t, *out.shape[1:])
 
     def _meta(self) -> tuple[Array, ...]:
-        return (self.state_slots, self.state_init, self.snap_slots, self.snap_lens, self.cu_q_lens, self.num_seqs)
+        return (self.state_slots, self.snap_slots, self.snap_lens, self.cu_q_lens, self.num_seqs)
 
 
 # One sequence batch's state update, shared with the data-parallel cache (which runs it per rank).
-# meta = (state_slots, state_init, snap_slots, snap_lens, cu_q_lens, num_seqs).
-
-
-def initialised(pool: Array, state_slots: Array, state_init: Array) -> Array:
-    """The pool with each sequence's working slot set up for this step (zeroed or copied). Most steps
-    (decode) start nothing new: the cond skips the gather of every sequence's state."""
-
-    def init(pool):
-        src = jnp.maximum(state_init, 0)
-        fresh = jnp.where((state_init == ZERO).reshape(-1, *(1,) * (pool.ndim - 1)), 0, pool[src])
-        dst = jnp.where(state_init == KEEP, pool.shape[0], state_slots)  # KEEP: dropped
-        return pool.at[dst].set(fresh.astype(pool.dtype), mode="drop")
-
-    return jax.lax.cond(jnp.any(state_init != KEEP), init, lambda p: p, pool)
+# meta = (state_slots, snap_slots, snap_lens, cu_q_lens, num_seqs).
 
 
 def ragged_conv_step(x: Array, weight: Array, pool: Array, meta: tuple[Array, ...]) -> tuple[Array, Array]:
-    slots, init, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
-    pool = initialised(pool, slots, init)
+    slots, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
     return ragged_causal_conv1d(x, weight, pool, slots, cu_q_lens, num_seqs, snap_lens, snap_slots)
 
 
 def ragged_delta_step(q, k, v, g, beta, pool: Array, meta: tuple[Array, ...], decode_only: bool) -> tuple[Array, Array]:
-    slots, init, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
-    pool = initialised(pool, slots, init)
+    slots, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
     return ragged_gated_delta_rule(
         q, k, v, g, beta, pool, slots, cu_q_lens, num_seqs, snap_lens, snap_slots, decode_only=decode_only
     )
+
+
+def init_slots(pools, dst: Array, src: Array):
+    """Sets working slots up before a step: slot dst[i] gets zeros (src[i] == ZERO) or a copy of slot
+    src[i]; dst past the pool (padding) is dropped. `pools` is (conv list, recurrent list)."""
+
+    def one(pool):
+        fresh = jnp.where((src == ZERO).reshape(-1, *(1,) * (pool.ndim - 1)), 0, pool[jnp.maximum(src, 0)])
+        return pool.at[dst].set(fresh.astype(pool.dtype), mode="drop")
+
+    conv, rec = pools
+    return [one(p) for p in conv], [one(p) for p in rec]
