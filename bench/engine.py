@@ -10,9 +10,15 @@ What is measured (all greedy, float32 by default, every figure a median over `--
 - roofline ratio = measured decode step time / (bytes the step must read / memory bandwidth). The bytes
   are the attention, norm, router and dense-MLP weights, the LM head, one embedding row per token, the
   experts actually selected in each MoE layer (the union over the batch, from the real routing: the
-  router is re-run on the hidden states of the generated sequences) and the KV read by attention. The
-  bandwidth is a large jitted reduction, sampled before every decode run because it drifts with the
-  machine's load; each run's ratio uses the sample taken just before it.
+  router is re-run, through the family's own forward, on the hidden states of the generated sequences)
+  and the KV read by attention. Hybrid models (Qwen3.5, Qwen3-Next) add their Gated DeltaNet weights
+  ("linear_attention") and the per-sequence linear-attention state, read and written once per step
+  ("state"); their KV is that of the full-attention layers only. The bandwidth is a large jitted
+  reduction, sampled before every decode run because it drifts with the machine's load; each run's
+  ratio uses the sample taken just before it.
+- sizes: KV bytes per token (full-attention layers, the engine's KV dtype) and linear-attention state
+  bytes per sequence, in the JSON of every run; `--sizes-only` prints them for a `config.json`
+  (`--config FILE`, `--model DIR`, or `--preset qwen3.5-397b`) without loading any weights.
 - transformers: `generate` on the same checkpoint and prompts, same thread count, runs alternating
   with ours; decode time is taken between the logits of the first and the last generated token.
 
@@ -31,6 +37,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.sizes import PRESET_CONFIGS
 
 # Targets from the issue, recorded in the JSON next to the measurements.
 ROOFLINE_TARGET = 1.5
@@ -51,8 +59,8 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory (e.g. make-model --preset bench)")
-    p.add_argument("--json", required=True, type=Path, help="where to write the results")
+    p.add_argument("--model", type=Path, help="checkpoint directory (e.g. make-model --preset bench); required")
+    p.add_argument("--json", type=Path, help="where to write the results; required unless --sizes-only")
     p.add_argument("--batches", type=_ints, default=[1, 8, 16, 32], help="decode batch sizes (default 1,8,16,32)")
     p.add_argument("--roofline-batches", type=_ints, default=[1, 16], help="batches with a roofline ratio (default 1,16)")
     p.add_argument("--compare-batches", type=_ints, default=[1, 16], help="batches run with transformers too (default 1,16)")
@@ -61,9 +69,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="prompt length for the decode runs (default 64)")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt length for the prefill runs (default 512)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth reduction (default 1024)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="model and KV dtype (default float32; with --sizes-only the KV dtype, default bfloat16)",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--seed", type=int, default=0)
+    sizes = p.add_argument_group("sizes only (no weights loaded, nothing timed)")
+    sizes.add_argument(
+        "--sizes-only", action="store_true",
+        help="print the KV bytes per token and state bytes per sequence of --model, --config or --preset as JSON",
+    )
+    sizes.add_argument("--config", type=Path, help="a config.json file (with --sizes-only)")
+    sizes.add_argument("--preset", choices=sorted(PRESET_CONFIGS), help="a built-in real model config (with --sizes-only)")
 
 
 def _log(msg: str) -> None:
@@ -82,6 +100,13 @@ def _loadavg() -> list[float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sizes_only:
+        return run_sizes(args)
+    if args.config is not None or args.preset is not None:
+        raise ValueError("--config and --preset go with --sizes-only")
+    if args.model is None or args.json is None:
+        raise ValueError("--model and --json are required (unless --sizes-only)")
+    args.dtype = args.dtype or "float32"
     for name in ("runs", "decode_steps", "prompt_len", "prefill_len", "bandwidth_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -91,11 +116,39 @@ def run(args: argparse.Namespace) -> int:
     return _Bench(args).run()
 
 
+def run_sizes(args: argparse.Namespace) -> int:
+    """`--sizes-only`: KV and state sizes from a config alone, JSON on stdout (and in --json if given)."""
+    from bench.sizes import sizes_from_config
+
+    sources = [x for x in (args.model, args.config, args.preset) if x is not None]
+    if len(sources) != 1:
+        raise ValueError("--sizes-only takes exactly one of --model, --config, --preset")
+    if args.preset is not None:
+        raw, source = PRESET_CONFIGS[args.preset], f"preset {args.preset}"
+    else:
+        from workers.models.config import ModelLoadError
+
+        path = args.config if args.config is not None else args.model / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"cannot read {path}: {e}") from None
+        source = str(path)
+    result = {"source": source, **sizes_from_config(raw, args.dtype or "bfloat16")}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    return 0
+
+
 class _Bench:
     def __init__(self, args: argparse.Namespace):
         import jax
         import numpy as np
 
+        from bench import sizes
         from workers.engine import EngineConfig, EngineCore
 
         self.args = args
@@ -128,9 +181,24 @@ class _Bench:
         self.load_s = time.perf_counter() - start
         self.model = self.engine.model
         self.cfg = self.model.cfg
+        # The engine's KV pages are in the model dtype; state pools are float32 (workers/engine/runner.py).
+        self.kv_dtype = jax.numpy.dtype(self.model.dtype).name
+        self.kv_bytes_per_token = sizes.kv_bytes_per_token(self.cfg, jax.numpy.dtype(self.model.dtype).itemsize)
+        self.state_bytes_per_sequence = sizes.state_bytes_per_sequence(self.cfg)
+        runner = self.engine.runner
+        if (self.kv_bytes_per_token * runner.block_size, self.state_bytes_per_sequence) != (
+            runner.kv_bytes_per_block,
+            runner.state_bytes_per_slot,
+        ):
+            raise RuntimeError(
+                f"bench sizes disagree with the engine's: KV {self.kv_bytes_per_token} B/token x {runner.block_size} "
+                f"vs {runner.kv_bytes_per_block} B/block, state {self.state_bytes_per_sequence} vs "
+                f"{runner.state_bytes_per_slot} B/slot"
+            )
         self.rng = np.random.default_rng(args.seed)
         self._ids = 0
         self._bandwidth_fn = None
+        self._routing_fn = None
 
     # ------------------------------------------------------------------ prompts and our engine
 
@@ -246,11 +314,12 @@ class _Bench:
 
         The router is re-run on the real hidden states: a contiguous forward over each prompt and its
         generated tokens records every MoE layer's top-k ids, read at the position each sequence fed in
-        each timed step.
+        each timed step. The forward is the family's own (its routing, and for hybrid models its
+        linear-attention layers over the contiguous cache's state), with an `experts` executor that
+        records the ids it is handed before running the experts as usual.
         """
         jax, jnp, np = self.jax, self.jax.numpy, self.np
-        from kernels.moe import route_softmax_topk
-        from workers.models.layers import decoder_forward, linear, moe_softmax_topk
+        from kernels.moe import routed_experts
 
         cfg = self.cfg
         if not any(cfg.moe_layers):
@@ -263,37 +332,42 @@ class _Bench:
             seqs[i, : len(tokens)] = tokens
         pos = np.broadcast_to(np.arange(length, dtype=np.int32), seqs.shape)
 
-        def forward(weights, tokens, positions, cache):
-            recorded = []
+        if self._routing_fn is None:  # one jitted function: it compiles once per (batch, length)
+            family, inner = self.model.family, self.model.experts or routed_experts
 
-            def moe_fn(x, w, cfg):
-                flat = x.reshape(-1, x.shape[-1])
-                _, ids = route_softmax_topk(linear(flat, w.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-                recorded.append(ids.reshape(*x.shape[:-1], -1))
-                return moe_softmax_topk(x, w, cfg)
+            def forward(weights, tokens, positions, cache):
+                recorded = []
 
-            decoder_forward(weights, cfg, tokens, positions, cache, moe_fn)
-            return jnp.stack(recorded)  # [moe layers, B, T, k]
+                def experts(x, ids, *args, **kwargs):  # x [B*T, hidden], ids [B*T, k], in layer order
+                    recorded.append(ids.reshape(*tokens.shape, -1))
+                    return inner(x, ids, *args, **kwargs)
 
+                family.forward(weights, cfg, tokens, positions, cache, experts=experts)
+                return jnp.stack(recorded)  # [moe layers, B, T, k]
+
+            self._routing_fn = jax.jit(forward)
         cache = self.model.new_cache(seqs.shape[0], seqs.shape[1])
-        ids = np.asarray(jax.jit(forward)(self.model.weights, seqs, pos, cache))
+        ids = np.asarray(self._routing_fn(self.model.weights, seqs, pos, cache))
         rows = np.arange(len(prompts))
         return [
             float(np.mean([len(np.unique(layer[rows, step_pos])) for step_pos in positions])) for layer in ids
         ]
 
     def step_bytes(self, batch: int, experts_per_layer: list[float], mean_keys: float) -> dict:
-        """Bytes one decode step of `batch` sequences must read, by kind (experts from the real routing)."""
+        """Bytes one decode step of `batch` sequences must move, by kind (experts from the real routing):
+        everything it reads, plus the linear-attention state it writes back."""
         import jax
 
         from workers.models.layers import MoEWeights
 
         cfg, weights = self.cfg, self.model.weights
         nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-        out = dict.fromkeys(("attention", "norms", "dense_mlp", "router", "shared_expert", "experts"), 0)
+        kinds = ("attention", "linear_attention", "norms", "dense_mlp", "router", "shared_expert", "experts")
+        out = dict.fromkeys(kinds, 0)
         moe_index = 0
-        for lw in weights.layers:
-            out["attention"] += nbytes(lw.attn)
+        for layer, lw in enumerate(weights.layers):
+            # The token mixer: Gated DeltaNet on a hybrid model's linear layers, else attention.
+            out["linear_attention" if cfg.is_linear_layer(layer) else "attention"] += nbytes(lw.attn)
             out["norms"] += nbytes((lw.input_norm, lw.post_attn_norm))
             if isinstance(lw.mlp, MoEWeights):
                 mlp = lw.mlp
@@ -308,9 +382,16 @@ class _Bench:
         head = weights.embed if weights.lm_head is None else weights.lm_head
         out["lm_head"] = nbytes(head)
         out["embedding"] = batch * cfg.hidden_size * weights.embed.dtype.itemsize
-        # Attention reads every key of every sequence (mean_keys: summed over the batch, per step).
-        kv_itemsize = self.engine.runner.kv_pages[0].dtype.itemsize
-        out["kv"] = mean_keys * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
+        # Attention reads every key of every sequence (mean_keys: summed over the batch, per step), in
+        # the full-attention layers only: a hybrid model's linear layers keep no KV.
+        out["kv"] = mean_keys * self.kv_bytes_per_token
+        # Linear-attention layers: each sequence's conv and recurrent state (float32) is read and then
+        # overwritten in place, every step: the delta rule (S <- g S; S <- S + k (beta (v - S^T k))^T per
+        # value head) needs all of S and produces a whole new S, and the conv window shifts by one token.
+        # Unlike weights and KV, which a decode step only reads, the state costs its size twice.
+        # (A snapshot for prefix caching, written when a sequence crosses a block boundary, adds one more
+        # write per block_size steps; that is left out.)
+        out["state"] = 2 * self.state_bytes_per_sequence * batch
         out = {k: int(round(v)) for k, v in out.items()}
         out["total"] = sum(out.values())
         return out
@@ -399,6 +480,8 @@ class _Bench:
         import jax
         import jaxlib
 
+        from bench import sizes
+
         def table(runs):
             return {
                 "tokens_per_s": _median([x["tokens_per_s"] for x in runs]),
@@ -456,6 +539,12 @@ class _Bench:
                 "vocab_size": cfg.vocab_size,
                 "weight_bytes": self.model.weight_bytes,
             },
+            "layers": sizes.layer_summary(cfg),
+            "kv_dtype": self.kv_dtype,
+            # K and V of one token over every full-attention layer, in the engine's KV dtype.
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            # float32 conv + recurrent state of one sequence over every linear-attention layer (0: none).
+            "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "dtype": args.dtype,
             "threads": self.threads,
             "versions": {
@@ -504,6 +593,9 @@ def _summary(result: dict) -> str:
     if "ratio" in result["transformers"]:
         parts.append("vs transformers " + ", ".join(f"B={b}: {v:.2f}x" for b, v in result["transformers"]["ratio"].items()))
     parts.append(f"bandwidth {result['bandwidth']['gb_per_s']:.1f} GB/s")
+    parts.append(f"KV {result['kv_bytes_per_token']} B/token")
+    if result["state_bytes_per_sequence"]:
+        parts.append(f"state {result['state_bytes_per_sequence'] / 2**20:.2f} MiB/sequence")
     return "; ".join(parts)
 
 

@@ -1,4 +1,6 @@
-"""`moray bench engine` end to end on the tiny preset with tiny settings: every JSON field present and sane.
+"""`moray bench engine` end to end on the tiny preset with tiny settings: every JSON field present and sane,
+for an attention-only model (qwen3_moe) and a hybrid linear-attention one (qwen3_5_moe); and the
+`--sizes-only` KV / state figures against hand-computed ones (tiny preset, Qwen3.5-397B-A17B).
 
 No timing assertions: the development machines are shared and noisy; the figures only have to be
 positive, finite and consistent with each other.
@@ -15,17 +17,18 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main as moray_main
-from workers.models.make_model import PRESETS, make_model
+from workers.models.make_model import HYBRID_PRESETS, PRESETS, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS, STEPS, PROMPT, PREFILL, BATCHES = 2, 2, 8, 16, (1, 2)
-BYTE_KINDS = {"attention", "norms", "dense_mlp", "router", "shared_expert", "experts", "lm_head", "embedding", "kv", "total"}
+BYTE_KINDS = {
+    "attention", "linear_attention", "norms", "dense_mlp", "router", "shared_expert", "experts", "lm_head",
+    "embedding", "kv", "state", "total",
+}
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory) -> tuple[dict, str]:
-    tmp = tmp_path_factory.mktemp("bench")
-    model = make_model(tmp / "tiny", "qwen3_moe", "tiny", seed=0)
+def run_bench(tmp: Path, arch: str) -> tuple[dict, str, Path]:
+    model = make_model(tmp / "tiny", arch, "tiny", seed=0)
     out = tmp / "engine.json"
     batches = ",".join(map(str, BATCHES))
     proc = subprocess.run(
@@ -35,7 +38,18 @@ def result(tmp_path_factory) -> tuple[dict, str]:
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stderr
+    return json.loads(out.read_text()), proc.stderr, model
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> tuple[dict, str]:
+    data, stderr, _ = run_bench(tmp_path_factory.mktemp("bench"), "qwen3_moe")
+    return data, stderr
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> tuple[dict, str, Path]:
+    return run_bench(tmp_path_factory.mktemp("bench_hybrid"), "qwen3_5_moe")
 
 
 def positive(x) -> bool:
@@ -70,6 +84,7 @@ def test_bandwidth_and_roofline(result):
         assert nbytes["embedding"] == b * preset.hidden_size * 4  # one float32 row per token
         assert nbytes["lm_head"] == preset.vocab_size * preset.hidden_size * 4
         assert nbytes["dense_mlp"] == 0 and nbytes["shared_expert"] == 0  # every tiny layer is MoE
+        assert nbytes["linear_attention"] == 0 and nbytes["state"] == 0  # attention only
         # Distinct experts per layer: at least top-k (one token), at most what the batch can select.
         per_layer = roof["experts_per_layer"]
         assert len(per_layer) == preset.num_layers
@@ -81,6 +96,116 @@ def test_bandwidth_and_roofline(result):
         assert nbytes["kv"] >= b * PROMPT * kv_per_token
         split = roof["step_split"]
         assert positive(split["step_ms"]) and positive(split["device_ms"])
+    assert data["kv_bytes_per_token"] == preset.num_layers * 2 * preset.num_kv_heads * preset.head_dim * 4
+    assert data["state_bytes_per_sequence"] == 0 and data["kv_dtype"] == "float32"
+    assert data["layers"] == {
+        "num_layers": preset.num_layers, "linear_attention": 0, "full_attention": preset.num_layers,
+        "full_attention_layers": list(range(preset.num_layers)),
+    }
+
+
+# The tiny hybrid preset by hand: 4 layers, every 4th full attention -> layers 0-2 Gated DeltaNet, 3 full.
+P, LP = HYBRID_PRESETS["tiny"]
+TINY_LINEAR, TINY_FULL = 3, 1
+TINY_CONV_DIM = 2 * LP.num_key_heads * LP.head_dim + LP.num_value_heads * LP.head_dim  # q | k | v channels
+TINY_KV_PER_TOKEN = TINY_FULL * 2 * P.num_kv_heads * P.head_dim * 4  # float32 K and V, full layers only
+TINY_STATE = TINY_LINEAR * 4 * ((LP.conv_kernel_size - 1) * TINY_CONV_DIM + LP.num_value_heads * LP.head_dim**2)
+
+
+def test_hybrid_tiny_by_hand():
+    assert (P.num_layers, LP.full_attention_interval) == (4, 4)
+    assert (TINY_CONV_DIM, TINY_KV_PER_TOKEN, TINY_STATE) == (128, 256, 3 * 4 * (3 * 128 + 4 * 16 * 16)) == (128, 256, 16896)
+
+
+def test_hybrid_decode_prefill_and_sizes(hybrid):
+    data, stderr, _ = hybrid
+    assert "run 2/2" in stderr and data["model_config"]["model_type"] == "qwen3_5_moe"
+    for entry in data["decode"].values():
+        assert positive(entry["tokens_per_s"]) and [len(run) for run in entry["step_ms_per_run"]] == [STEPS] * RUNS
+    assert positive(data["prefill"]["tokens_per_s"]) and len(data["prefill"]["samples_tokens_per_s"]) == RUNS
+    assert data["layers"] == {"num_layers": 4, "linear_attention": 3, "full_attention": 1, "full_attention_layers": [3]}
+    assert data["kv_bytes_per_token"] == TINY_KV_PER_TOKEN
+    assert data["state_bytes_per_sequence"] == TINY_STATE
+    hf = data["transformers"]
+    assert hf["available"] is True
+    for b in BATCHES:
+        assert positive(hf["ratio"][str(b)]) and len(hf["decode"][str(b)]["samples_tokens_per_s"]) == RUNS
+
+
+def test_hybrid_roofline(hybrid):
+    data, _, _ = hybrid
+    h = P.hidden_size
+    # Gated DeltaNet weights of one layer: qkvz, ba, the depthwise conv, dt_bias, A_log, the gated norm, out.
+    value_dim = LP.num_value_heads * LP.head_dim
+    linear_layer = (
+        (TINY_CONV_DIM + value_dim) * h + 2 * LP.num_value_heads * h + TINY_CONV_DIM * LP.conv_kernel_size
+        + 2 * LP.num_value_heads + LP.head_dim + h * value_dim
+    )
+    # Gated attention: q (query | gate) k v, o, q/k norms.
+    q_size, kv_size = P.num_heads * P.head_dim, P.num_kv_heads * P.head_dim
+    attention_layer = (2 * q_size + 2 * kv_size) * h + h * q_size + 2 * P.head_dim
+    for b in BATCHES:
+        roof = data["roofline"][str(b)]
+        assert positive(roof["ratio"]) and len(roof["ratio_samples"]) == RUNS
+        nbytes = roof["bytes"]
+        assert set(nbytes) == BYTE_KINDS
+        assert nbytes["total"] == sum(v for k, v in nbytes.items() if k != "total")
+        assert nbytes["linear_attention"] == TINY_LINEAR * linear_layer * 4 > 0
+        assert nbytes["attention"] == TINY_FULL * attention_layer * 4
+        assert nbytes["state"] == 2 * TINY_STATE * b > 0  # read and written once per sequence per step
+        # KV of the one full-attention layer: at least the prompt of each sequence, at most the whole run.
+        assert b * PROMPT * TINY_KV_PER_TOKEN <= nbytes["kv"] <= b * (PROMPT + STEPS + 4) * TINY_KV_PER_TOKEN
+        per_layer = roof["experts_per_layer"]  # every layer, linear or not, is MoE
+        assert len(per_layer) == P.num_layers
+        assert all(P.top_k <= n <= min(P.num_experts, b * P.top_k) for n in per_layer)
+        assert nbytes["experts"] == pytest.approx(sum(per_layer) * 3 * P.moe_intermediate_size * h * 4, rel=1e-3)
+        assert nbytes["shared_expert"] > 0 and nbytes["dense_mlp"] == 0
+
+
+def sizes_only(capsys, *args) -> dict:
+    assert moray_main(["bench", "engine", "--sizes-only", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sizes_only_qwen3_5_397b(capsys, tmp_path):
+    data = sizes_only(capsys, "--preset", "qwen3.5-397b")
+    # 60 layers, every 4th full attention: 45 Gated DeltaNet + 15 full.
+    assert data["layers"]["linear_attention"] == 45 and data["layers"]["full_attention"] == 15
+    assert data["layers"]["full_attention_layers"] == list(range(3, 60, 4))
+    # bf16 K and V: 15 layers x 2 x 2 KV heads x 256 x 2 B = 30 KiB per token.
+    assert data["kv_dtype"] == "bfloat16" and data["kv_bytes_per_token"] == 15 * 2 * 2 * 256 * 2 == 30720
+    # float32 per linear layer: conv [3, 2 x 16 x 128 + 64 x 128] + recurrent [64, 128, 128].
+    conv, recurrent = 3 * (2 * 16 * 128 + 64 * 128) * 4, 64 * 128 * 128 * 4
+    assert data["state_bytes_per_layer"] == {"conv": conv, "recurrent": recurrent}
+    assert data["state_bytes_per_sequence"] == 45 * (conv + recurrent) == 195_379_200  # ~186 MiB
+    assert data["conv_state_shape"] == [3, 12288] and data["recurrent_state_shape"] == [64, 128, 128]
+    # The same from a config.json file, and in float32 KV; --json gets a copy.
+    from bench.sizes import QWEN3_5_397B_A17B
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_5_397B_A17B))
+    again = sizes_only(capsys, "--config", str(path), "--dtype", "float32", "--json", str(tmp_path / "s.json"))
+    assert again["kv_bytes_per_token"] == 2 * 30720 and again["state_bytes_per_sequence"] == 195_379_200
+    assert json.loads((tmp_path / "s.json").read_text()) == again
+
+
+def test_sizes_only_matches_the_bench(capsys, hybrid):
+    data, _, model = hybrid
+    sizes = sizes_only(capsys, "--model", str(model), "--dtype", "float32")
+    assert sizes["kv_bytes_per_token"] == data["kv_bytes_per_token"] == TINY_KV_PER_TOKEN
+    assert sizes["state_bytes_per_sequence"] == data["state_bytes_per_sequence"] == TINY_STATE
+    assert sizes["layers"] == data["layers"]
+    assert sizes["state_equals_kv_tokens"] == TINY_STATE / TINY_KV_PER_TOKEN
+
+
+def test_sizes_only_bad_arguments(tmp_path, capsys):
+    assert moray_main(["bench", "engine", "--sizes-only", "--preset", "qwen3.5-397b", "--config", str(tmp_path)]) == 2
+    assert "exactly one of" in capsys.readouterr().err
+    assert moray_main(["bench", "engine", "--model", str(tmp_path)]) == 2
+    assert "--json are required" in capsys.readouterr().err
+    assert moray_main(["bench", "engine", "--preset", "qwen3.5-397b", "--model", str(tmp_path), "--json", "x"]) == 2
+    assert "--sizes-only" in capsys.readouterr().err
+    assert moray_main(["bench", "engine", "--sizes-only", "--config", str(tmp_path / "missing.json")]) == 1
 
 
 def test_transformers_side_by_side_and_metadata(result):

@@ -1,0 +1,129 @@
+"""Per-token KV and per-sequence state sizes of a model, from its `config.json` alone (no weights).
+
+A hybrid model (Qwen3.5, Qwen3-Next) keeps a paged KV cache only for its full-attention layers; each
+Gated DeltaNet layer instead holds a fixed-size float32 state per sequence: the causal conv's last K-1
+inputs [K-1, conv_dim] plus one [dk, dv] recurrent matrix per value head. These are the two figures
+that size a serving deployment (`moray bench engine --sizes-only`), computed the way the engine
+allocates them (`workers.engine.runner.kv_bytes_per_block`, `state_bytes_per_sequence`).
+
+The config is parsed by the model family's own reader (the `text_config` of a composite, `layer_types`
+or `full_attention_interval`), which imports jax; this module itself imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# The engine's state pools are float32 whatever the model dtype (workers/engine/runner.py).
+STATE_ITEMSIZE = 4
+KV_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# Qwen/Qwen3.5-397B-A17B `config.json`, trimmed to what the sizes (and the family's config reader)
+# need; the vision tower's config is left out. 60 layers, every 4th full attention: 45 Gated DeltaNet
+# layers, 15 gated full-attention layers.
+QWEN3_5_397B_A17B: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320,
+        "hidden_size": 4096,
+        "num_hidden_layers": 60,
+        "full_attention_interval": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "attn_output_gate": True,
+        "attention_bias": False,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 64,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 1024,
+        "shared_expert_intermediate_size": 1024,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+        "hidden_act": "silu",
+        "dtype": "bfloat16",
+    },
+}
+
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {"qwen3.5-397b": QWEN3_5_397B_A17B}
+
+
+def model_config(raw: dict[str, Any]):
+    """The engine's `ModelConfig` for a `config.json` dict, read by its family (imports jax)."""
+    from workers.models import FAMILIES, ModelLoadError
+
+    family = FAMILIES.get(raw.get("model_type"))
+    if family is None:
+        raise ModelLoadError(f"config.json: unknown model_type {raw.get('model_type')!r} (supported: {', '.join(sorted(FAMILIES))})")
+    return family.config_from_hf(raw)
+
+
+def layer_summary(cfg) -> dict[str, Any]:
+    return {
+        "num_layers": cfg.num_layers,
+        "linear_attention": cfg.num_state_layers,
+        "full_attention": cfg.num_kv_layers,
+        "full_attention_layers": list(cfg.attention_layer_ids),  # the others are linear attention
+    }
+
+
+def kv_bytes_per_token(cfg, itemsize: int) -> int:
+    """K and V of one token in every full-attention layer (linear-attention layers have no KV)."""
+    return cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def state_bytes_per_layer(cfg) -> dict[str, int]:
+    """float32 conv and recurrent state of one sequence in one linear-attention layer."""
+    if not cfg.is_hybrid:
+        return {"conv": 0, "recurrent": 0}
+    return {
+        "conv": STATE_ITEMSIZE * math.prod(cfg.conv_state_shape),
+        "recurrent": STATE_ITEMSIZE * math.prod(cfg.recurrent_state_shape),
+    }
+
+
+def state_bytes_per_sequence(cfg) -> int:
+    """The state of one sequence over every linear-attention layer; 0 for attention-only models."""
+    return cfg.num_state_layers * sum(state_bytes_per_layer(cfg).values())
+
+
+def sizes(cfg, kv_dtype: str) -> dict[str, Any]:
+    if kv_dtype not in KV_ITEMSIZE:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r} (known: {', '.join(KV_ITEMSIZE)})")
+    kv = kv_bytes_per_token(cfg, KV_ITEMSIZE[kv_dtype])
+    state = state_bytes_per_sequence(cfg)
+    return {
+        "model_type": cfg.model_type,
+        "layers": layer_summary(cfg),
+        "kv_dtype": kv_dtype,
+        "kv_bytes_per_token": kv,
+        "kv_kib_per_token": kv / 2**10,
+        "state_dtype": "float32",
+        "state_bytes_per_sequence": state,
+        "state_mib_per_sequence": state / 2**20,
+        "state_bytes_per_layer": state_bytes_per_layer(cfg),
+        "conv_state_shape": list(cfg.conv_state_shape) if cfg.is_hybrid else None,
+        "recurrent_state_shape": list(cfg.recurrent_state_shape) if cfg.is_hybrid else None,
+        # How many tokens of KV weigh as much as one sequence's state.
+        "state_equals_kv_tokens": state / kv if kv else None,
+    }
+
+
+def sizes_from_config(raw: dict[str, Any], kv_dtype: str = "bfloat16") -> dict[str, Any]:
+    """KV bytes per token (in `kv_dtype`) and state bytes per sequence of a `config.json` dict."""
+    return sizes(model_config(raw), kv_dtype)
