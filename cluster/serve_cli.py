@@ -1,23 +1,51 @@
-"""`moray serve`: start local Ray (unless one is running), deploy, print how to call it, block until Ctrl-C."""
+"""`moray serve`: start a fresh local Ray (or attach to a running cluster with --address), deploy, print
+how to call it, serve until Ctrl-C or SIGTERM.
+
+Exit codes: 0 stopped by Ctrl-C/SIGTERM after it was serving; 1 it could not start (no Ray cluster at
+--address, pools that cannot be placed, not ready within --startup-timeout, a failed deployment); 2 a bad
+config; 128+N interrupted by signal N (130 Ctrl-C, 143 SIGTERM) before it was serving. Every failure is
+one line on stderr. Whatever it started (Serve, the local Ray) is shut down before it exits.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from .config import ClusterConfig, ConfigError, load_cluster_config, parse_cluster_config
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="cluster config YAML")
-    p.add_argument("--model", type=Path, help="model directory (when no --config)")
+    p.add_argument("--model", type=Path, help="model directory (overrides the config's engine.model)")
     p.add_argument("--http-port", type=int)
     p.add_argument("--grpc-port", type=int)
+    p.add_argument("--host", help="address the HTTP proxy binds (overrides server.host; 0.0.0.0 exposes it to the network)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
-    p.add_argument("--address", help="Ray address of an existing cluster (default: auto-detect, else start one)")
+    p.add_argument(
+        "--address",
+        help="Ray cluster to deploy onto: 'auto' (the one RAY_ADDRESS names, else the last `ray start` on this machine), "
+        "HOST:PORT (its GCS) or ray://HOST:PORT. Default: start a fresh local Ray for this command and stop it on exit; "
+        "RAY_ADDRESS and running clusters are never used unless --address says so",
+    )
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: this machine's); not with --address")
+    p.add_argument(
+        "--connect-timeout", type=float, default=30.0, help="seconds to wait for the --address cluster to answer (default 30)"
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait for every pool to be ready (model load and XLA compile can take minutes on TPU); "
+        "pools that cannot be placed fail at once on a local Ray, after this on a cluster that may scale up (default 1800)",
+    )
 
 
 def resolve_config(args: argparse.Namespace) -> ClusterConfig:
@@ -33,6 +61,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("server", {})["http_port"] = args.http_port
     if args.grpc_port:
         data.setdefault("server", {})["grpc_port"] = args.grpc_port
+    if getattr(args, "host", None):
+        data.setdefault("server", {})["host"] = args.host
     if getattr(args, "mode", None):
         data["mode"] = args.mode
     # Workers may run in another directory: pin the model to an absolute path.
@@ -40,40 +70,304 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     return parse_cluster_config(data)
 
 
-def connect_ray(address: str | None, verbose: bool) -> None:
+# ---- Signals ---------------------------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class SignalGuard:
+    """SIGINT/SIGTERM raise `Interrupted` in the main thread, whatever it is waiting for.
+
+    Python runs a signal handler only between bytecodes, and some Ray calls block in C for minutes (a
+    GCS that does not answer). So a watcher thread also sees each signal (through the wakeup fd) and
+    enforces a deadline: if the process has not exited `grace_s` after the first signal, or on a second
+    signal, it exits at once (the local Ray's processes die with it: Ray ties them to their parent).
+    """
+
+    def __init__(self, grace_s: float = 30.0):
+        self.grace_s = grace_s
+        self.first_signal_at: float | None = None
+        self.cleaning_up = False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self.install()
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="moray-signal-watch", daemon=True).start()
+
+    def install(self) -> None:
+        """(Re)installs the handlers: `ray.init` sets its own SIGTERM handler."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.cleaning_up:
+            return  # the watcher thread handles a second signal
+        raise Interrupted(signum)
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum not in STOP_SIGNALS:
+                    continue
+                name = signal.Signals(signum).name
+                if self.first_signal_at is not None:
+                    _exit_now(f"moray: second {name}: exiting without waiting for the shutdown", 128 + signum)
+                self.first_signal_at = time.monotonic()
+                threading.Thread(target=self._deadline, args=(signum,), daemon=True).start()
+
+    def _deadline(self, signum: int) -> None:
+        while time.monotonic() < self.first_signal_at + self.grace_s:
+            time.sleep(0.2)
+        _exit_now(f"moray: did not stop within {self.grace_s:g}s of {signal.Signals(signum).name}: exiting", 128 + signum)
+
+    def wait_forever(self) -> None:
+        while True:
+            time.sleep(3600)
+
+
+def _exit_now(message: str, code: int) -> None:
+    try:
+        print(message, file=sys.stderr, flush=True)
+    finally:
+        os._exit(code)
+
+
+# ---- Ray -------------------------------------------------------------------------------------------------
+
+
+def _probe(host: str, port: int, timeout_s: float) -> str | None:
+    """None once a TCP connection to host:port succeeds within timeout_s, else the last error."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    error = "no attempt"
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, max(0.1, timeout_s))):
+                return None
+        except OSError as e:
+            error = e.strerror or str(e)
+        if time.monotonic() >= deadline:
+            return error
+        time.sleep(0.5)
+
+
+def resolve_address(address: str) -> tuple[str, str]:
+    """(address to connect to, where it came from) for --address; 'auto' reads RAY_ADDRESS, then the session file."""
+    from .launch import StartupError
+
+    if address != "auto":
+        return address, "--address"
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env:
+        return env, "RAY_ADDRESS"
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        found = Path(path).read_text().strip()
+    except OSError:
+        found = ""
+    if found:
+        return found, f"the `ray start` session file {path}"
+    raise StartupError(
+        f"--address auto: no Ray cluster to attach to (RAY_ADDRESS is unset and {path} does not exist); "
+        "start one with `ray start --head`, or leave out --address to start a local Ray"
+    )
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    from .launch import StartupError
+
+    rest = address.removeprefix("ray://")
+    if "://" in rest:
+        raise StartupError(
+            f"{address} is not a Ray GCS address: --address takes HOST:PORT (e.g. 127.0.0.1:6379) or ray://HOST:PORT, "
+            "not a dashboard URL (http://HOST:8265 is for `ray job submit`)"
+        )
+    host, _, port = rest.rpartition(":")
+    try:
+        return (host or "127.0.0.1").strip("[]"), int(port)
+    except ValueError:
+        raise StartupError(f"--address {address}: expected HOST:PORT") from None
+
+
+def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
+    """Connects to the --address cluster, or starts a fresh local Ray. True when the Ray is ours (local)."""
     import ray
 
+    from .launch import StartupError
+
+    verbose = getattr(args, "verbose", False)
     # Quiet by default: replica logs stay in Ray's log directory unless -v.
     opts = {"logging_level": "INFO" if verbose else "WARNING", "log_to_driver": verbose}
-    if address:
-        ray.init(address=address, **opts)
-        return
+    if args.address is None:
+        stale = os.environ.pop("RAY_ADDRESS", None)  # nor may the local Ray's processes see it
+        say("starting a local Ray" + (f" (ignoring RAY_ADDRESS={stale}: pass --address auto to use it)" if stale else ""))
+        try:
+            ray.init(address="local", num_cpus=args.num_cpus, **opts)
+        except SystemExit as e:  # ray.init's own SIGTERM handler, before ours is back
+            raise Interrupted(signal.SIGTERM) if e.code == signal.SIGTERM else e
+        finally:
+            guard.install()
+        return True
+    if args.num_cpus is not None:
+        raise StartupError("--num-cpus sizes a local Ray: it does not go with --address")
+    address, source = resolve_address(args.address)
+    host, port = _host_port(address)
+    say(f"connecting to the Ray cluster at {address} (from {source})")
+    error = _probe(host, port, args.connect_timeout)
+    if error is not None:
+        raise StartupError(
+            f"no Ray cluster answers at {address} (from {source}) within {args.connect_timeout:g}s: {error}; "
+            "start it (`ray start --head`), fix the address, or leave out --address to start a local Ray"
+        )
+    # The port answers; should it not be a GCS, ray.init could block in C far longer than asked.
+    watchdog = threading.Timer(
+        args.connect_timeout + 60,
+        _exit_now,
+        (f"moray: error: {address} (from {source}) accepts connections but Ray did not connect within "
+         f"{args.connect_timeout + 60:g}s; is it a Ray GCS port?", 1),
+    )
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        ray.init(address="auto", **opts)
-    except (ConnectionError, RuntimeError):
-        ray.init(**opts)  # none running: start a local one
+        ray.init(address=address, **opts)
+    except SystemExit as e:
+        raise Interrupted(signal.SIGTERM) if e.code == signal.SIGTERM else e
+    except (ConnectionError, RuntimeError) as e:
+        raise StartupError(f"could not connect to the Ray cluster at {address} (from {source}): {str(e).splitlines()[0]}") from None
+    finally:
+        watchdog.cancel()
+        guard.install()
+    return False
+
+
+def _serve_running() -> bool:
+    """Is a Serve controller already running on the connected cluster (someone else's Serve)?"""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def _kill_replicas(app_name: str) -> None:
+    """Kills the app's replicas: ones still loading, or waiting for resources, would only stop when Serve's
+    graceful shutdown timeout (graceful_shutdown_timeout_s) runs out."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == SERVE_NAMESPACE and entry.get("name", "").startswith(f"SERVE_REPLICA::{app_name}#"):
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=SERVE_NAMESPACE), no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _shutdown_serve(owns_serve: bool, app_name: str, timeout_s: float, drain: bool) -> None:
+    """Removes what this command deployed within timeout_s: its application, then Serve itself when it
+    started it (Serve's controller is always detached: it would outlive this process). Without `drain`
+    (start-up never finished) the replicas are killed rather than waited for."""
+    from ray import serve
+    from ray.serve import context
+
+    client = context._global_client
+    if client is None:
+        return
+    serve.delete(app_name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        if app is None:
+            break
+        # Only once Serve is deleting the app: before, it would replace the killed replicas.
+        if not drain and str(getattr(app.status, "value", app.status)) == "DELETING":
+            _kill_replicas(app_name)
+        time.sleep(0.5)
+    if owns_serve and not serve.status().applications:
+        client.shutdown(timeout_s=max(5.0, deadline - time.monotonic()))
+        context._set_global_client(None)
+
+
+# ---- The command -----------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
-    from .launch import ensure_local_env, how_to_call, start_serve, wait_until_healthy
+    if args.address is None and not Path(cfg.engine.model).is_dir():  # a local Ray reads it from this machine
+        raise ConfigError(f"engine.model {cfg.engine.model} is not a directory")
+    from .launch import StartupError, cluster_nodes, ensure_local_env, how_to_call, placement_problems, start_serve, wait_until_ready
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
 
     ensure_local_env()
-    connect_ray(args.address, getattr(args, "verbose", False))
-    import ray
-    from ray import serve
-
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    guard = SignalGuard(grace_s=cfg.graceful_shutdown_timeout_s + 40)  # a safety net: cleanup is bounded below it
+    phase = "starting"
+    deployed = owns_serve = local = False
+    rc = 0
     try:
-        print(f"deploying '{cfg.name}' (model {cfg.engine.model}, {cfg.mode})...", file=sys.stderr, flush=True)
-        start_serve(cfg, detached=False)
-        wait_until_healthy(cfg)
+        local = connect_ray(args, guard, say)
+        problems = placement_problems(cfg, cluster_nodes())
+        if problems and local:
+            # A local Ray never grows: these replicas would wait forever.
+            raise StartupError("; ".join(problems))
+        for problem in problems:
+            say(f"warning: {problem} (waiting up to {args.startup_timeout:g}s for the cluster to scale up)")
+        owns_serve = not _serve_running()
+        say(f"deploying '{cfg.name}' (model {cfg.engine.model}, {cfg.mode})...")
+        deployed = True
+        try:
+            start_serve(cfg, detached=False)
+        except (Interrupted, StartupError):
+            raise
+        except Exception as e:  # e.g. a port in use, a route taken by another application
+            raise StartupError(f"Serve could not deploy '{cfg.name}': {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
+        say(f"waiting for the application to become ready (up to {args.startup_timeout:g}s; Ctrl-C stops)")
+        wait_until_ready(cfg, args.startup_timeout, known_problems=problems, say=say)
         print(how_to_call(cfg), flush=True)
-        stop.wait()
-        print("shutting down...", file=sys.stderr, flush=True)
+        phase = "serving"
+        guard.wait_forever()
+    except Interrupted as e:
+        if phase == "serving":
+            say("shutting down...")
+        else:
+            say(f"moray: interrupted by {e} while starting: stopping what it started")
+            rc = 128 + e.signum
+    except StartupError as e:
+        say(f"moray: error: {e}")
+        rc = 1
     finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+        guard.cleaning_up = True
+        # Serving: let the replicas drain (graceful_shutdown_timeout_s). Starting: nothing to drain, and
+        # replicas still in their constructors would only stop at Serve's graceful timeout; a local Ray's
+        # shutdown stops them (and Serve) at once.
+        serving = phase == "serving"
+        _cleanup(deployed and (serving or not local), owns_serve, cfg.name, cfg.graceful_shutdown_timeout_s + 10, serving)
+    return rc
+
+
+def _cleanup(stop_serve: bool, owns_serve: bool, app_name: str, serve_timeout_s: float, drain: bool) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if stop_serve:
+        try:
+            _shutdown_serve(owns_serve, app_name, serve_timeout_s, drain)
+        except Exception as e:  # noqa: BLE001 - Ray's shutdown below still runs
+            print(f"moray: Serve did not shut down cleanly: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    ray.shutdown()
