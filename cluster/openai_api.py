@@ -11,8 +11,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from workers.engine.sampling_params import SamplingParams
-
 
 class APIError(Exception):
     """An error with an HTTP status and an OpenAI-style body; never a stack trace for the client."""
@@ -36,14 +34,30 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+# Values of unimplemented OpenAI fields that ask for nothing (what a client sends by default); anything
+# else is refused with a 400 rather than silently ignored.
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "echo": (False,),
+}
 
 
 class _Common(BaseModel):
     # OpenAI clients send fields we ignore (e.g. `metadata`, `store`); unknown keys are allowed but
-    # every known one is type-checked.
-    model_config = ConfigDict(extra="allow")
+    # every known one is type-checked, strictly: "16", true or 16.0 are not a max_tokens, "yes" is not
+    # a stream flag.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None)
@@ -64,27 +78,41 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Not implemented (yet): accepted only with a value that asks for nothing, see `unsupported`.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
 
-    def sampling_params(self, logprobs: int | None, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-        fields: dict[str, Any] = {
-            "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
-            "n": self.n,
-            "stop": self.stop,
-            "seed": self.seed,
-            "ignore_eos": self.ignore_eos,
-            "logprobs": logprobs,
-        }
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, message) for every unimplemented feature this request asks for."""
+        out = []
+        for name, no_ops in _NO_OP_VALUES.items():
+            if name not in type(self).model_fields:
+                continue
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in no_ops):
+                out.append((name, f"{name} is not supported" + (" (only best_of=1)" if name == "best_of" else "")))
+        return out
+
+    def sampling_fields(self, logprobs: int | None) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (max_tokens is the validator's business)."""
+        fields: dict[str, Any] = {"n": self.n, "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
-        return SamplingParams(**fields)
+        return fields
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    suffix: Any = None
+    best_of: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -98,10 +126,27 @@ class CompletionRequest(_Common):
         return v
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; some clients an object
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Extra keys (e.g. reasoning_content) go to the chat template as they are; the known ones are typed.
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -132,7 +177,8 @@ class ChatCompletionRequest(_Common):
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({**(m.model_extra or {}), "role": role, "content": m.text()})
+            fields = m.model_dump(exclude={"role", "content"}, exclude_none=True)
+            out.append({**fields, "role": role, "content": m.text()})
         return out
 
 

@@ -412,7 +412,7 @@ def test_serve_config_validates(values):
     assert app["import_path"] == "cluster.app:build_app"
     assert app["route_prefix"] == "/"
     assert cfg["grpc_options"]["grpc_servicer_functions"] == [
-        "protos.moray.v1.moray_pb2_grpc.add_MorayServicer_to_server",
+        "cluster.grpc_service.add_MorayServicer_to_server",
         "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
     ]
     from cluster.config import parse_cluster_config

@@ -103,15 +103,26 @@ class AsyncEngine:
         hold_kv: bool = False,
         kv_import: KVImport | None = None,
     ) -> "RequestStream":
-        """Adds a request (ValueError at once for invalid input) and returns its output stream."""
+        """Adds a request (ValueError at once for invalid input) and returns its output stream.
+
+        An id that already has a stream here is refused before anything is touched: a duplicate must never
+        take over (or drop) the running request's stream."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         try:
             await self.call(lambda c: c.add_request(request_id, prompt_token_ids, params, hold_kv, kv_import))
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._drop_stream(request_id, q)
             raise
         return RequestStream(self, request_id, q)
+
+    def _drop_stream(self, request_id: str, q: asyncio.Queue) -> None:
+        """Forgets `request_id`'s stream only if it is still the one with queue `q`."""
+        entry = self._streams.get(request_id)
+        if entry is not None and entry[1] is q:
+            del self._streams[request_id]
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **kw) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(request_id, prompt_token_ids, params, **kw)
@@ -168,6 +179,6 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self.engine._streams.pop(self.request_id, None)
+        self.engine._drop_stream(self.request_id, self._q)
         if not self.finished and self.engine.healthy:
             self.engine.submit(lambda c: c.abort(self.request_id))

@@ -1,0 +1,457 @@
+"""The request-validation layer (cluster/validation.py) in process, the ingress's error mapping with a fake
+orchestrator, and AsyncEngine's duplicate-id guard. End-to-end cases are in test_cluster.py's tables."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from cluster import openai_api as oa
+from cluster import validation
+from cluster.grpc_service import ClientErrorLogFilter
+from cluster.orchestrator import Chunk
+from protos.moray.v1 import moray_pb2
+from workers.engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from workers.models.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("validation") / "tiny", "qwen3_moe", "tiny", seed=11)
+
+
+@pytest.fixture(scope="module")
+def validator(model_dir):
+    from workers.models import load_config
+    from workers.models.tokenizer import Tokenizer
+
+    _, cfg = load_config(str(model_dir))
+    return validation.RequestValidator(
+        model_name="tiny", vocab_size=cfg.vocab_size, max_model_len=MAX_MODEL_LEN, tokenizer=Tokenizer.from_dir(model_dir), max_body_bytes=1 << 20
+    )
+
+
+def api_error(fn, *args) -> oa.APIError:
+    with pytest.raises(oa.APIError) as e:
+        result = fn(*args)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    return e.value
+
+
+def completion(validator, body: dict | bytes):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return asyncio.run(validator.completion(validation.parse_request(raw, oa.CompletionRequest)))
+
+
+def chat(validator, body: dict | bytes):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return asyncio.run(validator.chat(validation.parse_request(raw, oa.ChatCompletionRequest)))
+
+
+def refused(fn, validator, body) -> oa.APIError:
+    with pytest.raises(oa.APIError) as e:
+        fn(validator, body)
+    return e.value
+
+
+GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+# ------------------------------------------------------------------------------------- JSON bodies
+
+
+def test_integer_past_the_int_conversion_limit_is_a_400(validator):
+    raw = b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    e = refused(completion, validator, raw)
+    assert e.status == 400 and "digits" in e.message
+
+
+def test_lone_surrogate_is_a_400_naming_the_field(validator):
+    e = refused(completion, validator, b'{"model": "tiny", "prompt": "ab\\ud800cd"}')
+    assert e.status == 400 and e.param == "prompt" and "unicode" in e.message.lower()
+    e = refused(chat, validator, b'{"model": "tiny", "messages": [{"role": "user", "content": "x\\udc00"}]}')
+    assert e.param == "messages.0.content"
+    # A proper pair is one character (an emoji), and fine.
+    assert completion(validator, b'{"model": "tiny", "prompt": "ab\\ud83d\\ude00cd", "max_tokens": 2}').prompt
+
+
+@pytest.mark.parametrize("depth", [100, 200_000])
+def test_deeply_nested_json_is_a_400(validator, depth):
+    raw = b'{"model": "tiny", "prompt": "hi", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+    assert len(raw) < 1 << 20
+    e = refused(completion, validator, raw)
+    assert e.status == 400 and "nested" in e.message
+
+
+def test_nan_and_other_non_json_constants_are_a_400(validator):
+    assert "NaN" in refused(completion, validator, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}').message
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", "16"), ("max_tokens", True), ("max_tokens", 16.0), ("stream", "yes"), ("temperature", "0.5"), ("prompt", [1, True])])
+def test_types_are_strict(validator, field, value):
+    e = refused(completion, validator, {**GOOD, field: value})
+    assert e.status == 400 and field in e.message
+
+
+def test_stream_options_need_stream(validator):
+    e = refused(completion, validator, {**GOOD, "stream_options": {"include_usage": True}})
+    assert e.param == "stream_options" and "stream" in e.message
+    assert completion(validator, {**GOOD, "stream": True, "stream_options": {"include_usage": True}})
+
+
+def test_top_logprobs_needs_logprobs(validator):
+    e = refused(chat, validator, {**CHAT, "top_logprobs": 2})
+    assert e.param == "top_logprobs" and "logprobs" in e.message
+    assert chat(validator, {**CHAT, "logprobs": True, "top_logprobs": 2}).params.logprobs == 2
+
+
+UNSUPPORTED = [
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"),
+    ("logit_bias", {"5": 10}),
+    ("functions", [{"name": "f"}]),
+]
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED + [("suffix", "tail"), ("best_of", 2), ("echo", True)])
+def test_unsupported_completion_fields_are_a_400(validator, field, value):
+    e = refused(completion, validator, {**GOOD, field: value})
+    assert e.status == 400 and e.param == field and "not supported" in e.message
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED)
+def test_unsupported_chat_fields_are_a_400(validator, field, value):
+    e = refused(chat, validator, {**CHAT, field: value})
+    assert e.status == 400 and e.param == field and "not supported" in e.message
+
+
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}), ("best_of", 1), ("suffix", None)])
+def test_values_that_ask_for_nothing_are_accepted(validator, field, value):
+    assert completion(validator, {**GOOD, field: value}).params.max_tokens == 2
+
+
+# ------------------------------------------------------------------------------------- context, vocabulary
+
+
+def test_max_tokens_past_the_context_is_a_400_with_the_numbers(validator):
+    prompt = list(range(1, 11))
+    e = refused(completion, validator, {**GOOD, "prompt": prompt, "max_tokens": 1000})
+    assert e.status == 400 and e.code == "context_length_exceeded"
+    assert f"{MAX_MODEL_LEN}" in e.message and "1010" in e.message and "10 in the prompt" in e.message and "1000 in the completion" in e.message
+    assert completion(validator, {**GOOD, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - 10}).params.max_tokens == MAX_MODEL_LEN - 10
+    # An unset max_tokens is the default, cut to the room left.
+    assert completion(validator, {"model": "tiny", "prompt": list(range(1, MAX_MODEL_LEN - 5))}).params.max_tokens == 6
+    assert completion(validator, {"model": "tiny", "prompt": [1, 2]}).params.max_tokens == validation.DEFAULT_MAX_TOKENS
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(validator):
+    e = refused(completion, validator, {**GOOD, "stop_token_ids": [1, 10**6]})
+    assert e.status == 400 and e.param == "stop_token_ids" and "vocabulary" in e.message
+    req = moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(stop_token_ids=[99999]))
+    assert "vocabulary" in api_error(validator.grpc, req).message
+
+
+def test_chat_message_with_junk_tool_calls_is_a_400(validator):
+    e = refused(chat, validator, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": "junk"}]})
+    assert e.status == 400 and e.param.startswith("messages")
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"x\": 1}"}}
+    ok = chat(validator, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}], "max_tokens": 2})
+    assert ok.prompt
+
+
+def test_a_template_that_raises_anything_is_a_400(validator, monkeypatch):
+    def boom(*a, **kw):
+        raise TypeError("Object of type Undefined is not JSON serializable")
+
+    monkeypatch.setattr(validator.tokenizer, "apply_chat_template", boom)
+    e = refused(chat, validator, CHAT)
+    assert e.status == 400 and e.param == "messages" and "TypeError" in e.message
+
+
+# ------------------------------------------------------------------------------------- gRPC requests
+
+
+def test_grpc_undecodable_bytes_are_a_400(validator):
+    e = api_error(validator.parse_grpc, b"\xff\xff\xff not a protobuf")
+    assert e.status == 400 and "GenerateRequest" in e.message and "\n" not in e.message
+
+
+def test_grpc_size_limit_is_checked_before_decoding_or_tokenising(validator, monkeypatch):
+    monkeypatch.setattr(validator, "_encode", lambda *a: pytest.fail("tokenised an oversized request"))
+    big = moray_pb2.GenerateRequest(model="tiny", prompt="x" * (2 << 20))
+    for request in (big, big.SerializeToString()):
+        assert api_error(validator.parse_grpc, request).status == 413
+    ok = moray_pb2.GenerateRequest(model="tiny", prompt="hi")
+    assert validator.parse_grpc(ok.SerializeToString()) == ok
+
+
+def test_grpc_sampling_uses_the_same_rules(validator):
+    req = moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[1, 2, 3]), sampling=moray_pb2.SamplingOptions(max_tokens=1000))
+    assert "maximum context length" in api_error(validator.grpc, req).message
+    req = moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[1, 2, 3]))
+    assert asyncio.run(validator.grpc(req)).params.max_tokens == validation.DEFAULT_MAX_TOKENS
+    req = moray_pb2.GenerateRequest(model="tiny", prompt="hi", request_id="x" * 1000)
+    assert api_error(validator.grpc, req).param == "request_id"
+
+
+def test_long_prompts_are_tokenised_off_the_event_loop(validator):
+    text = "The quick brown fox jumps over the lazy dog. " * 20000  # ~0.9 MB: about a second of tokenising
+
+    async def main():
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.02)
+        start = time.perf_counter()
+        ids = await validator.encode(text)
+        elapsed = time.perf_counter() - start
+        done.set()
+        await task
+        return ids, elapsed, max(gaps)
+
+    ids, elapsed, worst_gap = asyncio.run(main())
+    assert ids == validator.tokenizer.encode(text)
+    assert worst_gap < 0.5 * elapsed, (worst_gap, elapsed)
+
+
+# ------------------------------------------------------------------------------------- worker errors and logs
+
+
+def ray_task_error(cause: BaseException) -> BaseException:
+    """What a Serve handle raises for a replica's exception: the remote traceback in str(), the cause kept."""
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError("DecodeServer.generate", f"Traceback (most recent call last):\n  File \"engine.py\"\n{cause!r}", cause).as_instanceof_cause()
+
+
+def test_worker_errors_become_one_line_client_errors():
+    cause = ValueError("stop token id 99999 is outside the vocabulary [0, 512)")
+    wrapped = ray_task_error(cause)
+    assert isinstance(wrapped, ValueError) and "engine.py" in str(wrapped)  # the remote frames
+    err = validation.client_error(wrapped)
+    assert err.status == 400 and err.message == str(cause)
+    assert validation.client_error(ray_task_error(RuntimeError("boom"))) is None
+    assert validation.one_line(ValueError("first\nTraceback ...")) == "first"
+
+
+def test_log_filter_turns_client_errors_into_one_info_line():
+    from ray.serve.exceptions import gRPCStatusError
+
+    f = ClientErrorLogFilter()
+
+    def record(exc):
+        try:
+            raise exc
+        except BaseException:
+            return logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", (), sys.exc_info())
+
+    r = record(gRPCStatusError(oa.APIError(400, "bad thing"), grpc.StatusCode.INVALID_ARGUMENT, "bad thing"))
+    assert f.filter(r) and r.levelno == logging.INFO and r.exc_info is None and "bad thing" in r.getMessage()
+    r = record(oa.APIError(404, "no such model"))
+    assert f.filter(r) and r.levelno == logging.INFO and r.exc_info is None
+    r = record(oa.APIError(500, "internal error: KeyError", "server_error"))
+    assert f.filter(r) and r.levelno == logging.ERROR and r.exc_info is not None
+    r = record(RuntimeError("a real bug"))
+    assert f.filter(r) and r.levelno == logging.ERROR and r.exc_info is not None
+
+
+# ------------------------------------------------------------------------------------- the ingress, in process
+
+
+class FakeContext:
+    def __init__(self, metadata=(("authorization", "Bearer test-key"),)):
+        self.metadata, self.code, self.details = list(metadata), None, None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+class FakeOrchestrator:
+    """Routes nowhere; streams `tokens` tokens, or raises `error` before the first one."""
+
+    def __init__(self, error: BaseException | None = None, tokens: int = 3, delay: float = 0.0):
+        self.error, self.tokens, self.delay = error, tokens, delay
+        self.ids: list[str] = []
+
+    async def route(self, request_id, prompt, session_id):
+        return SimpleNamespace(prefill_worker=None, decode_worker="d")
+
+    async def stream(self, request_id, prompt, params, decision, trace):
+        self.ids.append(request_id)
+        if self.error is not None:
+            raise self.error
+        for i in range(self.tokens):
+            await asyncio.sleep(self.delay)
+            done = i == self.tokens - 1
+            yield Chunk([7], "x", done, "length" if done else None, 0, i + 1)
+
+
+@pytest.fixture(scope="module")
+def ingress(model_dir):
+    from cluster_harness import cluster_config
+    from cluster.ingress import Ingress
+
+    cls = Ingress.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
+    return cls(cluster_config(model_dir, name="inproc"), None, None)
+
+
+WORKER_REFUSAL = ray_task_error(ValueError("stop token id 99999 is outside the vocabulary [0, 512)"))
+
+
+def http_request(body: dict, path: str = "/v1/completions"):
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    headers = [(b"authorization", b"Bearer test-key"), (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    return Request({"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}, receive)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_worker_value_error_is_a_400_without_traceback(ingress, monkeypatch, stream):
+    monkeypatch.setattr(ingress, "orchestrator", FakeOrchestrator(WORKER_REFUSAL))
+    response = asyncio.run(ingress.completions(http_request({**GOOD, "stream": stream})))
+    body = json.loads(response.body)
+    assert response.status_code == 400, body
+    assert body["error"]["message"] == "stop token id 99999 is outside the vocabulary [0, 512)"
+
+
+def test_http_worker_crash_is_a_500_without_traceback(ingress, monkeypatch):
+    monkeypatch.setattr(ingress, "orchestrator", FakeOrchestrator(KeyError("kv")))
+    response = asyncio.run(ingress.completions(http_request(GOOD)))
+    assert response.status_code == 500
+    assert json.loads(response.body)["error"]["message"] == "internal error: KeyError"
+
+
+def test_grpc_worker_value_error_is_invalid_argument_with_one_line(ingress, monkeypatch):
+    monkeypatch.setattr(ingress, "orchestrator", FakeOrchestrator(WORKER_REFUSAL))
+    request = moray_pb2.GenerateRequest(model="tiny", prompt="hi").SerializeToString()
+
+    async def generate(ctx):
+        return [m async for m in ingress.Generate(request, grpc_context=ctx)]
+
+    ctx = FakeContext()
+    with pytest.raises(oa.APIError):
+        asyncio.run(generate(ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert ctx.details == "stop token id 99999 is outside the vocabulary [0, 512)"
+    ctx = FakeContext()
+    assert asyncio.run(ingress.Complete(request, grpc_context=ctx)) == moray_pb2.CompleteResponse()
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "Traceback" not in ctx.details
+
+
+def test_grpc_client_errors_in_unary_calls_are_returned_not_raised(ingress):
+    # Raising makes Serve log the error with its traceback twice (replica and proxy); a unary call
+    # returns with the status set instead.
+    ctx = FakeContext()
+    asyncio.run(ingress.Complete(b"\x08\x96\x01garbage", grpc_context=ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "GenerateRequest" in ctx.details
+    ctx = FakeContext()
+    big = moray_pb2.GenerateRequest(model="tiny", prompt="x" * (2 << 20)).SerializeToString()
+    asyncio.run(ingress.Complete(big, grpc_context=ctx))
+    assert ctx.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_grpc_same_client_request_id_twice_at_once(ingress, monkeypatch):
+    fake = FakeOrchestrator(tokens=3, delay=0.01)
+    monkeypatch.setattr(ingress, "orchestrator", fake)
+    request = moray_pb2.GenerateRequest(model="tiny", prompt="hi", request_id="mine")
+
+    async def generate():
+        return [m async for m in ingress.Generate(request, grpc_context=FakeContext())]
+
+    async def main():
+        return await asyncio.gather(generate(), generate())
+
+    a, b = asyncio.run(main())
+    assert a[-1].finished and b[-1].finished
+    assert {m.request_id for m in a + b} == {"mine"}  # the client's id is echoed ...
+    assert len(set(fake.ids)) == 2 and "mine" not in fake.ids  # ... but never used inside
+
+
+# ------------------------------------------------------------------------------------- AsyncEngine
+
+
+class FakeCore:
+    """Just enough of EngineCore for AsyncEngine: requests wait until `finish` is called."""
+
+    def __init__(self):
+        self.requests: dict[str, int] = {}
+        self.to_finish: list[str] = []
+
+    def add_request(self, request_id, prompt, params, hold_kv=False, kv_import=None):
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = 0
+
+    def has_unfinished(self):
+        return bool(self.to_finish)
+
+    def step(self):
+        from workers.engine.engine import RequestOutput
+
+        out = [RequestOutput(rid, [1], [5], [5], "", "", True, "length", 0) for rid in self.to_finish]
+        for rid in self.to_finish:
+            self.requests.pop(rid, None)
+        self.to_finish = []
+        return out
+
+    def abort(self, request_id):
+        self.requests.pop(request_id, None)
+
+
+def test_async_engine_duplicate_id_never_touches_the_running_stream():
+    from workers.engine.async_engine import AsyncEngine
+
+    core = FakeCore()
+    engine = AsyncEngine(None, core=core)
+
+    async def main():
+        first = await engine.add_request("r1", [1], SamplingParams())
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("r1", [1], SamplingParams())
+        assert "r1" in core.requests  # the running request is untouched
+        engine.submit(lambda c: c.to_finish.append("r1"))
+        outs = [out async for out in first]  # the first stream still gets its output
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), timeout=10))
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished and outs[-1].new_token_ids == [5]
