@@ -160,6 +160,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "collectives": ("bench.collectives", "EP MoE modes: collective bytes per mesh level (HLO), dispatch and layer times"),
     "serve": ("bench.serve", "load a server with a workload: TTFT, TPOT, e2e, hit rate, KV handoff"),
     "routing": ("bench.routing", "routing policies end to end on a local cluster: hit rate vs an oracle, TTFT, load balance"),
+    "fuzz": ("bench.fuzz", "property-based fuzzing of a loopback server's HTTP and gRPC APIs: no 5xx, fast rejections"),
+    "soak": ("bench.soak", "long mixed load with cancellations and sessions: failures, latency per minute, RSS, KV after drain"),
 }
 
 
