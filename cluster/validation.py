@@ -333,7 +333,9 @@ class RequestValidator:
         elif kind == "token_ids":
             prompt = list(request.token_ids.ids)
         elif kind == "messages":
-            prompt = await self.render_chat([{"role": m.role, "content": m.content} for m in request.messages.messages])
+            # OpenAI's "developer" role is a system message, as on the HTTP API.
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in request.messages.messages]
+            prompt = await self.render_chat(messages)
         else:
             raise oa.APIError(400, "one of prompt, token_ids or messages is required")
         self.check_prompt(prompt)

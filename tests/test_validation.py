@@ -207,6 +207,15 @@ def test_grpc_sampling_uses_the_same_rules(validator):
     assert api_error(validator.grpc, req).param == "request_id"
 
 
+def test_grpc_developer_role_is_a_system_message_as_over_http(validator):
+    """Found by `moray bench fuzz`: HTTP accepted "developer" (OpenAI's newer name for system), gRPC refused it."""
+    msgs = moray_pb2.ChatMessages(messages=[moray_pb2.ChatMessage(role="developer", content="Be brief."), moray_pb2.ChatMessage(role="user", content="hi")])
+    developer = asyncio.run(validator.grpc(moray_pb2.GenerateRequest(model="tiny", messages=msgs)))
+    msgs.messages[0].role = "system"
+    system = asyncio.run(validator.grpc(moray_pb2.GenerateRequest(model="tiny", messages=msgs)))
+    assert developer.prompt == system.prompt
+
+
 def test_long_prompts_are_tokenised_off_the_event_loop(validator):
     text = "The quick brown fox jumps over the lazy dog. " * 20000  # ~0.9 MB: about a second of tokenising
 
