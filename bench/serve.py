@@ -161,8 +161,8 @@ def summarise(results: list[Result], wall: float, before: dict, after: dict) -> 
     e2e = [r.e2e for r in ok]
     tokens = sum(r.tokens for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
-    handoff_bytes = after.get("moray_kv_handoff_bytes", 0.0) - before.get("moray_kv_handoff_bytes", 0.0)
-    handoff_s = after.get("moray_kv_handoff_seconds", 0.0) - before.get("moray_kv_handoff_seconds", 0.0)
+    handoff_bytes = after.get("moray_kv_handoff_bytes_total", 0.0) - before.get("moray_kv_handoff_bytes_total", 0.0)
+    handoff_s = after.get("moray_kv_handoff_seconds_total", 0.0) - before.get("moray_kv_handoff_seconds_total", 0.0)
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),

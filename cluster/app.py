@@ -22,7 +22,8 @@ from .targeting import REQUEST_ROUTER_CLASS
 
 APP_IMPORT_PATH = "cluster.app:build_app"
 GRPC_SERVICERS = [
-    "protos.moray.v1.moray_pb2_grpc.add_MorayServicer_to_server",
+    # Not the generated protos.moray.v1.moray_pb2_grpc one: requests reach the ingress undecoded (see there).
+    "cluster.grpc_service.add_MorayServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 

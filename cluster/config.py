@@ -167,7 +167,14 @@ class ServerConfig(_Strict):
     api_keys_env: str | None = Field(default=None, description="env var holding comma-separated keys")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_tokens: int | None = Field(default=None, ge=1)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="a request running longer is aborted (its KV freed) and answered 504 / DEADLINE_EXCEEDED"
+    )
+    max_queued_requests: int = Field(
+        default=256, ge=0,
+        description="requests an ingress replica holds that have no first token yet; more are refused with 429 + Retry-After / "
+        "RESOURCE_EXHAUSTED (0: no limit)",
+    )
 
 
 class ClusterConfig(_Strict):

@@ -1,11 +1,15 @@
 """The front end: OpenAI-compatible HTTP (FastAPI under Serve) and the moray.v1 gRPC service.
 
-Everything a client can get wrong is checked here, before any worker is involved: auth, body size,
-JSON, types, model name, chat messages, prompt length, token ids, sampling parameters. Errors are
-HTTP 4xx with an OpenAI-style body, or gRPC INVALID_ARGUMENT / UNAUTHENTICATED / NOT_FOUND.
+Everything a client can get wrong is checked here, before any worker is involved: auth, then the one
+validation layer both protocols share (`validation.py`: body size, JSON, strict types, unsupported
+fields, model name, chat messages, prompt length, token ids, sampling parameters, context length).
+Errors are HTTP 4xx with an OpenAI-style body, or gRPC INVALID_ARGUMENT / UNAUTHENTICATED / NOT_FOUND /
+RESOURCE_EXHAUSTED with a one-line message. A `ValueError` a worker raises (the engine's own checks, a
+second line of defence) is a 400 / INVALID_ARGUMENT too; nothing a client gets carries a traceback.
 """
 
 
+import asyncio
 import gc
 import json
 import logging
@@ -17,7 +21,6 @@ from typing import AsyncIterator
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 
 from protos.moray.v1 import moray_pb2
@@ -27,7 +30,9 @@ from workers.models import load_config
 from workers.models.tokenizer import Tokenizer
 
 from . import openai_api as oa
+from . import validation
 from .config import ClusterConfig, parse_cluster_config
+from .grpc_service import quiet_client_errors
 from .metrics import FrontendMetrics
 from .orchestrator import Chunk, Orchestrator, RequestTrace
 from .router.types import RouteDecision
@@ -40,11 +45,26 @@ api = FastAPI(title="Moray", docs_url=None, redoc_url=None)
 
 @dataclass
 class PreparedRequest:
-    request_id: str
+    request_id: str  # always server-generated: what workers and the router see
     prompt: list[int]
     params: SamplingParams
     session_id: str | None
     decision: RouteDecision | None = None
+    # What the client is told: a gRPC client may choose its own id. It never reaches a worker, so two
+    # requests with the same client id cannot touch each other.
+    public_id: str | None = None
+
+    @property
+    def client_id(self) -> str:
+        return self.public_id or self.request_id
+
+
+class _StreamRefused(Exception):
+    """A stream that failed before its first event (carries the cause to `Ingress._streaming`)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 @serve.deployment
@@ -60,11 +80,22 @@ class Ingress:
         self.api_keys = set(self.config.server.api_keys)
         if self.config.server.api_keys_env:
             self.api_keys |= {k for k in os.environ.get(self.config.server.api_keys_env, "").split(",") if k}
+        self.validator = validation.RequestValidator(
+            model_name=self.model_name,
+            vocab_size=self.model_cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            max_body_bytes=self.config.server.max_body_bytes,
+            max_prompt_tokens=self.config.server.max_prompt_tokens,
+        )
+        quiet_client_errors()
         self.metrics = FrontendMetrics()
         self.router = build_router(self.config)
+        self.router.on_worker_gone(self.metrics.forget_worker)  # a failed/expired worker's series leave /metrics
         colocated = self.config.mode == "colocated"
         self.orchestrator = Orchestrator(
-            self.router, prefill_handle, decode_handle, engine.block_size, self.model_name, colocated
+            self.router, prefill_handle, decode_handle, engine.block_size, self.model_name, colocated,
+            server=self.config.server, metrics=self.metrics,  # admission control, timeouts, failover counts
         )
         self.workers: dict[str, dict] = {}
         self.created = int(time.time())
@@ -82,7 +113,10 @@ class Ingress:
 
     def live_workers(self, role: str) -> list[str]:
         horizon = time.time() - self.config.router.heartbeat_ttl_s
-        return [w for w, l in self.workers.items() if l["role"] == role and l["reported_at"] >= horizon and l["healthy"]]
+        return [
+            w for w, l in self.workers.items()
+            if l["role"] == role and l["reported_at"] >= horizon and l["healthy"] and not self.router.is_failed(w)
+        ]
 
     # ------------------------------------------------------------------ shared validation
 
@@ -95,54 +129,13 @@ class Ingress:
         if scheme.lower() != "bearer" or key.strip() not in self.api_keys:
             raise oa.APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise oa.APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+    async def prepare_completion(self, body: oa.CompletionRequest, session: str | None) -> PreparedRequest:
+        checked = await self.validator.completion(body)
+        return PreparedRequest(oa.new_id("cmpl"), checked.prompt, checked.params, session or body.user)
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise oa.APIError(400, "the prompt is empty", param="prompt")
-        limit = self.max_model_len - 1
-        if self.config.server.max_prompt_tokens:
-            limit = min(limit, self.config.server.max_prompt_tokens)
-        if len(prompt) > limit:
-            raise oa.APIError(400, f"the prompt has {len(prompt)} tokens; the limit is {limit}", param="prompt", code="context_length_exceeded")
-        bad = next((t for t in prompt if not 0 <= t < self.model_cfg.vocab_size), None)
-        if bad is not None:
-            raise oa.APIError(400, f"token id {bad} is outside the vocabulary [0, {self.model_cfg.vocab_size})", param="prompt")
-
-    def encode_text(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise oa.APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-        return self.tokenizer.encode(text)
-
-    def sampling(self, body: oa._Common, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
-        try:
-            return body.sampling_params(logprobs, max_tokens, default_max_tokens=16)
-        except ValueError as e:
-            raise oa.APIError(400, str(e)) from None
-
-    def prepare_completion(self, body: oa.CompletionRequest, session: str | None) -> PreparedRequest:
-        self.check_model(body.model)
-        if body.echo:
-            raise oa.APIError(400, "echo is not supported", param="echo")
-        prompt = self.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        self.check_prompt(prompt)
-        params = self.sampling(body, body.logprobs, body.max_tokens)
-        return PreparedRequest(oa.new_id("cmpl"), prompt, params, session or body.user)
-
-    def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> PreparedRequest:
-        self.check_model(body.model)
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
-            raise oa.APIError(400, "this model has no chat template: use /v1/completions")
-        try:
-            prompt = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt, tokenize=True)
-        except ValueError as e:
-            raise oa.APIError(400, f"messages: {e}", param="messages") from None
-        self.check_prompt(prompt)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling(body, logprobs, body.max_completion_tokens or body.max_tokens)
-        return PreparedRequest(oa.new_id("chatcmpl"), prompt, params, session or body.user)
+    async def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> PreparedRequest:
+        checked = await self.validator.chat(body)
+        return PreparedRequest(oa.new_id("chatcmpl"), checked.prompt, checked.params, session or body.user)
 
     # ------------------------------------------------------------------ running a request
 
@@ -165,7 +158,7 @@ class Ingress:
                     self.metrics.cached_tokens.inc(chunk.num_cached_tokens)
                     self.router.record_reuse(chunk.num_cached_tokens)
                 yield chunk
-        except BaseException:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = "cancelled" if outcome == "error" else outcome
             raise
         finally:
@@ -189,45 +182,75 @@ class Ingress:
 
     async def _parse(self, request: Request, model_cls):
         self.check_auth(request.headers.get("authorization"))
-        length = request.headers.get("content-length")
-        limit = self.config.server.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise oa.APIError(413, f"request body is larger than {limit} bytes")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise oa.APIError(413, f"request body is larger than {limit} bytes")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise oa.APIError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise oa.APIError(400, "the body must be a JSON object")
-        try:
-            return model_cls.model_validate(data)
-        except ValidationError as e:
-            raise oa.validation_error(e) from None
+        self.validator.check_content_length(request.headers.get("content-length"))
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a body without Content-Length is cut off at the limit too
+            size += len(chunk)
+            self.validator.check_size(size)
+            chunks.append(chunk)
+        return validation.parse_request(b"".join(chunks), model_cls)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         try:
             body = await self._parse(request, oa.CompletionRequest)
-            req = await self.decide(self.prepare_completion(body, request.headers.get("x-session-id")))
+            req = await self.decide(await self.prepare_completion(body, request.headers.get("x-session-id")))
         except oa.APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         if body.stream:
-            return StreamingResponse(self._completion_sse(req, body), media_type="text/event-stream")
-        return JSONResponse(await self._completion_full(req, body))
+            return await self._streaming(req, self._completion_sse(req, body))
+        try:
+            return JSONResponse(await self._completion_full(req, body))
+        except Exception as e:  # noqa: BLE001 - mapped to a 4xx/5xx without a traceback
+            return self._http_error(req, e)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
             body = await self._parse(request, oa.ChatCompletionRequest)
-            req = await self.decide(self.prepare_chat(body, request.headers.get("x-session-id")))
+            req = await self.decide(await self.prepare_chat(body, request.headers.get("x-session-id")))
         except oa.APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         if body.stream:
-            return StreamingResponse(self._chat_sse(req, body), media_type="text/event-stream")
-        return JSONResponse(await self._chat_full(req, body))
+            return await self._streaming(req, self._chat_sse(req, body))
+        try:
+            return JSONResponse(await self._chat_full(req, body))
+        except Exception as e:  # noqa: BLE001 - mapped to a 4xx/5xx without a traceback
+            return self._http_error(req, e)
+
+    def _failure(self, req: PreparedRequest, e: BaseException) -> oa.APIError:
+        """What a client is told about a request that failed after validation (never a traceback)."""
+        err = validation.client_error(e)
+        if err is not None:  # a worker's ValueError, or an APIError (e.g. the orchestrator's 429/504)
+            log.log(logging.INFO if err.status < 500 else logging.WARNING, "request %s failed: %s %s", req.request_id, err.status, err.message)
+            return err
+        log.error("request %s failed", req.request_id, exc_info=e)
+        return oa.APIError(500, f"internal error: {type(e).__name__}", "server_error")
+
+    def _http_error(self, req: PreparedRequest, e: BaseException) -> JSONResponse:
+        err = self._failure(req, e)
+        return JSONResponse(err.body(), status_code=err.status, headers=getattr(err, "headers", None))
+
+    async def _streaming(self, req: PreparedRequest, events: AsyncIterator[str]):
+        """Starts an SSE stream only once its first event is ready: a request a worker refuses (the
+        engine's second-line checks) is still an HTTP error, not a 200 with an error event."""
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+        except _StreamRefused as e:
+            return self._http_error(req, e.error)
+
+        async def body():
+            try:
+                if first is not None:
+                    yield first
+                    async for event in events:
+                        yield event
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     async def _collect(self, req: PreparedRequest, api_name: str):
         tokens, text, logprobs, last = [], [], [], None
@@ -262,8 +285,8 @@ class Ingress:
         created = oa.created()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         last = None
+        first = True
         try:
-            first = True
             async for chunk in self.run(req, api_name):
                 last = chunk
                 event = {"id": req.request_id, "object": obj, "created": created, "model": self.model_name,
@@ -274,11 +297,10 @@ class Ingress:
                 event = {"id": req.request_id, "object": obj, "created": created, "model": self.model_name, "choices": [],
                          "usage": oa.usage(len(req.prompt), last.completion_tokens, last.num_cached_tokens)}
                 yield f"data: {json.dumps(event)}\n\n"
-        except oa.APIError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            log.exception("stream %s failed", req.request_id)
-            yield f"data: {json.dumps(oa.APIError(500, f'internal error: {type(e).__name__}', 'server_error').body())}\n\n"
+        except Exception as e:  # noqa: BLE001 - reported to the client without a traceback
+            if first:  # nothing sent yet: `_streaming` answers with an HTTP error instead
+                raise _StreamRefused(e) from None
+            yield f"data: {json.dumps(self._failure(req, e).body())}\n\n"
         yield "data: [DONE]\n\n"
 
     def _completion_sse(self, req: PreparedRequest, body: oa.CompletionRequest):
@@ -305,7 +327,7 @@ class Ingress:
         try:
             self.check_auth(request.headers.get("authorization"))
         except oa.APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         return {"object": "list", "data": [self._model_card()]}
 
     def _model_card(self) -> dict:
@@ -328,47 +350,29 @@ class Ingress:
 
     # ------------------------------------------------------------------ gRPC (moray.v1.Moray)
 
-    def _grpc_prepare(self, request: moray_pb2.GenerateRequest, context) -> PreparedRequest:
+    async def _grpc_prepare(self, request, context) -> PreparedRequest:
+        """`request`: the wire bytes (cluster.grpc_service) or a parsed GenerateRequest."""
         metadata = dict(context.invocation_metadata()) if context is not None else {}
         self.check_auth(metadata.get("authorization"))
-        if request.model:
-            self.check_model(request.model)
-        kind = request.WhichOneof("input")
-        if kind == "prompt":
-            prompt = self.encode_text(request.prompt)
-        elif kind == "token_ids":
-            prompt = list(request.token_ids.ids)
-        elif kind == "messages":
-            if self.tokenizer is None or self.tokenizer.chat_template is None:
-                raise oa.APIError(400, "this model has no chat template")
-            try:
-                prompt = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in request.messages.messages], tokenize=True
-                )
-            except ValueError as e:
-                raise oa.APIError(400, f"messages: {e}") from None
-        else:
-            raise oa.APIError(400, "one of prompt, token_ids or messages is required")
-        self.check_prompt(prompt)
-        s = request.sampling
-        fields = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty") if s.HasField(name)}
-        try:
-            params = SamplingParams(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, **fields)
-        except ValueError as e:
-            raise oa.APIError(400, str(e)) from None
-        return PreparedRequest(request.request_id or oa.new_id("grpc"), prompt, params, request.session_id or None)
+        request = self.validator.parse_grpc(request)
+        checked = await self.validator.grpc(request)
+        return PreparedRequest(oa.new_id("grpc"), checked.prompt, checked.params, request.session_id or None, public_id=request.request_id or None)
 
     @staticmethod
-    def _grpc_fail(context, e: oa.APIError) -> None:
-        """Sets the status on the context and re-raises: Serve keeps a status set before an exception."""
+    def _grpc_status(context, e: oa.APIError) -> None:
         code = {
             401: grpc.StatusCode.UNAUTHENTICATED,
             404: grpc.StatusCode.NOT_FOUND,
+            413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+            429: grpc.StatusCode.RESOURCE_EXHAUSTED,  # admission control (orchestrator.Overloaded)
             503: grpc.StatusCode.UNAVAILABLE,
-        }.get(e.status, grpc.StatusCode.INVALID_ARGUMENT)
-        context.set_code(code)
-        context.set_details(e.message)
-        raise e
+            504: grpc.StatusCode.DEADLINE_EXCEEDED,  # server.request_timeout_s (orchestrator.RequestTimedOut)
+        }.get(e.status, grpc.StatusCode.INTERNAL if e.status >= 500 else grpc.StatusCode.INVALID_ARGUMENT)
+        if e.status < 500:
+            log.info("gRPC request refused (%s): %s", code.name, e.message)
+        if context is not None:
+            context.set_code(code)
+            context.set_details(e.message)
 
     @staticmethod
     def _pb_logprobs(chunk: Chunk) -> list:
@@ -376,30 +380,42 @@ class Ingress:
             return []
         return [moray_pb2.TokenLogprobs(token_id=t, logprob=lp.get(t, 0.0), top=lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)]
 
-    async def Generate(self, request: moray_pb2.GenerateRequest, grpc_context=None):
+    async def Generate(self, request, grpc_context=None):
+        # A streaming method reports a status only by raising (Serve carries the status set on the context);
+        # `quiet_client_errors` keeps those client errors out of the error logs.
         try:
-            req = await self.decide(self._grpc_prepare(request, grpc_context))
+            req = await self.decide(await self._grpc_prepare(request, grpc_context))
         except oa.APIError as e:
-            self._grpc_fail(grpc_context, e)
-            return
-        async for chunk in self.run(req, "grpc"):
-            msg = moray_pb2.GenerateResponse(
-                request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished,
-                finish_reason=chunk.finish_reason or "", logprobs=self._pb_logprobs(chunk),
-            )
-            if chunk.finished:
-                msg.usage.CopyFrom(moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=chunk.completion_tokens, cached_tokens=chunk.num_cached_tokens))
-            yield msg
+            self._grpc_status(grpc_context, e)
+            raise
+        try:
+            async for chunk in self.run(req, "grpc"):
+                msg = moray_pb2.GenerateResponse(
+                    request_id=req.client_id, token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished,
+                    finish_reason=chunk.finish_reason or "", logprobs=self._pb_logprobs(chunk),
+                )
+                if chunk.finished:
+                    msg.usage.CopyFrom(moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=chunk.completion_tokens, cached_tokens=chunk.num_cached_tokens))
+                yield msg
+        except Exception as e:  # noqa: BLE001 - a clean status, never a traceback, for the client
+            err = self._failure(req, e)
+            self._grpc_status(grpc_context, err)
+            raise err from None
 
-    async def Complete(self, request: moray_pb2.GenerateRequest, grpc_context=None) -> moray_pb2.CompleteResponse:
+    async def Complete(self, request, grpc_context=None) -> moray_pb2.CompleteResponse:
+        # A unary method returns with the status set on the context: nothing raised, nothing logged by Serve.
         try:
-            req = await self.decide(self._grpc_prepare(request, grpc_context))
+            req = await self.decide(await self._grpc_prepare(request, grpc_context))
         except oa.APIError as e:
-            self._grpc_fail(grpc_context, e)
+            self._grpc_status(grpc_context, e)
             return moray_pb2.CompleteResponse()
-        tokens, text, logprobs, last = await self._collect(req, "grpc")
+        try:
+            tokens, text, logprobs, last = await self._collect(req, "grpc")
+        except Exception as e:  # noqa: BLE001 - a clean status, never a traceback, for the client
+            self._grpc_status(grpc_context, self._failure(req, e))
+            return moray_pb2.CompleteResponse()
         return moray_pb2.CompleteResponse(
-            request_id=req.request_id, token_ids=tokens, text=text, finish_reason=last.finish_reason or "",
+            request_id=req.client_id, token_ids=tokens, text=text, finish_reason=last.finish_reason or "",
             usage=moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(tokens), cached_tokens=last.num_cached_tokens),
         )
 

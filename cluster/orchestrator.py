@@ -1,22 +1,56 @@
-"""One request's path through the cluster: route -> (remote prefill -> KV handoff) -> decode -> stream.
+"""One request's path through the cluster: admit -> route -> (remote prefill -> KV handoff) -> decode -> stream.
 
-Protocol-free: the HTTP and gRPC front ends both call `Orchestrator.stream` and format its `Chunk`s.
+Protocol-free: the HTTP and gRPC front ends both call `Orchestrator.route` and `Orchestrator.stream` and
+format its `Chunk`s. Its errors are `APIError`s (an HTTP status the gRPC side maps to a code, and a
+one-line message), so both front ends report them like any other.
+
+Admission: `route` admits a request only while fewer than `server.max_queued_requests` admitted requests
+of this ingress replica wait for their first token; beyond that it raises `Overloaded` (429 with
+Retry-After / RESOURCE_EXHAUSTED) instead of letting every request's latency grow.
+
+Timeouts: a request still running `server.request_timeout_s` after it started is aborted (the worker
+calls are cancelled, which frees their KV) and ends with `RequestTimedOut` (504 / DEADLINE_EXCEEDED); if
+tokens went out already, after a final chunk with finish_reason "timeout". The Serve HTTP proxy has
+the same limit end to end, so the ingress acts `_PROXY_MARGIN_S` earlier: the client gets this clear
+error rather than the proxy's bare 408.
+
+Worker failures (its actor died, its engine stopped): the router drops the worker at once. A request
+that has sent the client nothing yet is routed again without it and rerun (at most `MAX_ATTEMPTS`
+workers); after a remote prefill whose first token went out, only the decode side is retried, with the
+same handoff (the new decode worker fetches the KV the prefill worker holds, or recomputes the prompt
+when that is gone). A stream whose decode tokens went out ends with a final chunk (finish_reason
+"error") and `WorkerFailed`.
+
+Held KV: when a stream ends early after a remote prefill (client gone, failure, timeout), the prefill
+worker is told to release the KV it holds for the handoff at once (idempotent), whatever stage the
+decode side reached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
+
+from workers.engine.async_engine import EngineDeadError
 from workers.engine.block_hash import block_hashes
 from workers.engine.sampling_params import SamplingParams
 
-from .router.types import RouteDecision, RouteRequest
+from .openai_api import APIError
+from .router.types import NoWorkersAvailable, RouteDecision, RouteRequest
 
 log = logging.getLogger("moray.cluster")
+
+MAX_ATTEMPTS = 3  # workers a request is tried on when they fail under it
+OVERLOAD_RETRY_AFTER_S = 1
+_PROXY_MARGIN_S = 0.5  # at most; 5% of short limits
 
 
 @dataclass
@@ -39,59 +73,296 @@ class RequestTrace:
     end: float | None = None
     decision: RouteDecision | None = None
     remote_prefill: bool = False
+    attempts: int = 0  # workers tried (more than one after a failover)
+
+
+class Overloaded(APIError):
+    """Admission control refused the request: too many are waiting for their first token."""
+
+    def __init__(self, message: str, retry_after_s: int = OVERLOAD_RETRY_AFTER_S):
+        super().__init__(429, message, "rate_limit_error", code="overloaded")
+        self.retry_after_s = retry_after_s
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+    def __reduce__(self):
+        return (Overloaded, (self.message, self.retry_after_s))
+
+
+class RequestTimedOut(APIError):
+    """The request ran past `server.request_timeout_s`; it was aborted and its KV freed."""
+
+    def __init__(self, message: str):
+        super().__init__(504, message, "timeout_error", code="request_timeout")
+
+    def __reduce__(self):
+        return (RequestTimedOut, (self.message,))
+
+
+class WorkerFailed(APIError):
+    """The worker serving the request failed after tokens went out, or no live worker was left to retry on."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, "server_error", code="worker_failed")
+
+    def __reduce__(self):
+        return (WorkerFailed, (self.message,))
+
+
+def worker_gone(e: BaseException) -> bool:
+    """Whether a call failed because the worker is gone (so another worker may serve the request)."""
+    return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError))
+
+
+class _Failure(Exception):
+    def __init__(self, worker: str, stage: str, cause: BaseException):
+        super().__init__(f"{stage} worker {worker} failed: {type(cause).__name__}")
+        self.worker, self.stage, self.cause = worker, stage, cause
 
 
 class Orchestrator:
-    def __init__(self, router, prefill_handle, decode_handle, block_size: int, model_name: str, colocated: bool):
+    def __init__(
+        self,
+        router,
+        prefill_handle,
+        decode_handle,
+        block_size: int,
+        model_name: str,
+        colocated: bool,
+        *,
+        server=None,  # cluster.config.ServerConfig: request_timeout_s, max_queued_requests
+        metrics=None,  # cluster.metrics.FrontendMetrics
+    ):
         self.router = router
         self.prefill = prefill_handle
         self.decode = decode_handle
         self.block_size = block_size
         self.model_name = model_name
         self.colocated = colocated
+        self.request_timeout_s: float | None = getattr(server, "request_timeout_s", None)
+        self.max_queued_requests: int = getattr(server, "max_queued_requests", 0) or 0
+        self.metrics = metrics
+        self._queued: dict[str, float] = {}  # admitted request -> when (monotonic); until its first token
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ admission and routing
+
+    @property
+    def queued(self) -> int:
+        """Requests admitted here that have no first token yet."""
+        return len(self._queued)
+
+    def _admit(self, request_id: str) -> None:
+        now = time.monotonic()
+        if self.request_timeout_s and self._queued:
+            # Entries of requests that never streamed (their caller failed in between) cannot outlive a timeout.
+            stale = now - self.request_timeout_s - 1.0
+            while self._queued and next(iter(self._queued.values())) < stale:
+                del self._queued[next(iter(self._queued))]
+        if self.max_queued_requests and len(self._queued) >= self.max_queued_requests:
+            if self.metrics is not None:
+                self.metrics.rejected.labels("overloaded").inc()
+            raise Overloaded(
+                f"the server is overloaded: {len(self._queued)} requests are waiting for their first token "
+                f"(server.max_queued_requests); retry after {OVERLOAD_RETRY_AFTER_S}s"
+            )
+        self._queued[request_id] = now
+        self._observe_queue()
+
+    def _started(self, request_id: str) -> None:
+        if self._queued.pop(request_id, None) is not None:
+            self._observe_queue()
+
+    def _observe_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queued.set(len(self._queued))
 
     async def route(self, request_id: str, prompt: list[int], session_id: str | None) -> RouteDecision:
-        """Raises `NoWorkersAvailable` when no worker has registered (yet)."""
+        """Admits the request (raises `Overloaded`) and routes it (raises `NoWorkersAvailable` when no
+        worker has registered yet). An admitted request must be run with `stream`."""
+        self._admit(request_id)
+        try:
+            return await self._route(request_id, prompt, session_id)
+        except BaseException:
+            self._started(request_id)
+            raise
+
+    async def _route(self, request_id: str, prompt: list[int], session_id: str | None) -> RouteDecision:
         hashes = block_hashes(prompt, self.block_size, self.model_name)
         decision = await self.router.aroute(RouteRequest(request_id, hashes, len(prompt), session_id))
         if self.colocated and decision.prefill_worker is not None:
             decision = replace(decision, prefill_worker=None)
         return decision
 
+    def _worker_failed(self, worker: str) -> None:
+        failed = getattr(self.router, "worker_failed", None)
+        if failed is not None:
+            failed(worker)
+
+    # ------------------------------------------------------------------ running
+
+    def _deadline(self, trace: RequestTrace) -> float | None:
+        """The loop time at which the request is aborted, or None without a limit."""
+        if not self.request_timeout_s:
+            return None
+        budget = self.request_timeout_s - min(_PROXY_MARGIN_S, 0.05 * self.request_timeout_s)
+        return asyncio.get_running_loop().time() + budget - (time.perf_counter() - trace.start)
+
     async def stream(
         self, request_id: str, prompt: list[int], params: SamplingParams, decision: RouteDecision, trace: RequestTrace
     ) -> AsyncIterator[Chunk]:
-        trace.decision = decision
-        if decision.prefill_worker is not None:
-            trace.remote_prefill = True
-            result = await _cancellable(
-                self.prefill.prefill.remote(request_id, prompt, params, target_replica=decision.prefill_worker)
-            )
-            trace.first_token = time.perf_counter()
-            first_logprobs = [result.first_logprobs] if result.first_logprobs else None
-            yield Chunk([result.first_token], result.text, result.finished, result.finish_reason, result.num_cached_tokens, 1, first_logprobs)
-            if result.finished:
-                return
-            gen = self.decode.options(stream=True).generate_from_prefill.remote(
-                request_id, prompt, params, result, target_replica=decision.decode_worker
-            )
+        deadline = self._deadline(trace)
+        handoff = None  # the remote prefill's result once its first token went out
+        sent_decode = 0  # chunks from the decode side that went out (they cannot be taken back)
+        last: Chunk | None = None
+        finished = False
+        stage = "route"
+        try:
+            while True:
+                trace.attempts += 1
+                trace.decision = decision
+                try:
+                    if handoff is None and decision.prefill_worker is not None:
+                        stage = "prefill"
+                        trace.remote_prefill = True
+                        result = await self._prefill(request_id, prompt, params, decision, deadline)
+                        trace.first_token = time.perf_counter()
+                        self._started(request_id)
+                        first_logprobs = [result.first_logprobs] if result.first_logprobs else None
+                        last = Chunk([result.first_token], result.text, result.finished, result.finish_reason, result.num_cached_tokens, 1, first_logprobs)
+                        if result.finished:
+                            finished = True
+                            yield last
+                            return
+                        handoff = result
+                        yield last
+                    stage = "decode"
+                    # aclosing: a client that leaves at a yield below cancels the decode call at once.
+                    async with aclosing(self._decode(request_id, prompt, params, decision, handoff, deadline)) as decoder:
+                        async for chunk in decoder:
+                            if trace.first_token is None:
+                                trace.first_token = time.perf_counter()
+                            self._started(request_id)
+                            finished = chunk.finished
+                            last = chunk
+                            sent_decode += 1
+                            yield chunk
+                            if finished:
+                                return
+                    return
+                except _Failure as f:
+                    self._worker_failed(f.worker)
+                    retry = sent_decode == 0 and trace.attempts < MAX_ATTEMPTS
+                    if retry:
+                        try:
+                            fresh = await self._route(request_id, prompt, None)
+                        except NoWorkersAvailable:
+                            retry = False
+                    if not retry:
+                        if self.metrics is not None:
+                            self.metrics.failovers.labels("failed").inc()
+                        message = f"the {f.stage} worker serving this request failed ({type(f.cause).__name__})"
+                        if last is not None:
+                            finished = True
+                            yield Chunk([], "", True, "error", last.num_cached_tokens, last.completion_tokens)
+                            raise WorkerFailed(f"{message} after {last.completion_tokens} tokens; the stream is incomplete") from None
+                        raise WorkerFailed(f"{message} and no other worker could take it; retry shortly") from None
+                    if self.metrics is not None:
+                        self.metrics.failovers.labels("retried").inc()
+                    log.warning("request %s: %s; retrying on %s", request_id, f, fresh.decode_worker)
+                    # After a remote prefill whose token went out, only the decode side moves.
+                    decision = replace(fresh, prefill_worker=None) if handoff is not None else fresh
+        except RequestTimedOut:
+            if self.metrics is not None:
+                self.metrics.timeouts.labels(stage).inc()
+            if last is not None and not finished:
+                finished = True
+                yield Chunk([], "", True, "timeout", last.num_cached_tokens, last.completion_tokens)
+            raise
+        finally:
+            trace.end = time.perf_counter()
+            self._started(request_id)
+            if handoff is not None and not finished:
+                # Ended early after the handoff began (client gone, failure, timeout): the prefill worker
+                # frees the KV it holds now, not at its hold timeout, whatever the decode side got to.
+                self._release_later(request_id, handoff.worker_id)
+
+    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline):
+        worker = decision.prefill_worker
+        response = self.prefill.prefill.remote(request_id, prompt, params, target_replica=worker)
+        try:
+            return await _until(_cancellable(response), deadline, "prefill")
+        except (asyncio.CancelledError, RequestTimedOut):
+            # The result may be on its way (the hold already made): let go of it as well.
+            self._release_later(request_id, worker)
+            raise
+        except Exception as e:
+            if worker_gone(e):
+                self._release_later(request_id, worker)  # merely unreachable, it may still hold the KV
+                raise _Failure(worker, "prefill", e) from e
+            raise
+
+    async def _decode(self, request_id, prompt, params, decision: RouteDecision, handoff, deadline) -> AsyncIterator[Chunk]:
+        worker = decision.decode_worker
+        if handoff is not None:
+            gen = self.decode.options(stream=True).generate_from_prefill.remote(request_id, prompt, params, handoff, target_replica=worker)
         else:
-            gen = self.decode.options(stream=True).generate.remote(
-                request_id, prompt, params, target_replica=decision.decode_worker
-            )
+            gen = self.decode.options(stream=True).generate.remote(request_id, prompt, params, target_replica=worker)
         finished = False
         try:
-            async for out in gen:
-                if trace.first_token is None:
-                    trace.first_token = time.perf_counter()
+            while not finished:
+                try:
+                    out = await _until(anext(gen), deadline, "decode")
+                except StopAsyncIteration:
+                    return
+                except RequestTimedOut:
+                    raise
+                except Exception as e:
+                    if worker_gone(e):
+                        # Nothing to cancel on a dead replica (and cancelling a task of a dead actor can
+                        # hold up this process's Ray RPCs for seconds).
+                        finished = True
+                        raise _Failure(worker, "decode", e) from e
+                    raise
                 finished = out.finished
                 new = len(out.new_token_ids)
                 logprobs = out.logprobs[-new:] if (out.logprobs and new) else None
                 yield Chunk(list(out.new_token_ids), out.delta_text, out.finished, out.finish_reason, out.num_cached_tokens, len(out.token_ids), logprobs)
         finally:
-            trace.end = time.perf_counter()
             if not finished:
-                gen.cancel()  # client went away: the decode replica aborts and frees the KV blocks
+                gen.cancel()  # client gone, failure or timeout: the decode replica aborts and frees the KV blocks
+
+    def _release_later(self, request_id: str, worker: str | None) -> None:
+        """Tells the prefill worker to free the KV it holds for the request (in the background)."""
+        if self.prefill is None or worker is None:
+            return
+
+        async def release():
+            try:
+                await asyncio.wait_for(self.prefill.release.remote(request_id, target_replica=worker), 30)
+            except Exception:  # noqa: BLE001 - its hold timeout frees it anyway
+                pass
+
+        try:
+            # A fresh context: made from a request being cancelled, the call would be that request's
+            # child, and Serve cancels a cancelled request's children (this one must get through).
+            task = asyncio.get_running_loop().create_task(release(), context=contextvars.Context())
+        except RuntimeError:  # no loop (interpreter shutdown)
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _until(awaitable, deadline: float | None, stage: str) -> Any:
+    """Awaits `awaitable`, cancelling it and raising `RequestTimedOut` at `deadline` (loop time)."""
+    if deadline is None:
+        return await awaitable
+    try:
+        async with asyncio.timeout_at(deadline) as cm:
+            return await awaitable
+    except TimeoutError:
+        if cm.expired():
+            raise RequestTimedOut(f"the request did not finish within server.request_timeout_s (stopped during {stage}); it was aborted") from None
+        raise
 
 
 async def _cancellable(response) -> Any:

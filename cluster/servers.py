@@ -7,7 +7,10 @@ A replica's worker id is its Serve replica id, so the router's choice can be hon
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
+from typing import Awaitable, Callable, TypeVar
 
 from ray import serve
 
@@ -18,6 +21,24 @@ from .config import ClusterConfig, parse_cluster_config
 from .reporting import WorkerReporter
 
 log = logging.getLogger("moray.cluster")
+T = TypeVar("T")
+
+
+def detached(call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+    """Makes and awaits a Serve handle call in a fresh context, so that it is no child of the request
+    being served (Serve cancels those when that request is cancelled); shielded from our own caller's
+    cancellation too."""
+
+    async def run() -> T:
+        return await call()
+
+    task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+    _detached_tasks.add(task)  # kept alive even when nobody awaits it any more
+    task.add_done_callback(_detached_tasks.discard)
+    return asyncio.shield(task)
+
+
+_detached_tasks: set[asyncio.Task] = set()
 
 
 class _WorkerServer:
@@ -102,8 +123,10 @@ class DecodeServer(_WorkerServer):
         async def fetch_chunk(layer_start: int, layer_end: int):
             return await self.prefill_handle.kv_chunk.remote(request_id, layer_start, layer_end, target_replica=source)
 
-        async def release():
-            return await self.prefill_handle.release.remote(request_id, target_replica=source)
+        def release():
+            # Outside this request's context: it runs exactly when this request is being cancelled, and
+            # Serve cancels a cancelled request's child calls (the prefill side would keep the KV).
+            return detached(lambda: self.prefill_handle.release.remote(request_id, target_replica=source))
 
         async for out in self.worker.generate_from_prefill(request_id, prompt, params, handoff, fetch_chunk, release):
             yield out

@@ -2,12 +2,19 @@
 
 Our router picks a worker (a Serve replica) by KV-cache overlap and load; Serve's default router would
 pick its own. Calls carry `target_replica=<replica unique id>`; this request router sends them there,
-and falls back to Serve's power-of-two choice when the target is gone (scaled down, restarting).
+and falls back to Serve's power-of-two choice when the target is gone (scaled down, restarting, dead:
+Serve drops a replica whose actor died on the first failed call and routes the request again).
+
+Serve's FIFO mixin hands a replica chosen while routing one request to the *oldest* pending request,
+which under concurrency is often another one with another target (requests then land on replicas the
+router did not choose: `moray_misrouted_requests_total`). A targeted request's replica goes to that
+very request here; untargeted ones keep Serve's FIFO order.
 """
 
 from __future__ import annotations
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.request_router import RequestRouter
 
 TARGET_KWARG = "target_replica"
 
@@ -20,6 +27,13 @@ class TargetedRequestRouter(PowerOfTwoChoicesRequestRouter):
             if chosen:
                 return [chosen]
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def _fulfill_next_pending_request(self, replica, request_metadata=None):
+        pending = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if pending is not None and pending.kwargs.get(TARGET_KWARG):
+            # The exact request this replica was chosen for (RequestRouter's own matching).
+            return RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+        return super()._fulfill_next_pending_request(replica, request_metadata)
 
 
 REQUEST_ROUTER_CLASS = "cluster.targeting:TargetedRequestRouter"

@@ -55,15 +55,15 @@ def test_served_text_equals_offline_and_handoff_carries_state(cluster, model_dir
     prompt = "A hybrid model keeps a recurrent state per sequence and a paged cache for its attention layers."
     engine_args = {k: v for k, v in cluster["config"]["engine"].items() if k != "model"}
     expected = LLM(str(model_dir), **engine_args, warmup=False).generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
-    before_kv, before_state = metric(cluster, "moray_kv_handoff_bytes"), metric(cluster, "moray_kv_handoff_state_bytes")
+    before_kv, before_state = metric(cluster, "moray_kv_handoff_bytes_total"), metric(cluster, "moray_kv_handoff_state_bytes_total")
     out = client(cluster).completions.create(model="qwen35", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == expected.text
     # The decode worker publishes its counters with its next heartbeat.
     deadline = time.monotonic() + 15
-    while metric(cluster, "moray_kv_handoff_state_bytes") <= before_state and time.monotonic() < deadline:
+    while metric(cluster, "moray_kv_handoff_state_bytes_total") <= before_state and time.monotonic() < deadline:
         time.sleep(0.2)
-    state = metric(cluster, "moray_kv_handoff_state_bytes") - before_state
-    total = metric(cluster, "moray_kv_handoff_bytes") - before_kv
+    state = metric(cluster, "moray_kv_handoff_state_bytes_total") - before_state
+    total = metric(cluster, "moray_kv_handoff_bytes_total") - before_kv
     assert state > 0 and total > state  # attention KV travelled too
 
 

@@ -107,11 +107,31 @@ class EngineWorker:
             "healthy": self.engine.healthy,
             "num_processes": jax.process_count(),  # > 1: one engine over several hosts
             "sparse_blocks": self.engine.core.cfg.is_hybrid,  # publishes only block boundaries (the router's lookup)
+            "ts": time.time(),  # when this was measured (a router tells a dead worker's last report by it)
         }
+
+    async def _add(self, request_id: str, prompt: list[int], params: SamplingParams, **kw):
+        """`engine.add_request`, safe against cancellation: a call cancelled (the client left) just as the
+        engine thread took the request would leave it there with nobody to abort it (running to its end,
+        holding KV, or waiting forever for an import); abort it then (a no-op if it never got in)."""
+        try:
+            return await self.engine.add_request(request_id, prompt, params, **kw)
+        except asyncio.CancelledError:
+            if self.engine.healthy:
+                self.engine.submit(lambda core: core.abort(request_id))
+            raise
+
+    async def _outputs(self, request_id: str, prompt: list[int], params: SamplingParams, **kw) -> AsyncIterator[RequestOutput]:
+        stream = await self._add(request_id, prompt, params, **kw)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # before the end: aborts the request and frees its blocks
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Prefill and decode locally (colocated mode, or a short uncached prompt)."""
-        async for out in self.engine.generate(request_id, prompt, params):
+        async for out in self._outputs(request_id, prompt, params):
             yield out
 
 
@@ -121,12 +141,15 @@ class PrefillWorker(EngineWorker):
     def __init__(self, engine_config: EngineConfig, hold_timeout_s: float = 60.0, **kw):
         super().__init__(engine_config, **kw)
         self.hold_timeout_s = hold_timeout_s
+        # Requests released before their KV was held (the client left during the prefill): let go of
+        # the KV as soon as the prefill ends instead of holding it for nobody. request -> when (monotonic)
+        self._unwanted: dict[str, float] = {}
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> PrefillResult:
         start = time.perf_counter()
         first_only = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1), "stop": ()})
         out = None
-        async for out in self.engine.generate(request_id, prompt, first_only, hold_kv=True):
+        async for out in self._outputs(request_id, prompt, first_only, hold_kv=True):
             pass
         token = out.token_ids[0]
         eos = self.engine.core.eos_token_ids
@@ -144,7 +167,7 @@ class PrefillWorker(EngineWorker):
             first_logprobs=out.logprobs[0] if out.logprobs else None,
             prefill_time_s=time.perf_counter() - start,
         )
-        if result.finished:
+        if result.finished or self._unwanted.pop(request_id, None) is not None:
             await self.engine.release_kv(request_id)
         else:
             asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, request_id)
@@ -163,7 +186,15 @@ class PrefillWorker(EngineWorker):
         return await self.engine.export_kv(request_id, layer_start, layer_end)
 
     async def release(self, request_id: str) -> bool:
-        return await self.engine.release_kv(request_id)
+        """Frees the KV held for a handoff (idempotent). Called before the hold exists (the client left
+        during the prefill), it makes the prefill let go of the KV when it ends."""
+        if await self.engine.release_kv(request_id):
+            return True
+        now = time.monotonic()
+        if len(self._unwanted) > 1024:
+            self._unwanted = {r: t for r, t in self._unwanted.items() if t > now - self.hold_timeout_s}
+        self._unwanted[request_id] = now
+        return await self.engine.release_kv(request_id)  # held in the meantime
 
 
 class DecodeWorker(EngineWorker):
@@ -184,7 +215,12 @@ class DecodeWorker(EngineWorker):
     ) -> AsyncIterator[RequestOutput]:
         """Continues a request prefilled elsewhere: imports its KV chunk by chunk, then decodes."""
         kv_import = KVImport(handoff.first_token, handoff.num_cached_tokens, handoff.first_logprobs)
-        stream = await self.engine.add_request(request_id, prompt, params, kv_import=kv_import)
+        try:
+            stream = await self._add(request_id, prompt, params, kv_import=kv_import)
+        except BaseException:
+            # Refused or cancelled before the import began: nobody else will free the prefill side's KV.
+            await asyncio.shield(_release_quietly(release))
+            raise
         importer = asyncio.create_task(self._import_all(request_id, fetch_chunk, release))
         try:
             async for out in stream:

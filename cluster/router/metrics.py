@@ -43,6 +43,9 @@ class RouterMetrics:
         self.index_lag = Gauge("moray_router_index_lag_seconds", "age of a worker's KV events when they reached the index", ["worker"], registry=r)
         self.worker_load = Gauge("moray_router_worker_load", "last heartbeat load of each live worker", ["worker", "field"], registry=r)
         self.live_workers = Gauge("moray_router_live_workers", "workers with a fresh heartbeat", registry=r)
+        self.worker_failures = Counter(
+            "moray_router_worker_failures", "workers dropped at once because a call to them failed (actor died, engine stopped)", registry=r
+        )
         self._gauge_interval_s = gauge_interval_s
         self._gauges_at = 0.0
         self._gauge_workers: set[str] = set()
@@ -63,10 +66,14 @@ class RouterMetrics:
     def observe_event_lag(self, worker_id: str, lag_s: float) -> None:
         self.index_lag.labels(worker_id).set(max(0.0, lag_s))
 
-    def maybe_update_loads(self, loads: dict[str, WorkerLoad]) -> None:
-        """Per-worker gauges, refreshed at most once per interval (not on every decision)."""
+    def load_gauges_due(self) -> bool:
+        return time.monotonic() - self._gauges_at >= self._gauge_interval_s
+
+    def maybe_update_loads(self, loads: dict[str, WorkerLoad], force: bool = False) -> None:
+        """Per-worker gauges, refreshed at most once per interval (not on every decision; the router
+        also refreshes them on heartbeats and maintenance, so they follow an idle cluster too)."""
         now = time.monotonic()
-        if now - self._gauges_at < self._gauge_interval_s:
+        if not force and now - self._gauges_at < self._gauge_interval_s:
             return
         self._gauges_at = now
         for w in self._gauge_workers - loads.keys():  # dead workers' series go away
@@ -80,6 +87,21 @@ class RouterMetrics:
                 self.index_lag.labels(w).set(load.index_lag_s)
         self._gauge_workers = set(loads)
         self.live_workers.set(len(loads))
+
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Removes every series labelled with a worker that left (failed, or its heartbeat expired)."""
+        for f in _LOAD_FIELDS:
+            _remove(self.worker_load, worker_id, f)
+        _remove(self.index_lag, worker_id)
+        _remove(self.routed_tokens, worker_id)
+        self._gauge_workers.discard(worker_id)
+        for labels in [k for k in self.sequence_gaps._metrics if k[0] == worker_id]:  # every reason
+            _remove(self.sequence_gaps, *labels)
+        # Cached children of removed series would be orphans: the next inc must create a fresh one.
+        for key in [k for k in self._children if worker_id in k[1:]]:
+            del self._children[key]
+        self.live_workers.set(len(self._gauge_workers))
 
 
 def _remove(metric, *labels: str) -> None:

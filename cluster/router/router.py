@@ -13,6 +13,10 @@ When the index is unavailable (Redis down, timing out, refusing credentials) dec
 alone, from the last loads seen (or equal loads over `fallback_workers`), marked degraded and counted;
 KV-aware routing resumes by itself once the index answers again.
 
+A worker whose call failed because it is gone (its actor died, its engine stopped) is dropped at once
+(`worker_failed`), not at its heartbeat TTL: decisions skip it until a heartbeat measured after the
+failure shows it alive (one wrongly suspected comes back by itself; a dead one never reports again).
+
 Thread-safe; `route` is synchronous and fast (see `moray bench route`). From asyncio code call
 `await router.aroute(req)`, which keeps the Redis round trip off the event loop.
 """
@@ -165,6 +169,7 @@ class Router:
         self._recent = RecentWork(self.config.session_idle_s, clock)  # the same horizon as a conversation's
         self._last_loads: dict[str, WorkerLoad] = {}
         self._fallback = dict(fallback_workers or {})
+        self._failed: dict[str, float] = {}  # worker -> when a call to it failed (self.clock)
         self._wire_index_metrics()
 
     @classmethod
@@ -224,10 +229,10 @@ class Router:
                     # ts=0: every pending bump counts, so degraded decisions still spread.
                     w: WorkerLoad(w, role, ts=0.0) for w, role in self._fallback.items()
                 }
-            return Lookup({}, loads), True
+            return self._without_failed(Lookup({}, loads)), True
         with self._lock:
             self._last_loads = lookup.loads
-        return lookup, False
+        return self._without_failed(lookup), False
 
     def _decide(
         self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, upcoming: dict | None = None
@@ -312,19 +317,90 @@ class Router:
         m.cached_chosen.inc(d.expected_cached_tokens)
         m.maybe_update_loads(lookup.loads)
 
+    # ---------------------------------------------------------------- failed workers
+
+    # A heartbeat measured this long after the failure proves a suspected worker alive (absorbs clock
+    # skew between the worker's host and this one; heartbeats carry the worker's own measurement time).
+    FAILED_GRACE_S = 0.5
+
+    def worker_failed(self, worker_id: str) -> bool:
+        """A call to `worker_id` failed because the worker is gone: route around it from now on (its
+        heartbeat may stay current for up to a TTL). Returns False if it was marked already."""
+        with self._lock:
+            new = worker_id not in self._failed
+            self._failed[worker_id] = self.clock()
+            self._last_loads.pop(worker_id, None)
+        if new:
+            self.metrics.worker_failures.inc()
+            self.metrics.forget_worker(worker_id)
+        return new
+
+    def is_failed(self, worker_id: str) -> bool:
+        return worker_id in self._failed
+
+    def heartbeat_seen(self, worker_id: str, ts: float) -> None:
+        """A heartbeat measured at `ts` (the worker's clock): clears a failure mark it postdates."""
+        failed_at = self._failed.get(worker_id)
+        if failed_at is not None and ts >= failed_at + self.FAILED_GRACE_S:
+            with self._lock:
+                if self._failed.get(worker_id) == failed_at:
+                    del self._failed[worker_id]
+
+    def _without_failed(self, lookup: Lookup) -> Lookup:
+        if not self._failed:
+            return lookup
+        horizon = self.clock() - self.config.heartbeat_ttl_s - self.FAILED_GRACE_S
+        drop = set()
+        with self._lock:
+            for w, failed_at in list(self._failed.items()):
+                load = lookup.loads.get(w)
+                if load is not None and load.ts >= failed_at + self.FAILED_GRACE_S:
+                    del self._failed[w]  # alive after all: it reported since
+                elif failed_at < horizon and load is None:
+                    del self._failed[w]  # its heartbeat has expired everywhere: nothing left to hide
+                else:
+                    drop.add(w)
+        drop &= lookup.loads.keys() | lookup.matches.keys()
+        if not drop:
+            return lookup
+        return Lookup(
+            {w: m for w, m in lookup.matches.items() if w not in drop},
+            {w: l for w, l in lookup.loads.items() if w not in drop},
+            [w for w in lookup.session_workers if w not in drop],
+        )
+
+    def live_loads(self) -> dict[str, WorkerLoad]:
+        """Every live worker's last heartbeat, failed workers left out (raises IndexUnavailable)."""
+        return self._without_failed(Lookup({}, self.index.live_workers())).loads
+
+    def refresh_load_gauges(self, force: bool = False) -> None:
+        """The per-worker load gauges from the index's current view (between decisions too: heartbeats
+        and maintenance call this), at most once per the metrics' interval unless `force`."""
+        if not force and not self.metrics.load_gauges_due():
+            return
+        try:
+            loads = self.live_loads()
+        except IndexUnavailable:
+            self.metrics.index_errors.labels("loads").inc()
+            return
+        self.metrics.maybe_update_loads(loads, force=True)
+
     def maintain(self) -> list[str]:
         """Housekeeping to run every few heartbeat TTLs (e.g. from a replica's background task): forgets
         workers whose heartbeat expired (their entries are ignored already; this frees the memory, and a
-        worker that comes back resynchronises). Returns the workers removed."""
+        worker that comes back resynchronises) and their metric series. Returns the workers removed."""
         try:
             removed = self.index.remove_dead_workers()
             sweep = getattr(self.index, "sweep", None)
             if sweep is not None:
                 sweep()  # superseded Redis entries, should no worker be writing to sweep them
-            return removed
         except IndexUnavailable:
             self.metrics.index_errors.labels("maintain").inc()
             return []
+        for w in removed:
+            self.metrics.forget_worker(w)
+        self.refresh_load_gauges(force=True)
+        return removed
 
     def flush(self, timeout: float = 2.0) -> bool:
         """Waits for queued index bookkeeping (Redis writes are asynchronous); tests and shutdown."""
