@@ -193,6 +193,10 @@ class Orchestrator:
             decision = replace(decision, prefill_worker=None)
         return decision
 
+    def _role(self, worker: str) -> str | None:
+        role = getattr(self.router, "role", None)
+        return role(worker) if role is not None else None
+
     def _worker_failed(self, worker: str) -> None:
         failed = getattr(self.router, "worker_failed", None)
         if failed is not None:
@@ -214,7 +218,8 @@ class Orchestrator:
         handoff = None  # the remote prefill's result once its first token went out
         sent_decode = 0  # chunks from the decode side that went out (they cannot be taken back)
         last: Chunk | None = None
-        finished = False
+        finished = False  # the last chunk (finish_reason set) went out
+        completed = False  # ... because the request ran to its end (the workers let go of the KV themselves)
         stage = "route"
         try:
             while True:
@@ -230,7 +235,7 @@ class Orchestrator:
                         first_logprobs = [result.first_logprobs] if result.first_logprobs else None
                         last = Chunk([result.first_token], result.text, result.finished, result.finish_reason, result.num_cached_tokens, 1, first_logprobs)
                         if result.finished:
-                            finished = True
+                            finished = completed = True
                             yield last
                             return
                         handoff = result
@@ -242,7 +247,7 @@ class Orchestrator:
                             if trace.first_token is None:
                                 trace.first_token = time.perf_counter()
                             self._started(request_id)
-                            finished = chunk.finished
+                            finished = completed = chunk.finished
                             last = chunk
                             sent_decode += 1
                             yield chunk
@@ -255,6 +260,9 @@ class Orchestrator:
                     if retry:
                         try:
                             fresh = await self._route(request_id, prompt, None)
+                            # With no decode worker left the router offers any live one; the decode
+                            # pool cannot run on a prefill worker.
+                            retry = self._role(fresh.decode_worker) != "prefill"
                         except NoWorkersAvailable:
                             retry = False
                     if not retry:
@@ -281,7 +289,7 @@ class Orchestrator:
         finally:
             trace.end = time.perf_counter()
             self._started(request_id)
-            if handoff is not None and not finished:
+            if handoff is not None and not completed:
                 # Ended early after the handoff began (client gone, failure, timeout): the prefill worker
                 # frees the KV it holds now, not at its hold timeout, whatever the decode side got to.
                 self._release_later(request_id, handoff.worker_id)

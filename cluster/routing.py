@@ -50,6 +50,7 @@ class ClusterRouter:
         self._maintain_every_s = cfg.router.heartbeat_ttl_s
         self._last_maintain = time.monotonic()
         self._reported: dict[str, float] = {}  # worker -> when its last report arrived (monotonic)
+        self._roles: dict[str, str] = {}  # worker -> role, from its reports
         self._gone_listeners: list[Callable[[str], None]] = []
 
     def route(self, request: RouteRequest) -> RouteDecision:
@@ -81,6 +82,10 @@ class ClusterRouter:
     def is_failed(self, worker_id: str) -> bool:
         return self.router.is_failed(worker_id)
 
+    def role(self, worker_id: str) -> str | None:
+        """The role a worker reported ("prefill", "decode", "both"), None if it never reported here."""
+        return self._roles.get(worker_id)
+
     def expire(self) -> list[str]:
         """Workers whose last report is older than the heartbeat TTL leave (series, gauges)."""
         horizon = time.monotonic() - self.heartbeat_ttl_s
@@ -93,6 +98,7 @@ class ClusterRouter:
 
     def report(self, load: dict, events: list[KVEvent]) -> None:
         worker = load["worker_id"]
+        self._roles[worker] = load["role"]
         self.router.heartbeat_seen(worker, load.get("ts") or time.time())
         if not self.router.is_failed(worker):
             self._reported[worker] = time.monotonic()
