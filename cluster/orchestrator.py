@@ -113,6 +113,10 @@ def worker_gone(e: BaseException) -> bool:
     return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError))
 
 
+class StreamEndedEarly(Exception):
+    """A worker's output stream ended before its request finished."""
+
+
 class _Failure(Exception):
     def __init__(self, worker: str, stage: str, cause: BaseException):
         super().__init__(f"{stage} worker {worker} failed: {type(cause).__name__}")
@@ -321,7 +325,10 @@ class Orchestrator:
                 try:
                     out = await _until(anext(gen), deadline, "decode")
                 except StopAsyncIteration:
-                    return
+                    # A decode worker's stream ends with a finished output. A killed replica's Serve
+                    # stream sometimes just ends instead of raising: the same failure.
+                    finished = True
+                    raise _Failure(worker, "decode", StreamEndedEarly("the stream ended before the request finished")) from None
                 except RequestTimedOut:
                     raise
                 except Exception as e:
