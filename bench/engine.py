@@ -399,8 +399,7 @@ class _Bench:
     # ------------------------------------------------------------------ the whole benchmark
 
     def run(self) -> int:
-        args, np = self.args, self.np
-        import jax
+        args = self.args
 
         hf = None
         hf_status = {"available": False, "reason": "skipped (--no-transformers)"}
@@ -587,7 +586,7 @@ class _Bench:
 
 
 def _summary(result: dict) -> str:
-    parts = [f"decode tok/s " + ", ".join(f"B={b}: {v['tokens_per_s']:.1f}" for b, v in result["decode"].items())]
+    parts = ["decode tok/s " + ", ".join(f"B={b}: {v['tokens_per_s']:.1f}" for b, v in result["decode"].items())]
     parts.append(f"prefill {result['prefill']['tokens_per_s']:.1f} tok/s")
     parts.append("roofline " + ", ".join(f"B={b}: {v['ratio']:.2f}" for b, v in result["roofline"].items()))
     if "ratio" in result["transformers"]:

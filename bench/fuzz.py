@@ -423,7 +423,6 @@ def _headers(t: Target) -> dict[str, str]:
 
 
 def m_wrong_type(draw, t, chat, body, headers):
-    st = _st()
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
     name = draw(_pick(sorted(fields)))
     body[name] = draw(_pick(WRONG_TYPES[fields[name]]))
@@ -431,7 +430,6 @@ def m_wrong_type(draw, t, chat, body, headers):
 
 
 def m_huge_number(draw, t, chat, body, headers):
-    st = _st()
     numeric = [n for n, k in (CHAT_FIELDS if chat else COMPLETION_FIELDS).items() if k in ("int", "opt_int", "opt_float")]
     name = draw(_pick(sorted(numeric)))
     k = draw(_pick(["1e308", "1e400", "-1e400", "2^31-1", "2^31", "2^53+1", "2^63", "2^64", "-2^63-1", "d4300", "d4301", "d5000",
@@ -478,7 +476,6 @@ def _surrogate_text(draw) -> str:
 def m_surrogate(draw, t, chat, body, headers):
     if chat and not _messages_ok(body):
         return m_ranges(draw, t, chat, body, headers)
-    st = _st()
     bad = _surrogate_text(draw)
     places = ["model", "user", "stop", "stop_list", "unknown_value", "unknown_key"]
     places += ["content", "content_part", "name", "message_extra", "tool_call_id"] if chat else ["prompt", "prompt_list"]
@@ -528,7 +525,6 @@ def m_valid_pair(draw, t, chat, body, headers):
 def m_invalid_utf8(draw, t, chat, body, headers):
     if chat and not _messages_ok(body):
         return m_ranges(draw, t, chat, body, headers)
-    st = _st()
     junk = draw(_pick([b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80", b"\xe2\x82"]))
     raw = Raw(b'"ok ' + junk + b' ok"')
     if chat:
@@ -544,7 +540,6 @@ DEPTHS = [2, 10, 32, 60, 62, 63, 64, 65, 66, 70, 100, 500, 999, 1000, 1001, 5000
 def m_deep(draw, t, chat, body, headers):
     if chat and not _messages_ok(body):
         return m_ranges(draw, t, chat, body, headers)
-    st = _st()
     depth = draw(_pick(DEPTHS))
     kind = draw(_pick(["list", "dict"]))
     if kind == "dict":
@@ -585,7 +580,6 @@ def m_unknown_fields(draw, t, chat, body, headers):
 def m_unknown_nested(draw, t, chat, body, headers):
     if chat and not _messages_ok(body):
         return m_ranges(draw, t, chat, body, headers)
-    st = _st()
     where = draw(_pick(["stream_options", "message", "content_part", "tool_function"] if chat else ["stream_options"]))
     if where == "stream_options":
         body["stream"] = True
@@ -618,7 +612,6 @@ UNSUPPORTED_VALUES = {
 
 
 def m_unsupported(draw, t, chat, body, headers):
-    st = _st()
     names = [n for n in UNSUPPORTED_VALUES if not (chat and n in ("suffix", "best_of", "echo"))]
     name = draw(_pick(names))
     body[name] = draw(_pick(UNSUPPORTED_VALUES[name]))
@@ -627,14 +620,12 @@ def m_unsupported(draw, t, chat, body, headers):
 
 def m_ignored_on_chat(draw, t, chat, body, headers):
     """Completion-only fields on a chat request are unknown there (accepted, ignored)."""
-    st = _st()
     name = draw(_pick(["suffix", "best_of", "echo"]))
     body[name] = draw(_pick(UNSUPPORTED_VALUES[name]))
     return f"completion_field_on_chat:{name}", "ok" if chat else "reject"
 
 
 def _oov(draw, t) -> int:
-    st = _st()
     v = t.vocab_size
     return draw(_pick([v, v + 1, 2 * v, 2**31 - 1, 2**31, 2**32, 2**53, 2**63, 2**64, -1, -(2**31), -(2**63) - 1]))
 
@@ -740,7 +731,6 @@ def m_null_content(draw, t, chat, body, headers):
 
 
 def m_beyond_context(draw, t, chat, body, headers):
-    st = _st()
     L = t.max_model_len
     value = draw(_pick([L, L + 1, 2 * L, 2**31 - 1, 2**31, 2**53, 2**63, 10**30, 0, -1, -(2**63)]))
     name = draw(_pick(["max_tokens", "max_completion_tokens"])) if chat else "max_tokens"
@@ -791,7 +781,6 @@ def m_stream(draw, t, chat, body, headers):
 
 
 def m_ranges(draw, t, chat, body, headers):
-    st = _st()
     cases = [("temperature", -1, "reject"), ("temperature", -0.0001, "reject"), ("temperature", -0.0, "ok"),
              ("top_p", 0, "reject"), ("top_p", -0.1, "reject"), ("top_p", 1.0001, "reject"), ("top_p", 2, "reject"), ("top_p", 1e-300, "ok"),
              ("min_p", -0.1, "reject"), ("min_p", 1.1, "reject"), ("presence_penalty", 2.1, "reject"), ("frequency_penalty", -2.1, "reject"),
@@ -866,7 +855,6 @@ def m_prompt_shape(draw, t, chat, body, headers):
 
 
 def m_model(draw, t, chat, body, headers):
-    st = _st()
     how = draw(_pick(["other", "empty", "missing", "case", "padded", "long", "random"]))
     if how == "missing":
         del body["model"]
@@ -878,7 +866,6 @@ def m_model(draw, t, chat, body, headers):
 
 
 def m_auth(draw, t, chat, body, headers):
-    st = _st()
     key = t.api_key or "k"
     how = draw(_pick(["missing", "wrong", "lowercase_scheme", "double_space", "trailing_space", "basic", "no_key", "bare_key", "empty"]))
     value = {"wrong": "Bearer not-the-key", "lowercase_scheme": f"bearer {key}", "double_space": f"Bearer  {key}",
@@ -892,7 +879,6 @@ def m_auth(draw, t, chat, body, headers):
 
 
 def m_content_type(draw, t, chat, body, headers):
-    st = _st()
     ct = draw(_pick(["text/plain", "application/x-www-form-urlencoded", "", "application/json; charset=latin-1", None, "multipart/form-data"]))
     headers.pop("Content-Type", None)
     if ct is not None:
@@ -901,7 +887,6 @@ def m_content_type(draw, t, chat, body, headers):
 
 
 def m_duplicate_keys(draw, t, chat, body, headers):
-    st = _st()
     name = draw(_pick(["max_tokens", "model", "stream", "prompt" if not chat else "messages"]))
     wrong = draw(_pick(WRONG_TYPES[(CHAT_FIELDS if chat else COMPLETION_FIELDS)[name]]))
     pairs = list(body.items())
@@ -912,7 +897,6 @@ def m_duplicate_keys(draw, t, chat, body, headers):
 
 
 def m_session_header(draw, t, chat, body, headers):
-    st = _st()
     headers["x-session-id"] = draw(_pick(["s1", "", " ", "x" * 8000, "a,b", "\t"]))
     return "session_header", "any"
 
@@ -982,7 +966,6 @@ def _raw_body_case(draw, t: Target, chat: bool, how: str) -> tuple[str, bytes, s
 
 
 def _framing_case(draw, t: Target, host: str, label: str) -> tuple[str, bytes, str]:
-    st = _st()
     body = encode(_small_body(draw, t))
     auth = f"Authorization: Bearer {t.api_key}\r\n" if t.api_key else ""
     start = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\n"
@@ -1383,7 +1366,7 @@ def draw_strata(strata: list[tuple[str, float, Any]], n: int, seed: int) -> list
     """`n` cases over the strata (each drawn with its own seed), in a seeded random order."""
     counts = allocate(n, [w for _, w, _ in strata])
     out: list = []
-    for i, ((name, _, strategy), k) in enumerate(zip(strata, counts)):
+    for i, ((_, _, strategy), k) in enumerate(zip(strata, counts)):
         out += draw_cases(strategy, k, seed * 7919 + i)
     random.Random(seed).shuffle(out)
     return out
@@ -1811,7 +1794,7 @@ async def fuzz(args: argparse.Namespace, base: str) -> dict:
         await channel.close()
     problems = _greedy_ok(before, after, channel is not None)
     report = {
-        "url": base, "grpc": args.grpc, "seed": args.seed,
+        "url": base, "grpc_address": args.grpc, "seed": args.seed,
         "target": {"model": target.model, "vocab_size": target.vocab_size, "max_model_len": target.max_model_len},
         "cases_requested": {"http": args.cases, "grpc": grpc_n},
         "cases_run": {"http": tallies["http"].cases, "grpc": tallies["grpc"].cases},

@@ -16,7 +16,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-in-short-out", "short-in-long-out")
 
@@ -198,8 +198,8 @@ def start_pair(model: str):
     from ray.serve.config import HTTPOptions
 
     from cluster.app import build_app
-    from cluster.launch import wait_until_healthy
     from cluster.config import parse_cluster_config
+    from cluster.launch import wait_until_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

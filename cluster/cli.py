@@ -234,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from workers.models import ModelLoadError
-
     from workers.parallel import ENV_PROCESS_ID
 
     try:

@@ -22,6 +22,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.moray.v1 import moray_pb2
 from workers.engine.kv_events import KVEvent
@@ -41,6 +42,20 @@ from .routing import NoWorkersAvailable, build_router
 log = logging.getLogger("moray.cluster")
 
 api = FastAPI(title="Moray", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods answer in the OpenAI error shape every client parses, not FastAPI's
+    `{"detail": ...}` (found by `moray bench fuzz`)."""
+    if e.status_code == 404:
+        message = f"unknown route: {request.method} {request.url.path}"
+    elif e.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(e.detail)
+    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(oa.APIError(e.status_code, message, type_).body(), status_code=e.status_code, headers=e.headers)
 
 
 @dataclass

@@ -23,7 +23,7 @@ def start_serve(cfg: ClusterConfig, detached: bool) -> None:
     """Starts Serve's HTTP and gRPC proxies on the configured ports and submits the app; returns without
     waiting for the replicas (`wait_until_ready` does, with a time limit and a reason when they do not start)."""
     from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
+    from ray.serve.config import HTTPOptions, gRPCOptions
 
     from .app import GRPC_SERVICERS, build_app
 
@@ -254,7 +254,7 @@ def wait_until_ready(
                 raise StartupError(
                     "the application failed to deploy (Serve gave up on it): " + ("; ".join(failed) or _summary(app_message))
                 )
-            for pool, (st, msg) in pools.items():
+            for pool, (_, msg) in pools.items():
                 if "to be scheduled" in msg and pool not in said:
                     said.add(pool)
                     say(f"the {pool} pool cannot be placed yet: {_summary(msg)}")

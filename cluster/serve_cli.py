@@ -215,7 +215,9 @@ def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
         try:
             ray.init(address="local", num_cpus=args.num_cpus, **opts)
         except SystemExit as e:  # ray.init's own SIGTERM handler, before ours is back
-            raise Interrupted(signal.SIGTERM) if e.code == signal.SIGTERM else e
+            if e.code == signal.SIGTERM:
+                raise Interrupted(signal.SIGTERM) from None
+            raise
         finally:
             guard.install()
         return True
@@ -242,7 +244,9 @@ def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
     try:
         ray.init(address=address, **opts)
     except SystemExit as e:
-        raise Interrupted(signal.SIGTERM) if e.code == signal.SIGTERM else e
+        if e.code == signal.SIGTERM:
+            raise Interrupted(signal.SIGTERM) from None
+        raise
     except (ConnectionError, RuntimeError) as e:
         raise StartupError(f"could not connect to the Ray cluster at {address} (from {source}): {str(e).splitlines()[0]}") from None
     finally:

@@ -23,7 +23,7 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ValidationError

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from hf_checkpoints import rewrite_config, save_hf_checkpoint
+from safetensors.numpy import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 

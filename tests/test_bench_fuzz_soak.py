@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("hypothesis")
 
 from bench import fuzz  # noqa: E402
-from bench.soak import _label, kv_state, parse_metrics, per_minute, Record, rss_growth  # noqa: E402
+from bench.soak import Record, _label, kv_state, parse_metrics, per_minute, rss_growth  # noqa: E402
 from cluster.cli import main as moray_main  # noqa: E402
 
 T = fuzz.Target(model="tiny", vocab_size=512, max_model_len=256, api_key="k")
@@ -197,11 +197,11 @@ def test_soak_report_helpers():
 def cluster(tmp_path_factory):
     """One disaggregated app (HTTP + gRPC, API key) on one local Ray, shared by the fuzz and the soak."""
     import ray
+    from cluster_harness import cluster_config, init_ray, wait_healthy
     from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
+    from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import GRPC_SERVICERS, build_app
-    from cluster_harness import cluster_config, init_ray, wait_healthy
     from workers.models.make_model import make_model
 
     model = make_model(tmp_path_factory.mktemp("fuzz") / "tiny", "qwen3_moe", "tiny", seed=3)

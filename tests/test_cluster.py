@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy
+
 from protos.moray.v1 import moray_pb2, moray_pb2_grpc
 from workers.models.make_model import make_model
 
@@ -30,7 +30,7 @@ def cluster(model_dir):
     """Two applications on one Ray cluster: disaggregated at /, colocated at /colo."""
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
+    from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import GRPC_SERVICERS, build_app
 
@@ -408,6 +408,11 @@ def test_grpc_client_errors_are_not_logged_as_errors_with_tracebacks(cluster):
     assert not [line for line in lines if "ERROR" in line or "APIError" in line or "Traceback" in line], "\n".join(lines)
     # Not silent either: the streaming call's refusal is one INFO line (the unary one logs nothing).
     assert any("INFO" in line and f"client error 404: the model '{marker}'" in line for line in lines), "\n".join(lines)
+
+
+def test_unknown_route_through_serve_is_an_openai_error(cluster):
+    status, body = http_json(cluster["base"] + "/v1/embeddings", {"input": "x"})
+    assert status == 404 and body["error"]["message"] == "unknown route: POST /v1/embeddings", body
 
 
 def test_still_serving_after_bad_input(cluster):

@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
-
 from hf_checkpoints import save_hf_checkpoint
+
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.engine.block_hash import block_hashes
 from workers.engine.kv_events import KVEventKind

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from cluster_harness import cluster_config, free_port, http_json
+
 from workers.models.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -495,7 +495,7 @@ def test_readme_ray_job_recipe_runs_verbatim(model_dir, tmp_path, ray_tmp):
         )
         assert attach.returncode == 1, attach.stdout + attach.stderr
         assert time.monotonic() - t0 < 90
-        assert f"connecting to the Ray cluster at " in attach.stderr and "ray_current_cluster" in attach.stderr
+        assert "connecting to the Ray cluster at " in attach.stderr and "ray_current_cluster" in attach.stderr
         assert "warning: the decode pool cannot be placed: 1 replica x 64 CPUs = 64 CPUs needed" in attach.stderr
         error = [line for line in attach.stderr.splitlines() if line.startswith("moray: error:")]
         assert len(error) == 1 and "not ready within 10s" in error[0] and "the decode pool cannot be placed" in error[0], attach.stderr

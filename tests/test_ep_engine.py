@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_engine import ENGINE_ARGS, prompts
 from test_kv_handoff import handoff, run
+
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.engine.data_parallel import DataParallelKVCacheManager, DataParallelRunner
 from workers.engine.request import Request

@@ -13,8 +13,8 @@ import random
 
 import numpy as np
 import pytest
-
 from hf_checkpoints import save_hf_checkpoint
+
 from workers.engine.config import ParallelConfig
 from workers.models import load_model, prompt_logits
 from workers.models.moe_parallel import DISPATCH_MODES

@@ -25,8 +25,8 @@ from ray.exceptions import ActorDiedError
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy  # noqa: E402
 
+from cluster import openai_api as oa  # noqa: E402
 from protos.moray.v1 import moray_pb2  # noqa: E402
-
 
 # ============================================================================ fake Serve handles
 
@@ -425,7 +425,7 @@ def test_overload_is_refused_with_429_retry_after_and_resource_exhausted(model_d
         request = moray_pb2.GenerateRequest(model="tiny", prompt="hi").SerializeToString()
         await ingress.Complete(request, grpc_context=ctx)
         ctx2 = FakeContext()
-        with pytest.raises(Exception):
+        with pytest.raises(oa.APIError):
             async for _ in ingress.Generate(request, grpc_context=ctx2):
                 pass
         for t in waiting:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy
+
 from workers.models.make_model import make_model
 
 pytest.importorskip("openai")

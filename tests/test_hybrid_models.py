@@ -12,9 +12,9 @@ import logging
 
 import numpy as np
 import pytest
+from hf_checkpoints import COMPOSITES, hf_logits, hf_logits_many, save_hybrid_checkpoint
 from safetensors.numpy import load_file, save_file
 
-from hf_checkpoints import COMPOSITES, hf_logits, hf_logits_many, save_hybrid_checkpoint
 from workers.models import FAMILIES, ModelConfig, ModelLoadError, load_config, load_model, prompt_logits
 from workers.models.layers import KVCache
 
@@ -230,6 +230,7 @@ def test_unsupported_configs_fail_naming_the_key(composite_config, tmp_path, edi
 def test_qwen3_next_quantised_w4a16_matches_transformers_on_dequantised(tmp_path):
     """in_proj_qkvz / in_proj_ba are reordered at load: packed int4 values and their group scales alike."""
     from quant_reference import decompress_with_library
+
     from workers.models.quantize import quantize_checkpoint
 
     dense = save_hybrid_checkpoint(tmp_path / "dense", "qwen3_next", linear_num_value_heads=6, linear_key_head_dim=8)

@@ -22,16 +22,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import torch
-
 from hf_checkpoints import hf_logits, save_hybrid_checkpoint
+from quant_reference import DEFAULT_IGNORE, compress_with_library, read_tensors
+
 from kernels.collectives import fp8_decode_rows, fp8_encode_rows
 from kernels.moe import routed_experts
 from kernels.quant import QuantizedWeight, dequantize
-from quant_reference import DEFAULT_IGNORE, compress_with_library, read_tensors
 from workers.engine.config import ParallelConfig
 from workers.models import load_config, load_model, prompt_logits
 from workers.models.moe_parallel import DISPATCH_MODES

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from test_engine import ENGINE_ARGS, prompts
+
 from workers.engine import EngineConfig, EngineCore, SamplingParams
 from workers.engine.engine import KVImport
 from workers.models.make_model import make_model

@@ -7,9 +7,9 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
+from hf_checkpoints import save_hf_checkpoint
 from jax.sharding import AxisType
 
-from hf_checkpoints import save_hf_checkpoint
 from workers.models import load_model, prompt_logits
 from workers.models.safetensors_io import CheckpointReader
 

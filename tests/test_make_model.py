@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import transformers
-
 from hf_checkpoints import hf_logits
+
 from workers.models import load_model, prompt_logits
 from workers.models.tokenizer import Tokenizer
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hf_checkpoints import hf_logits, rewrite_config, save_hf_checkpoint
+
 from workers.models import load_model, prompt_logits
 
 PROMPTS = [

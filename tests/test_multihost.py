@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 import pytest
-
 from cluster_harness import cluster_config, http_json, init_ray, wait_healthy
-from workers.engine import EngineConfig, EngineCore, LLM, SamplingParams
+
+from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models.make_model import make_model
 from workers.multihost import EngineFollower, ReplicatedCore
 

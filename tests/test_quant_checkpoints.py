@@ -7,11 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType
-
 from hf_checkpoints import hf_logits, save_hf_checkpoint
-from kernels.quant import ActivationQuant, QuantizedWeight
+from jax.sharding import AxisType
 from quant_reference import ROUTERS, compress_with_library, decompress_with_library
+
+from kernels.quant import ActivationQuant, QuantizedWeight
 from workers.models import ModelLoadError, load_model, prompt_logits
 
 PROMPT = [3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 36]

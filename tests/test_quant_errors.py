@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_checkpoints import save_hf_checkpoint
 from safetensors.numpy import save_file
 
-from hf_checkpoints import save_hf_checkpoint
 from workers.models import ModelLoadError, load_model
 from workers.models.quantize import quantize_checkpoint
 from workers.models.safetensors_io import CheckpointReader

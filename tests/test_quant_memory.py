@@ -13,11 +13,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hf_checkpoints import save_hf_checkpoint
+from quant_reference import decompress_with_library
 
 from bench.memory import device_bytes, measure
-from hf_checkpoints import save_hf_checkpoint
 from kernels.quant import QuantizedWeight
-from quant_reference import decompress_with_library
 from workers.engine import LLM, SamplingParams
 from workers.models import load_model, prompt_logits
 from workers.models.make_model import make_model
@@ -56,7 +56,7 @@ def test_bench_memory_measures_device_buffers(expert_heavy, tmp_path):
     assert results["mxfp8"]["weight_ratio"] <= 0.54
     assert results["fp8"]["weight_ratio"] <= 0.55
     assert results["w4a16"]["linear_ratio"] < 0.27 and results["mxfp8"]["linear_ratio"] < 0.52
-    for name, row in results.items():
+    for row in results.values():
         assert 0.0 <= row["top1_agreement"] <= 1.0 and row["mean_kl"] >= 0.0 and row["decode_tokens_per_s"] > 0
     assert results["bf16"]["mean_kl"] == 0.0 and results["w4a16"]["mean_kl"] > results["fp8"]["mean_kl"] > 0
     # The byte counts are the device buffers' own: check one against a direct measurement.

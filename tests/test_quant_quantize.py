@@ -13,11 +13,11 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from hf_checkpoints import save_hf_checkpoint
+from quant_reference import compress_with_library, decompress_with_library
 from safetensors.numpy import save_file
 
-from hf_checkpoints import save_hf_checkpoint
 from kernels.quant import QuantizedWeight, dequantize
-from quant_reference import compress_with_library, decompress_with_library
 from workers.models import load_config, load_model
 from workers.models.quantize import quantize_checkpoint
 from workers.models.safetensors_io import CheckpointReader

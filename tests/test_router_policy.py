@@ -6,8 +6,8 @@ multi-turn session trace."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 import random
+from collections import Counter
 
 import pytest
 from prometheus_client import generate_latest
@@ -15,7 +15,14 @@ from prometheus_client import generate_latest
 from cluster.cli import main as moray_main
 from cluster.config import RouterConfig
 from cluster.router import (
-    IndexUnavailable, MemoryKVIndex, NoWorkersAvailable, RouteRequest, Router, RouterMetrics, WorkerLoad, attach_in_process,
+    IndexUnavailable,
+    MemoryKVIndex,
+    NoWorkersAvailable,
+    Router,
+    RouteRequest,
+    RouterMetrics,
+    WorkerLoad,
+    attach_in_process,
 )
 from workers.engine.block_hash import block_hashes
 from workers.engine.kv_cache_manager import KVCacheManager

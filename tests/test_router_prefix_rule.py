@@ -20,12 +20,12 @@ import random
 import time
 
 import pytest
+from test_router_policy import BS, MODEL, stored
+from test_router_redis import REDIS_SERVER, RedisServer, redis_index
 
 from cluster.router import MemoryKVIndex, MirroredKVIndex, PrefixMatch, RedisKVEventSink, WorkerLoad
 from cluster.router.redis_conn import connect
 from workers.engine.kv_events import KVEvent, KVEventKind
-from test_router_policy import BS, MODEL, stored
-from test_router_redis import REDIS_SERVER, RedisServer, redis_index
 
 H = list(range(101, 109))  # an 8-block chain (stand-in hashes: the index only compares them)
 

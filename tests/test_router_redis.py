@@ -15,15 +15,23 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from test_router_policy import BS, MODEL, SimWorker, stored, tokens
 
 from cluster.config import KVIndexConfig, RouterConfig
 from cluster.router import (
-    IndexUnavailable, KVEventStreamConsumer, MemoryKVIndex, MirroredKVIndex, PrefixMatch, RedisKVEventSink, RedisKVIndex, RouteRequest, Router,
+    IndexUnavailable,
+    KVEventStreamConsumer,
+    MemoryKVIndex,
+    MirroredKVIndex,
+    PrefixMatch,
+    RedisKVEventSink,
+    RedisKVIndex,
+    Router,
+    RouteRequest,
     WorkerLoad,
 )
 from cluster.router.redis_conn import connect, connect_from_config
 from cluster.router.redis_index import pack_decision, unpack_decision
-from test_router_policy import BS, MODEL, SimWorker, stored, tokens
 from workers.engine.block_hash import block_hashes
 from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
 
@@ -485,7 +493,7 @@ def test_a_dead_worker_leaves_the_mirror_within_the_ttl(server, client):
     started = time.monotonic()
     wait_for(lambda: set(index.live_workers()) == {"d1"}, timeout=5)
     assert time.monotonic() - started < 1.0 + 0.5  # the TTL, plus a refresh
-    for i, (home, prompt) in enumerate(prompts):
+    for i, (_, prompt) in enumerate(prompts):
         d = router.route(RouteRequest(f"after-{i}", block_hashes(prompt, BS, MODEL), len(prompt)))
         assert d.decode_worker == "d1"
     router.close()
@@ -582,7 +590,7 @@ def test_the_stream_consumer_keeps_a_local_index_equal_to_redis(server, client):
     for s in sinks.values():
         assert s.flush(5)
     consumer.poll_once()
-    for home, prompt in prompts:
+    for _, prompt in prompts:
         hashes = block_hashes(prompt + tokens(rng, 100), BS, MODEL)
         assert local.longest_prefix(hashes) == remote.longest_prefix(hashes)
     assert "d1" not in remote.longest_prefix(block_hashes(prompts[1][1], BS, MODEL))

@@ -1,10 +1,10 @@
 """SamplingParams validation, the batched sampler (filters, penalties, rng, logprobs) and stop checks."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from workers.engine.sampler import (
     SamplerOutput,
@@ -110,7 +110,7 @@ def test_defaults_and_normalisation():
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     # Frozen and hashable (usable as a dict key / static jit argument).
     assert hash(SamplingParams(stop="x")) == hash(SamplingParams(stop=["x"]))
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         p.temperature = 0.5
 
 

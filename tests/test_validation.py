@@ -325,6 +325,7 @@ class FakeOrchestrator:
 @pytest.fixture(scope="module")
 def ingress(model_dir):
     from cluster_harness import cluster_config
+
     from cluster.ingress import Ingress
 
     cls = Ingress.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
@@ -464,3 +465,22 @@ def test_async_engine_duplicate_id_never_touches_the_running_stream():
     finally:
         engine.shutdown()
     assert outs[-1].finished and outs[-1].new_token_ids == [5]
+
+
+@pytest.mark.parametrize(
+    "method, path, status, words",
+    [("GET", "/v1/nope", 404, "unknown route: GET /v1/nope"), ("POST", "/", 404, "unknown route"),
+     ("DELETE", "/v1/completions", 405, "method DELETE is not allowed on /v1/completions"), ("PUT", "/health", 405, "not allowed")],
+)
+def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(method, path, status, words):
+    """Found by `moray bench fuzz`: FastAPI's `{"detail": "Not Found"}` is not what OpenAI clients parse."""
+    from starlette.testclient import TestClient
+
+    from cluster.ingress import api
+
+    r = TestClient(api).request(method, path)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] in ("not_found_error", "invalid_request_error"), error
+    if status == 405:
+        assert "allow" in {k.lower() for k in r.headers}

@@ -149,7 +149,7 @@ class PrefillWorker(EngineWorker):
         start = time.perf_counter()
         first_only = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1), "stop": ()})
         out = None
-        async for out in self._outputs(request_id, prompt, first_only, hold_kv=True):
+        async for out in self._outputs(request_id, prompt, first_only, hold_kv=True):  # noqa: B007 - the last one
             pass
         token = out.token_ids[0]
         eos = self.engine.core.eos_token_ids

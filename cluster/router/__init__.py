@@ -33,7 +33,14 @@ from .publisher import KVEventStreamConsumer, RedisKVEventSink, attach_in_proces
 from .redis_index import RedisKVIndex
 from .router import Router, build_index
 from .types import (
-    IndexUnavailable, KVIndex, Lookup, NoWorkersAvailable, PrefixMatch, RouteDecision, RouteRequest, WorkerLoad,
+    IndexUnavailable,
+    KVIndex,
+    Lookup,
+    NoWorkersAvailable,
+    PrefixMatch,
+    RouteDecision,
+    RouteRequest,
+    WorkerLoad,
 )
 
 __all__ = [

@@ -40,7 +40,16 @@ from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
 from .memory_index import MemoryKVIndex
 from .redis_conn import describe
 from .redis_index import (
-    ALL_SCRIPTS, APPLY, SNAPSHOT, RedisKVIndex, check_worker_id, contiguous_runs, heartbeat_commands, model_tag, pack_blocks, pack_events,
+    ALL_SCRIPTS,
+    APPLY,
+    SNAPSHOT,
+    RedisKVIndex,
+    check_worker_id,
+    contiguous_runs,
+    heartbeat_commands,
+    model_tag,
+    pack_blocks,
+    pack_events,
     unpack_decision,
     unpack_records,
 )

@@ -7,7 +7,6 @@ background thread for the Serve workers, and `LLM` (llm.py) for offline batches.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,10 @@ from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
 from .request import Request, RequestStatus
 from .runner import ModelRunner, kv_bytes_per_block
-from .state_cache import HybridCacheManager
 from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .state_cache import HybridCacheManager
 
 log = logging.getLogger("moray.engine")
 

@@ -12,7 +12,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ coerced, because a silently coerced sampling parameter is much harder to debug t
 
 from __future__ import annotations
 
-from typing import Any, Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 

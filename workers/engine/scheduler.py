@@ -14,8 +14,8 @@ The output is a plain `SchedulerOutput`; the runner turns it into device arrays.
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .request import Request, RequestStatus

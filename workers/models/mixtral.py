@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ModelConfig, build_config, common_fields
-from .layers import MoEWeights, ModelWeights, decoder_forward, moe_softmax_topk
+from .layers import ModelWeights, MoEWeights, decoder_forward, moe_softmax_topk
 from .plans import experts_plan, model_plan
 from .weights import linear_spec
 

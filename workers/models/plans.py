@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .config import ModelConfig
-from .layers import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, ModelWeights
+from .layers import AttentionWeights, LayerWeights, MLPWeights, ModelWeights, MoEWeights
 from .linear_attention import LinearAttentionWeights
 from .weights import Concat, Rows, Tensor, WeightSpec, fused_experts, grouped_rows, linear_spec, norm_spec
 

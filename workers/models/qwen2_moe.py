@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ModelConfig, build_config, common_fields, sparse_moe_layers, windows_from_layer_types
-from .layers import MoEWeights, ModelWeights, decoder_forward, moe_softmax_topk
+from .layers import ModelWeights, MoEWeights, decoder_forward, moe_softmax_topk
 from .plans import experts_plan, mlp_plan, model_plan
 from .weights import linear_spec
 

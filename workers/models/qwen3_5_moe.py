@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ModelConfig, build_config, common_fields, hybrid_fields, text_config_from_hf
-from .layers import MoEWeights, ModelWeights, decoder_forward, moe_softmax_topk
+from .layers import ModelWeights, MoEWeights, decoder_forward, moe_softmax_topk
 from .linear_attention import gated_deltanet
 from .plans import experts_plan, linear_attention_plan, mlp_plan, model_plan
 from .weights import linear_spec
