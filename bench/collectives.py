@@ -176,7 +176,9 @@ def collectives_from_hlo(hlo_text: str, axis_names, mesh_shape) -> list[Collecti
         names, shape = _hlo_mesh(line, axis_names, mesh_shape)
         op = CollectiveOp(kind, [], 0, out_bytes)
         if kind == "collective-permute":
-            pairs = [tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", (_PAIRS.search(line) or [None, ""])[1] or "")]
+            pairs = [
+                tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", (_PAIRS.search(line) or [None, ""])[1] or "")
+            ]
             for src, dst in pairs:
                 lvl = _level(src, dst, names, shape)
                 op.received[lvl] = op.received.get(lvl, 0) + out_bytes
@@ -185,7 +187,12 @@ def collectives_from_hlo(hlo_text: str, axis_names, mesh_shape) -> list[Collecti
             groups = _groups(line, names, shape)
             g = len(groups[0])
             op.group_size = g
-            per_peer = {"all-gather": out_bytes / g, "reduce-scatter": out_bytes, "all-to-all": out_bytes / g, "all-reduce": 2 * out_bytes / g}[kind]
+            per_peer = {
+                "all-gather": out_bytes / g,
+                "reduce-scatter": out_bytes,
+                "all-to-all": out_bytes / g,
+                "all-reduce": 2 * out_bytes / g,
+            }[kind]
             for group in groups:
                 for a in group:
                     for b in group:

@@ -70,14 +70,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-len", type=int, default=512, help="prompt length for the prefill runs (default 512)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth reduction (default 1024)")
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
         help="model and KV dtype (default float32; with --sizes-only the KV dtype, default bfloat16)",
     )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--seed", type=int, default=0)
     sizes = p.add_argument_group("sizes only (no weights loaded, nothing timed)")
     sizes.add_argument(
-        "--sizes-only", action="store_true",
+        "--sizes-only",
+        action="store_true",
         help="print the KV bytes per token and state bytes per sequence of --model, --config or --preset as JSON",
     )
     sizes.add_argument("--config", type=Path, help="a config.json file (with --sizes-only)")
@@ -349,9 +352,7 @@ class _Bench:
         cache = self.model.new_cache(seqs.shape[0], seqs.shape[1])
         ids = np.asarray(self._routing_fn(self.model.weights, seqs, pos, cache))
         rows = np.arange(len(prompts))
-        return [
-            float(np.mean([len(np.unique(layer[rows, step_pos])) for step_pos in positions])) for layer in ids
-        ]
+        return [float(np.mean([len(np.unique(layer[rows, step_pos])) for step_pos in positions])) for layer in ids]
 
     def step_bytes(self, batch: int, experts_per_layer: list[float], mean_keys: float) -> dict:
         """Bytes one decode step of `batch` sequences must move, by kind (experts from the real routing):
@@ -464,9 +465,7 @@ class _Bench:
             split[b] = self.step_split(b)
             _log(f"B={b} step split: {split[b]}")
 
-        result = self._result(
-            decode, hf_decode, hf_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split
-        )
+        result = self._result(decode, hf_decode, hf_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
         result["load_average"] = {"start": load_start, "end": _loadavg()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

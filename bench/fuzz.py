@@ -39,8 +39,14 @@ from urllib.parse import urlsplit
 
 SERVER_ERROR_GRPC_CODES = ("UNKNOWN", "INTERNAL", "DATA_LOSS", "UNAVAILABLE")
 REJECT_GRPC_CODES = (
-    "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE",
-    "FAILED_PRECONDITION", "ALREADY_EXISTS",
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "OUT_OF_RANGE",
+    "FAILED_PRECONDITION",
+    "ALREADY_EXISTS",
 )
 SHOW = 600  # characters of a request or response kept in the report
 MAX_EXAMPLES = 500  # server errors listed one by one; all of them are counted and grouped
@@ -58,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take before it counts as a hang")
     p.add_argument("--slow-rejection-s", type=float, default=2.0, help="a refusal slower than this is a failure (default 2)")
-    p.add_argument("--drain-timeout", type=float, default=90.0, help="seconds to wait afterwards for the workers' KV use to reach 0 (reported)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=90.0, help="seconds to wait afterwards for the workers' KV use to reach 0 (reported)"
+    )
     p.add_argument("--json", help="also write the JSON report here")
 
 
@@ -225,8 +233,14 @@ class HttpCase:
             return {"kind": self.kind, "raw_request": _short(self.framing)}
         body = self.body_bytes()
         headers = {k: ("<api key>" if k.lower() == "authorization" and "Bearer" in v else _short(v, 120)) for k, v in self.headers.items()}
-        return {"kind": self.kind, "method": self.method, "path": self.path, "headers": headers,
-                "body": None if body is None else _short(body), "body_bytes": None if body is None else len(body)}
+        return {
+            "kind": self.kind,
+            "method": self.method,
+            "path": self.path,
+            "headers": headers,
+            "body": None if body is None else _short(body),
+            "body_bytes": None if body is None else len(body),
+        }
 
 
 @dataclass
@@ -240,8 +254,14 @@ class GrpcCase:
 
     def describe(self) -> dict:
         md = [(k, "<api key>" if k == "authorization" and "Bearer" in v else _short(v, 80)) for k, v in self.metadata]
-        return {"kind": self.kind, "method": self.method, "metadata": md, "message": _short(self.text, SHOW) if self.text else None,
-                "bytes_hex": self.data[:200].hex() + ("..." if len(self.data) > 200 else ""), "bytes": len(self.data)}
+        return {
+            "kind": self.kind,
+            "method": self.method,
+            "metadata": md,
+            "message": _short(self.text, SHOW) if self.text else None,
+            "bytes_hex": self.data[:200].hex() + ("..." if len(self.data) > 200 else ""),
+            "bytes": len(self.data),
+        }
 
 
 def _combine(*expects: str) -> str:
@@ -255,14 +275,34 @@ def _combine(*expects: str) -> str:
 # ------------------------------------------------------------------------------------ HTTP strategies
 
 COMMON_FIELDS = {
-    "model": "str", "max_tokens": "opt_int", "temperature": "opt_float", "top_p": "opt_float", "n": "int", "stream": "bool",
-    "stream_options": "opt_obj", "stop": "opt_stop", "seed": "opt_int", "presence_penalty": "opt_float",
-    "frequency_penalty": "opt_float", "user": "opt_str", "top_k": "opt_int", "min_p": "opt_float",
-    "repetition_penalty": "opt_float", "min_tokens": "opt_int", "ignore_eos": "bool", "stop_token_ids": "opt_list_int",
+    "model": "str",
+    "max_tokens": "opt_int",
+    "temperature": "opt_float",
+    "top_p": "opt_float",
+    "n": "int",
+    "stream": "bool",
+    "stream_options": "opt_obj",
+    "stop": "opt_stop",
+    "seed": "opt_int",
+    "presence_penalty": "opt_float",
+    "frequency_penalty": "opt_float",
+    "user": "opt_str",
+    "top_k": "opt_int",
+    "min_p": "opt_float",
+    "repetition_penalty": "opt_float",
+    "min_tokens": "opt_int",
+    "ignore_eos": "bool",
+    "stop_token_ids": "opt_list_int",
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": "prompt", "logprobs": "opt_int", "echo": "bool"}
-CHAT_FIELDS = {**COMMON_FIELDS, "messages": "messages", "max_completion_tokens": "opt_int", "logprobs": "bool", "top_logprobs": "opt_int",
-               "add_generation_prompt": "bool"}
+CHAT_FIELDS = {
+    **COMMON_FIELDS,
+    "messages": "messages",
+    "max_completion_tokens": "opt_int",
+    "logprobs": "bool",
+    "top_logprobs": "opt_int",
+    "add_generation_prompt": "bool",
+}
 UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix", "best_of")
 ALL_KNOWN = set(COMPLETION_FIELDS) | set(CHAT_FIELDS) | set(UNSUPPORTED_FIELDS)
 
@@ -309,8 +349,12 @@ def _unicode_text(max_size: int, min_size: int = 1):
 def _json_values(max_leaves: int = 6):
     """Small, valid JSON values (no surrogates, finite floats)."""
     st = _st()
-    scalars = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | _unicode_text(12, 0)
-    return st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_unicode_text(6, 0), kids, max_size=3), max_leaves=max_leaves)
+    scalars = (
+        st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | _unicode_text(12, 0)
+    )
+    return st.recursive(
+        scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_unicode_text(6, 0), kids, max_size=3), max_leaves=max_leaves
+    )
 
 
 def _text_budget(t: Target) -> int:
@@ -377,8 +421,10 @@ def _valid_sampling(draw, t: Target, chat: bool) -> dict:
 def _valid_messages(draw, t: Target) -> list[dict]:
     st = _st()
     budget = _text_budget(t) // 2
-    content = _ascii_text(budget) | _unicode_text(max(2, budget // 6)) | st.lists(
-        st.fixed_dictionaries({"type": st.just("text"), "text": _ascii_text(budget // 2 or 1)}), min_size=1, max_size=2
+    content = (
+        _ascii_text(budget)
+        | _unicode_text(max(2, budget // 6))
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _ascii_text(budget // 2 or 1)}), min_size=1, max_size=2)
     )
     msgs = []
     if draw(st.booleans()):
@@ -432,13 +478,49 @@ def m_wrong_type(draw, t, chat, body, headers):
 def m_huge_number(draw, t, chat, body, headers):
     numeric = [n for n, k in (CHAT_FIELDS if chat else COMPLETION_FIELDS).items() if k in ("int", "opt_int", "opt_float")]
     name = draw(_pick(sorted(numeric)))
-    k = draw(_pick(["1e308", "1e400", "-1e400", "2^31-1", "2^31", "2^53+1", "2^63", "2^64", "-2^63-1", "d4300", "d4301", "d5000",
-                              "-d5000", "f400", "f5000", "tiny", "1e-400", "e-huge"]))
+    k = draw(
+        _pick(
+            [
+                "1e308",
+                "1e400",
+                "-1e400",
+                "2^31-1",
+                "2^31",
+                "2^53+1",
+                "2^63",
+                "2^64",
+                "-2^63-1",
+                "d4300",
+                "d4301",
+                "d5000",
+                "-d5000",
+                "f400",
+                "f5000",
+                "tiny",
+                "1e-400",
+                "e-huge",
+            ]
+        )
+    )
     value = {
-        "1e308": 1e308, "1e400": Raw("1e400"), "-1e400": Raw("-1e400"), "2^31-1": 2**31 - 1, "2^31": 2**31, "2^53+1": 2**53 + 1,
-        "2^63": 2**63, "2^64": 2**64, "-2^63-1": -(2**63) - 1, "d4300": Raw(digits(4300)), "d4301": Raw(digits(4301)),
-        "d5000": Raw(digits(5000)), "-d5000": Raw("-" + digits(5000)), "f400": Raw("1" + "0" * 400 + ".5"),
-        "f5000": Raw("0." + "0" * 5000 + "1"), "tiny": 5e-324, "1e-400": Raw("1e-400"), "e-huge": Raw("1E+99999999999999999999"),
+        "1e308": 1e308,
+        "1e400": Raw("1e400"),
+        "-1e400": Raw("-1e400"),
+        "2^31-1": 2**31 - 1,
+        "2^31": 2**31,
+        "2^53+1": 2**53 + 1,
+        "2^63": 2**63,
+        "2^64": 2**64,
+        "-2^63-1": -(2**63) - 1,
+        "d4300": Raw(digits(4300)),
+        "d4301": Raw(digits(4301)),
+        "d5000": Raw(digits(5000)),
+        "-d5000": Raw("-" + digits(5000)),
+        "f400": Raw("1" + "0" * 400 + ".5"),
+        "f5000": Raw("0." + "0" * 5000 + "1"),
+        "tiny": 5e-324,
+        "1e-400": Raw("1e-400"),
+        "e-huge": Raw("1E+99999999999999999999"),
     }[k]
     body[name] = value
     _only_this_limit(chat, body, name)
@@ -514,7 +596,7 @@ def m_valid_pair(draw, t, chat, body, headers):
     """An escaped surrogate pair (a real emoji) is valid JSON and valid Unicode."""
     if chat and not _messages_ok(body):
         return m_ranges(draw, t, chat, body, headers)
-    text = "smile \U0001F600 ok"
+    text = "smile \U0001f600 ok"
     if chat:
         body["messages"][-1]["content"] = text
     else:
@@ -555,8 +637,14 @@ def m_deep(draw, t, chat, body, headers):
         body["messages"][-1]["extra"] = value
         return label, "any" if depth <= 58 else ("reject" if depth >= 70 else "any")
     if where == "tool_args":
-        body["messages"].insert(-1, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep(depth, "dict")}}]})
+        body["messages"].insert(
+            -1,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep(depth, "dict")}}],
+            },
+        )
         return label, "any" if depth <= 58 else ("reject" if depth >= 70 else "any")
     if where == "content":
         body["messages"][-1]["content"] = value
@@ -591,14 +679,26 @@ def m_unknown_nested(draw, t, chat, body, headers):
     if where == "content_part":
         body["messages"][-1]["content"] = [{"type": "text", "text": "hi", "x_fuzz": draw(_json_values(3))}]
         return "unknown_nested:content_part", "ok"
-    body["messages"].insert(-1, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "x_fuzz": 1}}]})
+    body["messages"].insert(
+        -1,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "x_fuzz": 1}}],
+        },
+    )
     return "unknown_nested:tool_function", "any"
 
 
 UNSUPPORTED_VALUES = {
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, "text",
-                        {"type": "text", "extra": 1}, [], {"type": "TEXT"}],
+    "response_format": [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        "text",
+        {"type": "text", "extra": 1},
+        [],
+        {"type": "TEXT"},
+    ],
     "tools": [[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "x", {}, [None], [1]],
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}, "None", 0],
     "functions": [[{"name": "f", "parameters": {}}], {}, "f"],
@@ -781,14 +881,40 @@ def m_stream(draw, t, chat, body, headers):
 
 
 def m_ranges(draw, t, chat, body, headers):
-    cases = [("temperature", -1, "reject"), ("temperature", -0.0001, "reject"), ("temperature", -0.0, "ok"),
-             ("top_p", 0, "reject"), ("top_p", -0.1, "reject"), ("top_p", 1.0001, "reject"), ("top_p", 2, "reject"), ("top_p", 1e-300, "ok"),
-             ("min_p", -0.1, "reject"), ("min_p", 1.1, "reject"), ("presence_penalty", 2.1, "reject"), ("frequency_penalty", -2.1, "reject"),
-             ("repetition_penalty", 0, "reject"), ("repetition_penalty", -1, "reject"), ("top_k", -2, "reject"), ("top_k", -(2**31), "reject"),
-             ("top_k", 2**31 - 1, "any"), ("n", 0, "reject"), ("n", 2, "reject"), ("min_tokens", -1, "reject"), ("seed", -1, "any"),
-             ("seed", 2**64, "any"), ("seed", -(2**63), "any"), ("stop", "", "reject"), ("stop", [""], "reject"), ("stop", [], "ok"),
-             ("stop", ["s"] * 200, "any"), ("stop", "x" * 20000, "any"), ("stop_token_ids", [], "ok"), ("stop_token_ids", [-1], "reject"),
-             ("user", "", "ok"), ("user", "u" * 100000, "any")]
+    cases = [
+        ("temperature", -1, "reject"),
+        ("temperature", -0.0001, "reject"),
+        ("temperature", -0.0, "ok"),
+        ("top_p", 0, "reject"),
+        ("top_p", -0.1, "reject"),
+        ("top_p", 1.0001, "reject"),
+        ("top_p", 2, "reject"),
+        ("top_p", 1e-300, "ok"),
+        ("min_p", -0.1, "reject"),
+        ("min_p", 1.1, "reject"),
+        ("presence_penalty", 2.1, "reject"),
+        ("frequency_penalty", -2.1, "reject"),
+        ("repetition_penalty", 0, "reject"),
+        ("repetition_penalty", -1, "reject"),
+        ("top_k", -2, "reject"),
+        ("top_k", -(2**31), "reject"),
+        ("top_k", 2**31 - 1, "any"),
+        ("n", 0, "reject"),
+        ("n", 2, "reject"),
+        ("min_tokens", -1, "reject"),
+        ("seed", -1, "any"),
+        ("seed", 2**64, "any"),
+        ("seed", -(2**63), "any"),
+        ("stop", "", "reject"),
+        ("stop", [""], "reject"),
+        ("stop", [], "ok"),
+        ("stop", ["s"] * 200, "any"),
+        ("stop", "x" * 20000, "any"),
+        ("stop_token_ids", [], "ok"),
+        ("stop_token_ids", [-1], "reject"),
+        ("user", "", "ok"),
+        ("user", "u" * 100000, "any"),
+    ]
     if chat:
         cases += [("top_logprobs", 21, "reject"), ("top_logprobs", -1, "reject"), ("logprobs", False, "ok")]
     else:
@@ -821,32 +947,50 @@ def m_min_tokens(draw, t, chat, body, headers):
 def m_prompt_shape(draw, t, chat, body, headers):
     st = _st()
     if chat:
-        shapes = [("empty", [], "reject"), ("parts_ok", [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "ok"),
-                  ("image_part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}], "reject"),
-                  ("part_text_int", [{"role": "user", "content": [{"type": "text", "text": 5}]}], "reject"),
-                  ("part_no_type", [{"role": "user", "content": [{"text": "a"}]}], "reject"),
-                  ("part_not_object", [{"role": "user", "content": ["a"]}], "reject"),
-                  ("content_empty_list", [{"role": "user", "content": []}], "any"),
-                  ("content_empty", [{"role": "user", "content": ""}], "any"),
-                  ("content_int", [{"role": "user", "content": 5}], "reject"),
-                  ("name_int", [{"role": "user", "content": "x", "name": 5}], "reject"),
-                  ("many_messages", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}] * 300 + [{"role": "user", "content": "z"}], "any"),
-                  ("system_only", [{"role": "system", "content": "x"}], "any"),
-                  ("assistant_last", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "any"),
-                  ("tool_message", [{"role": "tool", "content": "r", "tool_call_id": "c1"}], "any"),
-                  ("tool_call_id_int", [{"role": "tool", "content": "r", "tool_call_id": 5}], "reject"),
-                  ("huge_content", [{"role": "user", "content": Big(draw(_pick([50_000, 300_000, 900_000])))}], "reject"),
-                  ("special_tokens", [{"role": "user", "content": "<|im_start|>system\nhi<|im_end|>"}], "ok")]
+        shapes = [
+            ("empty", [], "reject"),
+            ("parts_ok", [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "ok"),
+            ("image_part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}], "reject"),
+            ("part_text_int", [{"role": "user", "content": [{"type": "text", "text": 5}]}], "reject"),
+            ("part_no_type", [{"role": "user", "content": [{"text": "a"}]}], "reject"),
+            ("part_not_object", [{"role": "user", "content": ["a"]}], "reject"),
+            ("content_empty_list", [{"role": "user", "content": []}], "any"),
+            ("content_empty", [{"role": "user", "content": ""}], "any"),
+            ("content_int", [{"role": "user", "content": 5}], "reject"),
+            ("name_int", [{"role": "user", "content": "x", "name": 5}], "reject"),
+            (
+                "many_messages",
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}] * 300 + [{"role": "user", "content": "z"}],
+                "any",
+            ),
+            ("system_only", [{"role": "system", "content": "x"}], "any"),
+            ("assistant_last", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "any"),
+            ("tool_message", [{"role": "tool", "content": "r", "tool_call_id": "c1"}], "any"),
+            ("tool_call_id_int", [{"role": "tool", "content": "r", "tool_call_id": 5}], "reject"),
+            ("huge_content", [{"role": "user", "content": Big(draw(_pick([50_000, 300_000, 900_000])))}], "reject"),
+            ("special_tokens", [{"role": "user", "content": "<|im_start|>system\nhi<|im_end|>"}], "ok"),
+        ]
         label, msgs, expect = draw(_pick(shapes))
         body["messages"] = msgs
         if label == "assistant_last" and draw(st.booleans()):
             body["add_generation_prompt"] = False
         return f"messages:{label}", expect
-    shapes = [("empty_string", "", "reject"), ("empty_list", [], "reject"), ("empty_nested", [[]], "reject"), ("empty_string_list", [""], "reject"),
-              ("batched_strings", ["a", "b"], "reject"), ("batched_ids", [[1, 2], [3]], "reject"), ("nested_strings", [["a"]], "reject"),
-              ("one_string_list", ["hello"], "ok"), ("whitespace", " ", "any"), ("nul", "\x00", "any"), ("special_tokens", "<|im_start|><|endoftext|>", "ok"),
-              ("control_chars", "\x01\x02\x1b[31m\r\n\t", "any"), ("huge", Big(draw(_pick([20_000, 200_000, 900_000]))), "reject"),
-              ("huge_ids", list(range(3, 3 + 10 * t.max_model_len)), "reject")]
+    shapes = [
+        ("empty_string", "", "reject"),
+        ("empty_list", [], "reject"),
+        ("empty_nested", [[]], "reject"),
+        ("empty_string_list", [""], "reject"),
+        ("batched_strings", ["a", "b"], "reject"),
+        ("batched_ids", [[1, 2], [3]], "reject"),
+        ("nested_strings", [["a"]], "reject"),
+        ("one_string_list", ["hello"], "ok"),
+        ("whitespace", " ", "any"),
+        ("nul", "\x00", "any"),
+        ("special_tokens", "<|im_start|><|endoftext|>", "ok"),
+        ("control_chars", "\x01\x02\x1b[31m\r\n\t", "any"),
+        ("huge", Big(draw(_pick([20_000, 200_000, 900_000]))), "reject"),
+        ("huge_ids", list(range(3, 3 + 10 * t.max_model_len)), "reject"),
+    ]
     label, prompt, expect = draw(_pick(shapes))
     if label == "huge_ids":
         prompt = [i % t.vocab_size for i in prompt]
@@ -859,17 +1003,30 @@ def m_model(draw, t, chat, body, headers):
     if how == "missing":
         del body["model"]
     else:
-        body["model"] = {"other": "gpt-5", "empty": "", "case": t.model.upper() if t.model.upper() != t.model else t.model + "X",
-                         "padded": f" {t.model} ", "long": "m" * 100_000,
-                         "random": draw(_unicode_text(20).filter(lambda m: m != t.model))}.get(how)
+        body["model"] = {
+            "other": "gpt-5",
+            "empty": "",
+            "case": t.model.upper() if t.model.upper() != t.model else t.model + "X",
+            "padded": f" {t.model} ",
+            "long": "m" * 100_000,
+            "random": draw(_unicode_text(20).filter(lambda m: m != t.model)),
+        }.get(how)
     return f"model:{how}", "reject"
 
 
 def m_auth(draw, t, chat, body, headers):
     key = t.api_key or "k"
     how = draw(_pick(["missing", "wrong", "lowercase_scheme", "double_space", "trailing_space", "basic", "no_key", "bare_key", "empty"]))
-    value = {"wrong": "Bearer not-the-key", "lowercase_scheme": f"bearer {key}", "double_space": f"Bearer  {key}",
-             "trailing_space": f"Bearer {key} ", "basic": f"Basic {key}", "no_key": "Bearer", "bare_key": key, "empty": ""}.get(how)
+    value = {
+        "wrong": "Bearer not-the-key",
+        "lowercase_scheme": f"bearer {key}",
+        "double_space": f"Bearer  {key}",
+        "trailing_space": f"Bearer {key} ",
+        "basic": f"Basic {key}",
+        "no_key": "Bearer",
+        "bare_key": key,
+        "empty": "",
+    }.get(how)
     headers.pop("Authorization", None)
     if value is not None:
         headers["Authorization"] = value
@@ -879,7 +1036,9 @@ def m_auth(draw, t, chat, body, headers):
 
 
 def m_content_type(draw, t, chat, body, headers):
-    ct = draw(_pick(["text/plain", "application/x-www-form-urlencoded", "", "application/json; charset=latin-1", None, "multipart/form-data"]))
+    ct = draw(
+        _pick(["text/plain", "application/x-www-form-urlencoded", "", "application/json; charset=latin-1", None, "multipart/form-data"])
+    )
     headers.pop("Content-Type", None)
     if ct is not None:
         headers["Content-Type"] = ct
@@ -902,11 +1061,43 @@ def m_session_header(draw, t, chat, body, headers):
 
 
 MUTATIONS = [
-    m_wrong_type, m_wrong_type, m_huge_number, m_huge_number, m_surrogate, m_valid_pair, m_invalid_utf8, m_deep, m_deep,
-    m_unknown_fields, m_unknown_nested, m_unsupported, m_unsupported, m_ignored_on_chat, m_oov_tokens, m_oov_tokens, m_boundary_tokens,
-    m_bad_role, m_bad_role, m_null_content_tool_calls, m_null_content_tool_calls, m_null_content, m_beyond_context, m_prompt_at_limit,
-    m_stream, m_stream, m_ranges, m_ranges, m_top_logprobs_without_logprobs, m_min_tokens, m_prompt_shape, m_prompt_shape, m_model,
-    m_auth, m_content_type, m_duplicate_keys, m_session_header,
+    m_wrong_type,
+    m_wrong_type,
+    m_huge_number,
+    m_huge_number,
+    m_surrogate,
+    m_valid_pair,
+    m_invalid_utf8,
+    m_deep,
+    m_deep,
+    m_unknown_fields,
+    m_unknown_nested,
+    m_unsupported,
+    m_unsupported,
+    m_ignored_on_chat,
+    m_oov_tokens,
+    m_oov_tokens,
+    m_boundary_tokens,
+    m_bad_role,
+    m_bad_role,
+    m_null_content_tool_calls,
+    m_null_content_tool_calls,
+    m_null_content,
+    m_beyond_context,
+    m_prompt_at_limit,
+    m_stream,
+    m_stream,
+    m_ranges,
+    m_ranges,
+    m_top_logprobs_without_logprobs,
+    m_min_tokens,
+    m_prompt_shape,
+    m_prompt_shape,
+    m_model,
+    m_auth,
+    m_content_type,
+    m_duplicate_keys,
+    m_session_header,
 ]
 
 
@@ -924,14 +1115,30 @@ def _finish(body: dict) -> Any:
 
 
 RAW_BODIES = [
-    ("empty", b"", "reject"), ("open_brace", b"{", "reject"), ("close_brace", b"}", "reject"), ("null", b"null", "reject"),
-    ("array", b"[]", "reject"), ("number", b"1", "reject"), ("string", b'"x"', "reject"), ("true", b"true", "reject"),
-    ("nan", b"NaN", "reject"), ("nan_value", b'{"model": NaN}', "reject"), ("infinity_value", b'{"model": "m", "temperature": Infinity}', "reject"),
-    ("single_quotes", b"{'model': 'x'}", "reject"), ("trailing_comma", b'{"a":1,}', "reject"), ("trailing_garbage", b'{"a":1} x', "reject"),
-    ("two_objects", b'{"a":1}{"b":2}', "reject"), ("comment", b'{"model":"m"/*c*/}', "reject"), ("nul_bytes", b"\x00" * 100, "reject"),
-    ("utf16_bom_junk", b"\xff\xfe\x00", "reject"), ("unclosed_deep_obj", b'{"a":' * 50000, "reject"), ("unclosed_deep_list", b"[" * 500000, "reject"),
-    ("closed_deep_list", b"[" * 200000 + b"]" * 200000, "reject"), ("lone_surrogate_key", b'{"\\udc00": 1}', "reject"),
-    ("bad_escape", b'{"model": "\\x41"}', "reject"), ("short_unicode_escape", b'{"model": "\\u12"}', "reject"),
+    ("empty", b"", "reject"),
+    ("open_brace", b"{", "reject"),
+    ("close_brace", b"}", "reject"),
+    ("null", b"null", "reject"),
+    ("array", b"[]", "reject"),
+    ("number", b"1", "reject"),
+    ("string", b'"x"', "reject"),
+    ("true", b"true", "reject"),
+    ("nan", b"NaN", "reject"),
+    ("nan_value", b'{"model": NaN}', "reject"),
+    ("infinity_value", b'{"model": "m", "temperature": Infinity}', "reject"),
+    ("single_quotes", b"{'model': 'x'}", "reject"),
+    ("trailing_comma", b'{"a":1,}', "reject"),
+    ("trailing_garbage", b'{"a":1} x', "reject"),
+    ("two_objects", b'{"a":1}{"b":2}', "reject"),
+    ("comment", b'{"model":"m"/*c*/}', "reject"),
+    ("nul_bytes", b"\x00" * 100, "reject"),
+    ("utf16_bom_junk", b"\xff\xfe\x00", "reject"),
+    ("unclosed_deep_obj", b'{"a":' * 50000, "reject"),
+    ("unclosed_deep_list", b"[" * 500000, "reject"),
+    ("closed_deep_list", b"[" * 200000 + b"]" * 200000, "reject"),
+    ("lone_surrogate_key", b'{"\\udc00": 1}', "reject"),
+    ("bad_escape", b'{"model": "\\x41"}', "reject"),
+    ("short_unicode_escape", b'{"model": "\\u12"}', "reject"),
     ("control_char_in_string", b'{"model": "a\x01b"}', "reject"),
 ]
 
@@ -979,20 +1186,45 @@ def _framing_case(draw, t: Target, host: str, label: str) -> tuple[str, bytes, s
         "cl_shorter_than_body": (f"{start}Content-Length: {len(body) // 2}\r\n\r\n".encode() + body, "reject"),
         "chunked_valid": (f"{start}Transfer-Encoding: chunked\r\n\r\n".encode() + chunked, "ok"),
         "chunked_bad_size": (f"{start}Transfer-Encoding: chunked\r\n\r\nzz\r\n".encode() + body + b"\r\n0\r\n\r\n", "reject"),
-        "chunked_over_limit": (f"{start}Transfer-Encoding: chunked\r\n\r\n".encode()
-                               + b"".join(b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16)) for _ in range(t.max_body_bytes // (1 << 16) + 2)) + b"0\r\n\r\n", "reject"),
+        "chunked_over_limit": (
+            f"{start}Transfer-Encoding: chunked\r\n\r\n".encode()
+            + b"".join(b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16)) for _ in range(t.max_body_bytes // (1 << 16) + 2))
+            + b"0\r\n\r\n",
+            "reject",
+        ),
         "te_and_cl": (f"{start}Transfer-Encoding: chunked\r\nContent-Length: {len(body)}\r\n\r\n".encode() + chunked, "any"),
         "header_no_colon": (f"{start}NotAHeader\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body, "reject"),
         "header_huge": (f"{start}X-Big: {'a' * 70000}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body, "any"),
-        "many_headers": (start.encode() + b"".join(b"X-H%d: v\r\n" % i for i in range(300)) + f"Content-Length: {len(body)}\r\n\r\n".encode() + body, "any"),
+        "many_headers": (
+            start.encode() + b"".join(b"X-H%d: v\r\n" % i for i in range(300)) + f"Content-Length: {len(body)}\r\n\r\n".encode() + body,
+            "any",
+        ),
         "garbage_request_line": (b"GARBAGE\r\n\r\n", "reject"),
         "binary_request_line": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(64)), "reject"),
-        "http10_no_host": (f"POST /v1/completions HTTP/1.0\r\n{auth}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body, "any"),
-        "non_ascii_header": (start.encode() + b"X-Note: caf\xc3\xa9 \xff\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body, "any"),
-        "absolute_uri": (start.replace("POST /v1/completions", f"POST http://{host}/v1/completions").encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body, "any"),
+        "http10_no_host": (
+            f"POST /v1/completions HTTP/1.0\r\n{auth}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body,
+            "any",
+        ),
+        "non_ascii_header": (
+            start.encode() + b"X-Note: caf\xc3\xa9 \xff\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body,
+            "any",
+        ),
+        "absolute_uri": (
+            start.replace("POST /v1/completions", f"POST http://{host}/v1/completions").encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body,
+            "any",
+        ),
         "expect_continue": (f"{start}Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body, "any"),
         "bad_version": (f"POST /v1/completions HTTP/9.9\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body, "reject"),
-        "pipelined": ((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body) * 2, "any"),
+        "pipelined": (
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            * 2,
+            "any",
+        ),
     }
     raw, expect = cases[label]
     return label, raw, expect
@@ -1002,18 +1234,46 @@ def _framing_case(draw, t: Target, host: str, label: str) -> tuple[str, bytes, s
 # as the client going away, so complete requests keep the connection open and ask for Connection: close).
 HALF_CLOSE = ("cl_longer_than_body", "chunked_bad_size")
 FRAMING_KINDS = (
-    "cl_not_number", "cl_negative", "cl_huge", "cl_over_limit", "cl_longer_than_body", "cl_shorter_than_body", "chunked_valid", "chunked_bad_size",
-    "chunked_over_limit", "te_and_cl", "header_no_colon", "header_huge", "many_headers", "garbage_request_line", "binary_request_line",
-    "http10_no_host", "non_ascii_header", "absolute_uri", "expect_continue", "bad_version", "pipelined",
+    "cl_not_number",
+    "cl_negative",
+    "cl_huge",
+    "cl_over_limit",
+    "cl_longer_than_body",
+    "cl_shorter_than_body",
+    "chunked_valid",
+    "chunked_bad_size",
+    "chunked_over_limit",
+    "te_and_cl",
+    "header_no_colon",
+    "header_huge",
+    "many_headers",
+    "garbage_request_line",
+    "binary_request_line",
+    "http10_no_host",
+    "non_ascii_header",
+    "absolute_uri",
+    "expect_continue",
+    "bad_version",
+    "pipelined",
 )
 
 
 ROUTES = [
-    ("GET", "/v1/completions", "reject"), ("PUT", "/v1/completions", "reject"), ("DELETE", "/v1/chat/completions", "reject"),
-    ("POST", "/v1/models", "reject"), ("POST", "/v1/completions/", "any"), ("POST", "/v1/Completions", "reject"),
-    ("POST", "/v2/completions", "reject"), ("POST", "/v1/completions?stream=true&x=%00", "ok"), ("POST", "/v1/%00", "reject"),
-    ("POST", "/" + "a" * 10000, "reject"), ("GET", "/health?x=1", "any"), ("OPTIONS", "/v1/completions", "any"), ("POST", "/health", "reject"),
-    ("POST", "/metrics", "reject"), ("POST", "/v1/chat/completions", "reject"),  # the last: a completion body on the chat route
+    ("GET", "/v1/completions", "reject"),
+    ("PUT", "/v1/completions", "reject"),
+    ("DELETE", "/v1/chat/completions", "reject"),
+    ("POST", "/v1/models", "reject"),
+    ("POST", "/v1/completions/", "any"),
+    ("POST", "/v1/Completions", "reject"),
+    ("POST", "/v2/completions", "reject"),
+    ("POST", "/v1/completions?stream=true&x=%00", "ok"),
+    ("POST", "/v1/%00", "reject"),
+    ("POST", "/" + "a" * 10000, "reject"),
+    ("GET", "/health?x=1", "any"),
+    ("OPTIONS", "/v1/completions", "any"),
+    ("POST", "/health", "reject"),
+    ("POST", "/metrics", "reject"),
+    ("POST", "/v1/chat/completions", "reject"),  # the last: a completion body on the chat route
 ]
 
 
@@ -1062,7 +1322,14 @@ def http_case(t: Target, host: str = "127.0.0.1"):
             return HttpCase(f"framing:{label}", "/v1/completions", None, expect, framing=raw)
         method, route, expect = sub
         body = _small_body(draw, t)
-        return HttpCase(f"route:{method} {route[:40]}", route, body if method not in ("GET", "OPTIONS") else None, expect, method=method, headers=headers)
+        return HttpCase(
+            f"route:{method} {route[:40]}",
+            route,
+            body if method not in ("GET", "OPTIONS") else None,
+            expect,
+            method=method,
+            headers=headers,
+        )
 
     return case
 
@@ -1114,9 +1381,25 @@ def _ld(field_no: int, payload: bytes) -> bytes:
 
 GRPC_WEIGHTS = {"valid": 3.0, "random": 6.0, "raw": 3.0, "other_method": 0.5}
 GRPC_RAW_KINDS = (
-    "random", "truncated", "garbage_tail", "bad_utf8_model", "bad_utf8_prompt", "bad_utf8_role", "wrong_wire_type", "field_zero",
-    "overlong_varint", "length_past_end", "deep_groups", "int32_64bit", "negative_max_tokens", "unknown_fields", "oversize",
-    "empty", "many_stop_token_ids", "packed_and_unpacked", "huge_length",
+    "random",
+    "truncated",
+    "garbage_tail",
+    "bad_utf8_model",
+    "bad_utf8_prompt",
+    "bad_utf8_role",
+    "wrong_wire_type",
+    "field_zero",
+    "overlong_varint",
+    "length_past_end",
+    "deep_groups",
+    "int32_64bit",
+    "negative_max_tokens",
+    "unknown_fields",
+    "oversize",
+    "empty",
+    "many_stop_token_ids",
+    "packed_and_unpacked",
+    "huge_length",
 )
 
 
@@ -1148,7 +1431,9 @@ def grpc_strata(t: Target) -> list[tuple[str, float, Any]]:
             "max_tokens": (st.integers(1, 4), _pick([0, -1, INT32[1], INT32[0], t.max_model_len])),
             "logprobs": (st.integers(0, 5), _pick([-1, 21, INT32[1]])),
         }
-        for name in draw(st.lists(_pick(sorted(floats) + sorted(ints) + ["seed", "stop", "stop_token_ids", "ignore_eos"]), max_size=6, unique=True)):
+        for name in draw(
+            st.lists(_pick(sorted(floats) + sorted(ints) + ["seed", "stop", "stop_token_ids", "ignore_eos"]), max_size=6, unique=True)
+        ):
             if name in floats:
                 good, bad = floats[name]
                 if not valid and draw(st.integers(0, 6)) == 0:
@@ -1166,7 +1451,11 @@ def grpc_strata(t: Target) -> list[tuple[str, float, Any]]:
                 s.seed = value
             elif name == "stop":
                 bad = st.lists(st.just(""), min_size=1, max_size=2)
-                value, e = (draw(st.lists(_ascii_text(6), max_size=3)), "ok") if valid else good_or_bad(draw, st.lists(_unicode_text(6), max_size=3), bad)
+                value, e = (
+                    (draw(st.lists(_ascii_text(6), max_size=3)), "ok")
+                    if valid
+                    else good_or_bad(draw, st.lists(_unicode_text(6), max_size=3), bad)
+                )
                 s.stop.extend(value)
             elif name == "stop_token_ids":
                 good = st.lists(st.integers(0, t.vocab_size - 1), max_size=4)
@@ -1202,14 +1491,22 @@ def grpc_strata(t: Target) -> list[tuple[str, float, Any]]:
             req.prompt = value
         elif kind == "token_ids":
             good = st.lists(st.integers(0, t.vocab_size - 1), min_size=1, max_size=min(32, max(1, t.max_model_len // 4)))
-            bad = st.one_of(st.just([]), st.lists(st.integers(*INT32), min_size=1, max_size=8).filter(lambda ids: any(not 0 <= i < t.vocab_size for i in ids)),
-                            st.just([5] * t.max_model_len))
+            bad = st.one_of(
+                st.just([]),
+                st.lists(st.integers(*INT32), min_size=1, max_size=8).filter(lambda ids: any(not 0 <= i < t.vocab_size for i in ids)),
+                st.just([5] * t.max_model_len),
+            )
             value, e = (draw(good), "ok") if valid else good_or_bad(draw, good, bad)
             req.token_ids.ids.extend(value)
         elif kind == "messages":
             roles = ["system", "user", "assistant", "developer"]
-            good_msgs = st.lists(st.tuples(_pick(roles), _ascii_text(budget // 3 or 1)), min_size=0, max_size=2).map(lambda m: m + [("user", "hi")])
-            bad_msgs = st.one_of(st.just([]), st.lists(st.tuples(_unicode_text(8).filter(lambda r: r not in roles + ["tool"]), _ascii_text(8)), min_size=1, max_size=2))
+            good_msgs = st.lists(st.tuples(_pick(roles), _ascii_text(budget // 3 or 1)), min_size=0, max_size=2).map(
+                lambda m: m + [("user", "hi")]
+            )
+            bad_msgs = st.one_of(
+                st.just([]),
+                st.lists(st.tuples(_unicode_text(8).filter(lambda r: r not in roles + ["tool"]), _ascii_text(8)), min_size=1, max_size=2),
+            )
             value, e = (draw(good_msgs), "ok") if valid else good_or_bad(draw, good_msgs, bad_msgs)
             for role, content in value:
                 req.messages.messages.add(role=role, content=content)
@@ -1280,8 +1577,13 @@ def grpc_strata(t: Target) -> list[tuple[str, float, Any]]:
         if not t.api_key:
             return (), "ok"
         how = draw(_pick(["ok"] * 12 + ["missing", "wrong", "basic", "bare"])) if vary else "ok"
-        md = {"ok": (("authorization", f"Bearer {t.api_key}"),), "missing": (), "wrong": (("authorization", "Bearer nope"),),
-              "basic": (("authorization", f"Basic {t.api_key}"),), "bare": (("authorization", t.api_key),)}[how]
+        md = {
+            "ok": (("authorization", f"Bearer {t.api_key}"),),
+            "missing": (),
+            "wrong": (("authorization", "Bearer nope"),),
+            "basic": (("authorization", f"Basic {t.api_key}"),),
+            "bare": (("authorization", t.api_key),),
+        }[how]
         return md, "ok" if how == "ok" else "reject"
 
     @st.composite
@@ -1297,12 +1599,23 @@ def grpc_strata(t: Target) -> list[tuple[str, float, Any]]:
         data = req.SerializeToString()
         if family == "raw":
             how, data, raw_expect = raw_mutation(draw, data, sub)
-            return GrpcCase(f"raw:{how}", method, data, _combine(raw_expect, auth_expect) if raw_expect != "ok" else _combine(expect, auth_expect), md, text)
+            return GrpcCase(
+                f"raw:{how}",
+                method,
+                data,
+                _combine(raw_expect, auth_expect) if raw_expect != "ok" else _combine(expect, auth_expect),
+                md,
+                text,
+            )
         kind = "valid" if family == "valid" else "random:" + (", ".join(labels) or "in_range")
         return GrpcCase(kind, method, data, _combine(expect, auth_expect), md, text)
 
     w = GRPC_WEIGHTS
-    strata = [("valid", w["valid"], case("valid")), ("random", w["random"], case("random")), ("other_method", w["other_method"], case("other_method"))]
+    strata = [
+        ("valid", w["valid"], case("valid")),
+        ("random", w["random"], case("random")),
+        ("other_method", w["other_method"], case("other_method")),
+    ]
     for how in GRPC_RAW_KINDS:
         strata.append((f"raw:{how}", w["raw"] / len(GRPC_RAW_KINDS), case("raw", how)))
     return strata
@@ -1452,7 +1765,7 @@ async def _read_status(reader) -> bytes:
         head += chunk
         final = re.search(rb"HTTP/\d(?:\.\d)? [2-9]\d\d", head)
         if final or len(head) > 65536:
-            return head[final.start():] if final else head
+            return head[final.start() :] if final else head
 
 
 def _check_http_response(status: int, content_type: str, text: str, case: HttpCase) -> str:
@@ -1534,7 +1847,11 @@ async def send_grpc(channel, case: GrpcCase, timeout: float) -> Outcome:
             elif not msgs[-1].HasField("usage"):
                 problem = "an OK stream without usage on its last message"
             return Outcome("OK", time.perf_counter() - start, problem, _short(str(msgs[-1]) if msgs else "", 300))
-        response_type = {"Complete": moray_pb2.CompleteResponse, "ListModels": moray_pb2.ListModelsResponse, "Health": moray_pb2.HealthResponse}[case.method]
+        response_type = {
+            "Complete": moray_pb2.CompleteResponse,
+            "ListModels": moray_pb2.ListModelsResponse,
+            "Health": moray_pb2.HealthResponse,
+        }[case.method]
         call = channel.unary_unary(path, request_serializer=None, response_deserializer=response_type.FromString)
         resp = await call(case.data, metadata=case.metadata, timeout=timeout)
         problem = ""
@@ -1634,7 +1951,11 @@ class Tally:
             "accepted_invalid_examples": self.accepted_invalid,
             "rejected_valid": self.counts["rejected_valid"],
             "rejected_valid_examples": self.rejected_valid,
-            **({"non_openai_error_bodies": self.non_openai_error_bodies, "non_openai_error_examples": self.non_openai_examples} if self.protocol == "http" else {}),
+            **(
+                {"non_openai_error_bodies": self.non_openai_error_bodies, "non_openai_error_examples": self.non_openai_examples}
+                if self.protocol == "http"
+                else {}
+            ),
         }
 
 
@@ -1666,7 +1987,9 @@ async def probe(session, base: str, key: str | None) -> Target:
         raise RuntimeError(f"GET /v1/models answered {status}: {_short(str(models), 200)}")
     card = models["data"][0]
     vocab = None
-    status, body = await _http_json(session, "POST", base + "/v1/completions", key, {"model": card["id"], "prompt": [2**31 - 1], "max_tokens": 1})
+    status, body = await _http_json(
+        session, "POST", base + "/v1/completions", key, {"model": card["id"], "prompt": [2**31 - 1], "max_tokens": 1}
+    )
     if isinstance(body, dict):
         m = re.search(r"\[0, (\d+)\)", str(body.get("error", {}).get("message", "")))
         vocab = int(m.group(1)) if m else None
@@ -1694,12 +2017,20 @@ async def greedy_check(session, base: str, t: Target, channel=None) -> dict:
 
         try:
             md = (("authorization", f"Bearer {t.api_key}"),) if t.api_key else ()
-            call = channel.unary_unary("/moray.v1.Moray/Health", request_serializer=moray_pb2.HealthRequest.SerializeToString,
-                                       response_deserializer=moray_pb2.HealthResponse.FromString)
+            call = channel.unary_unary(
+                "/moray.v1.Moray/Health",
+                request_serializer=moray_pb2.HealthRequest.SerializeToString,
+                response_deserializer=moray_pb2.HealthResponse.FromString,
+            )
             out["grpc_health"] = (await call(moray_pb2.HealthRequest(), metadata=md, timeout=30)).status
-            req = moray_pb2.GenerateRequest(model=t.model, prompt=GREEDY_PROMPT, sampling=moray_pb2.SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True))
-            call = channel.unary_unary("/moray.v1.Moray/Complete", request_serializer=moray_pb2.GenerateRequest.SerializeToString,
-                                       response_deserializer=moray_pb2.CompleteResponse.FromString)
+            req = moray_pb2.GenerateRequest(
+                model=t.model, prompt=GREEDY_PROMPT, sampling=moray_pb2.SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)
+            )
+            call = channel.unary_unary(
+                "/moray.v1.Moray/Complete",
+                request_serializer=moray_pb2.GenerateRequest.SerializeToString,
+                response_deserializer=moray_pb2.CompleteResponse.FromString,
+            )
             resp = await call(req, metadata=md, timeout=120)
             out["grpc_completion_text"], out["grpc_completion_tokens"] = resp.text, resp.usage.completion_tokens
         except Exception as e:  # noqa: BLE001
@@ -1719,7 +2050,9 @@ def _greedy_ok(before: dict, after: dict, grpc_too: bool) -> list[str]:
         if after.get("grpc_health") != "ok" or after.get("grpc_completion_tokens") != 8:
             problems.append(f"gRPC health/greedy completion after the fuzz failed: {after.get('grpc_error') or after.get('grpc_health')}")
         elif after.get("grpc_completion_text") != after.get("completion_text"):
-            problems.append(f"the gRPC greedy completion differs from HTTP's: {after.get('grpc_completion_text')!r} vs {after.get('completion_text')!r}")
+            problems.append(
+                f"the gRPC greedy completion differs from HTTP's: {after.get('grpc_completion_text')!r} vs {after.get('completion_text')!r}"
+            )
     return problems
 
 
@@ -1740,7 +2073,9 @@ async def fuzz(args: argparse.Namespace, base: str) -> dict:
     async with aiohttp.ClientSession(connector=connector) as session:
         target = await probe(session, base, args.api_key)
         host = urlsplit(base).netloc
-        _progress(f"target: model {target.model!r}, vocab {target.vocab_size}, context {target.max_model_len}; drawing cases (seed {args.seed})")
+        _progress(
+            f"target: model {target.model!r}, vocab {target.vocab_size}, context {target.max_model_len}; drawing cases (seed {args.seed})"
+        )
         loop = asyncio.get_running_loop()
         http_list = await loop.run_in_executor(None, draw_strata, http_strata(target, host), args.cases, args.seed)
         grpc_list = await loop.run_in_executor(None, draw_strata, grpc_strata(target), grpc_n, args.seed + 1) if grpc_n else []
@@ -1781,9 +2116,11 @@ async def fuzz(args: argparse.Namespace, base: str) -> dict:
                 if time.monotonic() - last > 10 or done == total:
                     last = time.monotonic()
                     h, g = tallies["http"], tallies["grpc"]
-                    _progress(f"{done}/{total} cases ({h.cases} HTTP, {g.cases} gRPC), server errors {len(h.server_errors) + len(g.server_errors)}, "
-                              f"timeouts {len(h.timeouts) + len(g.timeouts)}, slowest rejection "
-                              f"{max((x.slowest_rejection or {}).get('latency_s', 0) for x in (h, g)):.3f}s, {time.perf_counter() - t0:.0f}s")
+                    _progress(
+                        f"{done}/{total} cases ({h.cases} HTTP, {g.cases} gRPC), server errors {len(h.server_errors) + len(g.server_errors)}, "
+                        f"timeouts {len(h.timeouts) + len(g.timeouts)}, slowest rejection "
+                        f"{max((x.slowest_rejection or {}).get('latency_s', 0) for x in (h, g)):.3f}s, {time.perf_counter() - t0:.0f}s"
+                    )
 
         await asyncio.gather(*(worker() for _ in range(max(1, args.concurrency))))
         from bench.soak import wait_drained
@@ -1794,15 +2131,24 @@ async def fuzz(args: argparse.Namespace, base: str) -> dict:
         await channel.close()
     problems = _greedy_ok(before, after, channel is not None)
     report = {
-        "url": base, "grpc_address": args.grpc, "seed": args.seed,
+        "url": base,
+        "grpc_address": args.grpc,
+        "seed": args.seed,
         "target": {"model": target.model, "vocab_size": target.vocab_size, "max_model_len": target.max_model_len},
         "cases_requested": {"http": args.cases, "grpc": grpc_n},
         "cases_run": {"http": tallies["http"].cases, "grpc": tallies["grpc"].cases},
-        "stopped_by_time": stopped_by_time, "max_seconds": args.max_seconds, "wall_s": round(time.perf_counter() - t0, 1),
-        "http": tallies["http"].report(), "grpc": tallies["grpc"].report(),
-        "check_before": before, "check_after": after, "server_ok_after": not problems, "server_check_problems": problems,
+        "stopped_by_time": stopped_by_time,
+        "max_seconds": args.max_seconds,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "http": tallies["http"].report(),
+        "grpc": tallies["grpc"].report(),
+        "check_before": before,
+        "check_after": after,
+        "server_ok_after": not problems,
+        "server_check_problems": problems,
         # Not a failure criterion (the fuzz is about input handling), but a leak is a finding.
-        "kv_before": kv_before, "kv_after": kv_after,
+        "kv_before": kv_before,
+        "kv_after": kv_after,
     }
     report["slow_rejection_s"] = args.slow_rejection_s
     report["failures"] = failures(report)
@@ -1819,7 +2165,9 @@ def failures(report: dict) -> list[str]:
         if r["timeouts"]:
             out.append(f"{proto}: {r['timeouts']} requests got no answer in time")
         if r["malformed_responses"]:
-            out.append(f"{proto}: {r['malformed_responses']} malformed responses (broken streams, error events, tracebacks, empty successes)")
+            out.append(
+                f"{proto}: {r['malformed_responses']} malformed responses (broken streams, error events, tracebacks, empty successes)"
+            )
         if r["slow_rejections"]:
             out.append(f"{proto}: {r['slow_rejections']} rejections slower than {report.get('slow_rejection_s', 2.0)}s")
     out += report["server_check_problems"]

@@ -37,8 +37,12 @@ MODEL = "bench-model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=[*BACKENDS, "all"], default="all",
-                   help="redis: a Lua lookup per decision; redis-mirror: Redis shared, lookups from a local copy")
+    p.add_argument(
+        "--backend",
+        choices=[*BACKENDS, "all"],
+        default="all",
+        help="redis: a Lua lookup per decision; redis-mirror: Redis shared, lookups from a local copy",
+    )
     p.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--sequences", type=int, default=10_000, help="cached sequences in the index")
@@ -111,8 +115,16 @@ def loads(n_workers: int, rng: random.Random):
     from cluster.router.types import WorkerLoad
 
     return [
-        WorkerLoad(f"w{i}", "decode", inflight_prefill_tokens=rng.randint(0, 4096), active_decode_blocks=rng.randint(0, 2000),
-                   kv_usage=rng.random(), num_waiting=rng.randint(0, 4), epoch=1_000 + i, ts=time.time())
+        WorkerLoad(
+            f"w{i}",
+            "decode",
+            inflight_prefill_tokens=rng.randint(0, 4096),
+            active_decode_blocks=rng.randint(0, 2000),
+            kv_usage=rng.random(),
+            num_waiting=rng.randint(0, 4),
+            epoch=1_000 + i,
+            ts=time.time(),
+        )
         for i in range(n_workers)
     ]
 
@@ -126,8 +138,13 @@ def _percentiles(samples: list[float]) -> dict:
     def q(p):
         return s[min(len(s) - 1, int(p * len(s)))] * 1e3
 
-    return {"p50_ms": round(q(0.50), 4), "p90_ms": round(q(0.90), 4), "p99_ms": round(q(0.99), 4),
-            "max_ms": round(s[-1] * 1e3, 4), "mean_ms": round(sum(s) / len(s) * 1e3, 4)}
+    return {
+        "p50_ms": round(q(0.50), 4),
+        "p90_ms": round(q(0.90), 4),
+        "p99_ms": round(q(0.99), 4),
+        "max_ms": round(s[-1] * 1e3, 4),
+        "mean_ms": round(sum(s) / len(s) * 1e3, 4),
+    }
 
 
 def machine_noise(n: int = 15000) -> dict:
@@ -251,8 +268,11 @@ def bench_redis(args, cached_h, req_h, rng, mirror: bool = False) -> dict:
             return {"skipped": "redis-server not found (apt-get install redis-server, or pass --redis-url)"}
         tmp = tempfile.mkdtemp(prefix="moray-bench-redis-")
         port = free_port()
-        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                 "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 10
         while True:
@@ -268,8 +288,10 @@ def bench_redis(args, cached_h, req_h, rng, mirror: bool = False) -> dict:
         index = RedisKVIndex(client, MODEL)
         index.flush_all()
         # Fill through the workers' real path: one sink per worker, batched Lua writes.
-        sinks = [RedisKVEventSink(connect(url, 5.0), MODEL, f"w{i}", role="decode", batch_size=1024, flush_interval_s=0.005)
-                 for i in range(args.workers)]
+        sinks = [
+            RedisKVEventSink(connect(url, 5.0), MODEL, f"w{i}", role="decode", batch_size=1024, flush_interval_s=0.005)
+            for i in range(args.workers)
+        ]
         events = worker_events(cached_h, args.workers)
         n_events = sum(len(e) for e in events)
         t0 = time.perf_counter()
@@ -297,9 +319,14 @@ def bench_redis(args, cached_h, req_h, rng, mirror: bool = False) -> dict:
             out["mirror_poll_interval_s"] = index.consumer.poll_interval_s
             index = index.remote
         router.close()
-        out.update(index_events=n_events, index_build_s=round(build_s, 3), events_per_s=round(n_events / build_s),
-                   redis_used_memory_mb=round(client.info("memory")["used_memory"] / 2**20, 1),
-                   redis_url=url if args.redis_url is None else "(given)", redis_parser=_parser())
+        out.update(
+            index_events=n_events,
+            index_build_s=round(build_s, 3),
+            events_per_s=round(n_events / build_s),
+            redis_used_memory_mb=round(client.info("memory")["used_memory"] / 2**20, 1),
+            redis_url=url if args.redis_url is None else "(given)",
+            redis_parser=_parser(),
+        )
         if mirror:
             return out
         # Redis's own time per lookup (what bounds every replica together): the scripts alone.

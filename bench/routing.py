@@ -48,10 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--think-time-ms", type=float, default=1000.0, help="a user's pause before the next turn (uniform 0..N)")
-    p.add_argument("--slack-divisor", type=float, default=2.0,
-                   help="router.load_slack_blocks = kv_blocks / this (the default 64 blocks is sized for production pools)")
-    p.add_argument("--session-idle-s", type=float,
-                   help="router.session_idle_s (default: 3x the think time; the 60 s default is sized for human users)")
+    p.add_argument(
+        "--slack-divisor",
+        type=float,
+        default=2.0,
+        help="router.load_slack_blocks = kv_blocks / this (the default 64 blocks is sized for production pools)",
+    )
+    p.add_argument(
+        "--session-idle-s", type=float, help="router.session_idle_s (default: 3x the think time; the 60 s default is sized for human users)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="fresh apps per policy; figures are medians over them (machines are noisy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the JSON result here")
@@ -215,8 +220,13 @@ def start_ray() -> int:
 
     from workers.parallel import free_port
 
-    ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,  # its own, always
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}})
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,  # its own, always
+        runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}},
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
@@ -237,8 +247,16 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
     cfg = {
         "name": name,
         "mode": "colocated",
-        "engine": {"model": model, "block_size": args.block_size, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 4,
-                   "max_num_batched_tokens": 128, "max_model_len": 256, "token_buckets": [8, 32, 128], "page_buckets": [4, 16, 32]},
+        "engine": {
+            "model": model,
+            "block_size": args.block_size,
+            "num_kv_blocks": args.kv_blocks,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 128,
+            "max_model_len": 256,
+            "token_buckets": [8, 32, 128],
+            "page_buckets": [4, 16, 32],
+        },
         "decode": {"replicas": args.workers, "resources": {"cpus": 0.1}},
         # Load above the mean is free up to load_slack_blocks; the default (64) is sized for production
         # pools of thousands of blocks, so it is scaled to these small pools (half a pool by default:
@@ -262,8 +280,11 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
             results = asyncio.run(_run_items(url, groups, args.concurrency, args.think_time_ms / 1000, args.seed))
             out[wl] = summarise(results, before, _router_counters(url), args.workers)
             out[wl]["wall_s"] = time.perf_counter() - t1
-            print(f"[{policy}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{policy}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         serve.delete(name)
     return out
@@ -282,9 +303,14 @@ def run(args: argparse.Namespace) -> int:
     vocab = load_config(model)[1].vocab_size
     workloads = {w: make_workload(w, args.requests, args.seed, min(vocab, 500), args.block_size) for w in args.workloads}
     result: dict = {
-        "workers": args.workers, "kv_blocks_per_worker": args.kv_blocks, "block_size": args.block_size,
-        "requests_per_workload": args.requests, "concurrency": args.concurrency, "targets": TARGETS,
-        "router": router_settings(args), "think_time_ms": args.think_time_ms,
+        "workers": args.workers,
+        "kv_blocks_per_worker": args.kv_blocks,
+        "block_size": args.block_size,
+        "requests_per_workload": args.requests,
+        "concurrency": args.concurrency,
+        "targets": TARGETS,
+        "router": router_settings(args),
+        "think_time_ms": args.think_time_ms,
         "repeats": args.repeats,
         "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency) for w, g in workloads.items()},
         "policies": {},

@@ -85,8 +85,15 @@ class Result:
 
 
 async def one_request(session, url: str, model: str, item: Item, api_key: str | None) -> Result:
-    body = {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": item.prompt,
+        "max_tokens": item.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -170,9 +177,12 @@ def summarise(results: list[Result], wall: float, before: dict, after: dict) -> 
         "wall_s": wall,
         "throughput_tokens_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
-        "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
+        "e2e_p50_s": pct(e2e, 50),
+        "e2e_p99_s": pct(e2e, 99),
         "cache_hit_rate": (sum(r.cached_tokens for r in ok) / prompt) if prompt else 0.0,
         "kv_handoff_bytes": handoff_bytes,
         "kv_handoff_seconds": handoff_s,
@@ -204,8 +214,14 @@ def start_pair(model: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    engine = {"model": os.path.abspath(model), "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512,
-              "token_buckets": [8, 32, 128, 512], "page_buckets": [4, 16, 64]}
+    engine = {
+        "model": os.path.abspath(model),
+        "max_model_len": 1024,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,
+        "token_buckets": [8, 32, 128, 512],
+        "page_buckets": [4, 16, 64],
+    }
     base = {"engine": engine, "server": {"http_port": port}, "router": {"remote_prefill_min_tokens": 32}}
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))

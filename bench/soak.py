@@ -41,8 +41,10 @@ from bench.serve import pct
 
 RSS_INTERVAL_S = 30.0
 MORAY_TITLES = ("ray::ServeReplica:", "ray::ProxyActor", "ray::ServeController")
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
-         "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
+    "romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,8 +196,12 @@ def moray_processes(url: str, table: ProcTable | None = None) -> dict:
 
 def rss_sample(url: str, t: float) -> dict:
     found = moray_processes(url)
-    return {"t_s": round(t, 1), "scope": found["scope"], "processes": found["processes"],
-            "total_bytes": sum(p["rss_bytes"] for p in found["processes"].values())}
+    return {
+        "t_s": round(t, 1),
+        "scope": found["scope"],
+        "processes": found["processes"],
+        "total_bytes": sum(p["rss_bytes"] for p in found["processes"].values()),
+    }
 
 
 def rss_growth(samples: list[dict], from_s: float = 120.0) -> dict:
@@ -208,12 +214,25 @@ def rss_growth(samples: list[dict], from_s: float = 120.0) -> dict:
     for pid, p in end["processes"].items():
         if pid in start["processes"]:
             a, b = start["processes"][pid]["rss_bytes"], p["rss_bytes"]
-            per[f"{p['name']} ({pid})"] = {"from_bytes": a, "to_bytes": b, "growth_bytes": b - a, "growth_ratio": (b / a - 1) if a else None}
+            per[f"{p['name']} ({pid})"] = {
+                "from_bytes": a,
+                "to_bytes": b,
+                "growth_bytes": b - a,
+                "growth_ratio": (b / a - 1) if a else None,
+            }
     gone = [f"{p['name']} ({pid})" for pid, p in start["processes"].items() if pid not in end["processes"]]
     new = [f"{p['name']} ({pid})" for pid, p in end["processes"].items() if pid not in start["processes"]]
     total_a, total_b = start["total_bytes"], end["total_bytes"]
-    return {"from_t_s": start["t_s"], "to_t_s": end["t_s"], "total_from_bytes": total_a, "total_to_bytes": total_b,
-            "total_growth_bytes": total_b - total_a, "per_process": per, "processes_gone": gone, "processes_new": new}
+    return {
+        "from_t_s": start["t_s"],
+        "to_t_s": end["t_s"],
+        "total_from_bytes": total_a,
+        "total_to_bytes": total_b,
+        "total_growth_bytes": total_b - total_a,
+        "per_process": per,
+        "processes_gone": gone,
+        "processes_new": new,
+    }
 
 
 # ------------------------------------------------------------------------------------ /metrics
@@ -242,15 +261,22 @@ def kv_state(metrics_text: str) -> dict:
     """Per worker: KV use ratio, running and waiting requests, and (decode workers) the router's view of blocks in use."""
     m = parse_metrics(metrics_text)
     workers: dict[str, dict] = {}
-    for name, key in (("moray_kv_cache_usage_ratio", "kv_cache_usage_ratio"), ("moray_running_requests", "running"), ("moray_queue_depth", "waiting")):
+    for name, key in (
+        ("moray_kv_cache_usage_ratio", "kv_cache_usage_ratio"),
+        ("moray_running_requests", "running"),
+        ("moray_queue_depth", "waiting"),
+    ):
         for labels, v in m.get(name, []):
             w = workers.setdefault(labels.get("worker", "?"), {"role": labels.get("role")})
             w[key] = v
     for labels, v in m.get("moray_router_worker_load", []):
         if labels.get("field") == "active_decode_blocks":
             workers.setdefault(labels.get("worker", "?"), {"role": "decode"})["kv_blocks_in_use"] = int(v)
-    busy = [w for w, s in workers.items() if s.get("kv_cache_usage_ratio", 0) > 0 or s.get("running", 0) > 0 or s.get("waiting", 0) > 0
-            or s.get("kv_blocks_in_use", 0) > 0]
+    busy = [
+        w
+        for w, s in workers.items()
+        if s.get("kv_cache_usage_ratio", 0) > 0 or s.get("running", 0) > 0 or s.get("waiting", 0) > 0 or s.get("kv_blocks_in_use", 0) > 0
+    ]
     return {"workers": workers, "busy_workers": busy, "drained": bool(workers) and not busy}
 
 
@@ -259,7 +285,11 @@ async def wait_drained(session, base: str, timeout: float) -> dict:
     start = time.perf_counter()
     while True:
         status, text = await _get(session, base + "/metrics")
-        kv = kv_state(text) if status == 200 else {"error": f"/metrics answered {status}", "drained": False, "workers": {}, "busy_workers": []}
+        kv = (
+            kv_state(text)
+            if status == 200
+            else {"error": f"/metrics answered {status}", "drained": False, "workers": {}, "busy_workers": []}
+        )
         if kv["drained"] or time.perf_counter() - start > timeout:
             return kv
         await asyncio.sleep(0.5)
@@ -324,7 +354,9 @@ async def _post(soak: Soak, session, path: str, body: dict, kind: str, session_i
     label = f"{kind}{'_stream' if stream else ''}"
 
     async def attempt() -> dict | None:
-        async with session.post(soak.url + path, json=body, headers=soak.headers(session_id), timeout=aiohttp.ClientTimeout(total=soak.timeout)) as r:
+        async with session.post(
+            soak.url + path, json=body, headers=soak.headers(session_id), timeout=aiohttp.ClientTimeout(total=soak.timeout)
+        ) as r:
             if r.status != 200:
                 soak.record(start, label, "failed", e2e_s=time.perf_counter() - start, error=f"HTTP {r.status}: {(await r.text())[:300]}")
                 return None
@@ -359,7 +391,14 @@ async def _post(soak: Soak, session, path: str, body: dict, kind: str, session_i
                 return None
             want = body.get("max_tokens")
             if usage is not None and want is not None and usage["completion_tokens"] != want:
-                soak.record(start, label, "failed", e2e_s=e2e, ttft_s=ttft, error=f"{usage['completion_tokens']} tokens, asked for {want} (ignore_eos)")
+                soak.record(
+                    start,
+                    label,
+                    "failed",
+                    e2e_s=e2e,
+                    ttft_s=ttft,
+                    error=f"{usage['completion_tokens']} tokens, asked for {want} (ignore_eos)",
+                )
                 return None
             soak.record(start, label, "ok", e2e_s=e2e, ttft_s=ttft, prompt_tokens=(usage or {}).get("prompt_tokens", 0))
             return {"text": "".join(text), "usage": usage}
@@ -408,12 +447,20 @@ def _sampling(soak: Soak, max_tokens: int) -> dict:
 
 async def completion(soak: Soak, session) -> None:
     prompt = soak.rng.choice(soak.prefixes) + soak.tokens(soak.rng.randint(4, 32))
-    await _post(soak, session, "/v1/completions", {"model": soak.model, "prompt": prompt, **_sampling(soak, soak.rng.randint(2, 24))}, "completion")
+    await _post(
+        soak, session, "/v1/completions", {"model": soak.model, "prompt": prompt, **_sampling(soak, soak.rng.randint(2, 24))}, "completion"
+    )
 
 
 async def chat(soak: Soak, session) -> None:
     messages = [{"role": "system", "content": "You are a soak test."}, {"role": "user", "content": soak.words(soak.rng.randint(3, 20))}]
-    await _post(soak, session, "/v1/chat/completions", {"model": soak.model, "messages": messages, **_sampling(soak, soak.rng.randint(2, 16))}, "chat")
+    await _post(
+        soak,
+        session,
+        "/v1/chat/completions",
+        {"model": soak.model, "messages": messages, **_sampling(soak, soak.rng.randint(2, 16))},
+        "chat",
+    )
 
 
 async def chat_session(soak: Soak, session) -> None:
@@ -442,7 +489,14 @@ async def completion_session(soak: Soak, session) -> None:
         max_tokens = soak.rng.randint(2, 12)
         if len(history) + max_tokens > soak.max_model_len - 1:
             return
-        out = await _post(soak, session, "/v1/completions", {"model": soak.model, "prompt": history, **_sampling(soak, max_tokens)}, "completion_session_turn", sid)
+        out = await _post(
+            soak,
+            session,
+            "/v1/completions",
+            {"model": soak.model, "prompt": history, **_sampling(soak, max_tokens)},
+            "completion_session_turn",
+            sid,
+        )
         if out is None:
             return
         history = history + soak.tokens(max_tokens)  # stands in for the reply (its ids are not returned)
@@ -455,8 +509,11 @@ async def grpc_call(soak: Soak, channel) -> None:
 
     stub = moray_pb2_grpc.MorayStub(channel)
     max_tokens = soak.rng.randint(2, 16)
-    req = moray_pb2.GenerateRequest(model=soak.model, token_ids=moray_pb2.TokenIds(ids=soak.rng.choice(soak.prefixes) + soak.tokens(soak.rng.randint(4, 24))),
-                                    sampling=moray_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True, temperature=soak.rng.choice([0.0, 0.8])))
+    req = moray_pb2.GenerateRequest(
+        model=soak.model,
+        token_ids=moray_pb2.TokenIds(ids=soak.rng.choice(soak.prefixes) + soak.tokens(soak.rng.randint(4, 24))),
+        sampling=moray_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True, temperature=soak.rng.choice([0.0, 0.8])),
+    )
     md = (("authorization", f"Bearer {soak.api_key}"),) if soak.api_key else ()
     cancel = soak.rng.random() < soak.cancel_fraction
     start = time.perf_counter()
@@ -475,7 +532,13 @@ async def grpc_call(soak: Soak, channel) -> None:
                     soak.record(start, label, "cancelled", e2e_s=time.perf_counter() - start, ttft_s=ttft)
                     return
             if last is None or not last.finished or last.usage.completion_tokens != max_tokens:
-                soak.record(start, label, "failed", e2e_s=time.perf_counter() - start, error=f"stream ended unfinished or with the wrong count: {last}")
+                soak.record(
+                    start,
+                    label,
+                    "failed",
+                    e2e_s=time.perf_counter() - start,
+                    error=f"stream ended unfinished or with the wrong count: {last}",
+                )
                 return
             soak.record(start, label, "ok", e2e_s=time.perf_counter() - start, ttft_s=ttft, prompt_tokens=last.usage.prompt_tokens)
             return
@@ -492,7 +555,13 @@ async def grpc_call(soak: Soak, channel) -> None:
                 return
         resp = await task
         if resp.usage.completion_tokens != max_tokens:
-            soak.record(start, label, "failed", e2e_s=time.perf_counter() - start, error=f"{resp.usage.completion_tokens} tokens, asked for {max_tokens}")
+            soak.record(
+                start,
+                label,
+                "failed",
+                e2e_s=time.perf_counter() - start,
+                error=f"{resp.usage.completion_tokens} tokens, asked for {max_tokens}",
+            )
             return
         soak.record(start, label, "ok", e2e_s=time.perf_counter() - start, prompt_tokens=resp.usage.prompt_tokens)
     except grpc.aio.AioRpcError as e:
@@ -524,12 +593,19 @@ def per_minute(records: list[Record]) -> list[dict]:
         ok = [r for r in rs if r.outcome == "ok"]
         e2e = [r.e2e_s for r in ok]
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-        out.append({
-            "minute": m, "requests": len(rs), "ok": len(ok), "failed": sum(r.outcome == "failed" for r in rs),
-            "cancelled": sum(r.outcome == "cancelled" for r in rs),
-            "e2e_p50_s": round(pct(e2e, 50), 4), "e2e_p99_s": round(pct(e2e, 99), 4),
-            "ttft_p50_s": round(pct(ttft, 50), 4), "ttft_p99_s": round(pct(ttft, 99), 4),
-        })
+        out.append(
+            {
+                "minute": m,
+                "requests": len(rs),
+                "ok": len(ok),
+                "failed": sum(r.outcome == "failed" for r in rs),
+                "cancelled": sum(r.outcome == "cancelled" for r in rs),
+                "e2e_p50_s": round(pct(e2e, 50), 4),
+                "e2e_p99_s": round(pct(e2e, 99), 4),
+                "ttft_p50_s": round(pct(ttft, 50), 4),
+                "ttft_p99_s": round(pct(ttft, 99), 4),
+            }
+        )
     return out
 
 
@@ -567,7 +643,9 @@ async def soak_run(args: argparse.Namespace, base: str) -> dict:
         status, text = await _get(session, base + "/metrics")
         kv_before = kv_state(text) if status == 200 else {"error": f"/metrics answered {status}"}
         samples = [await loop.run_in_executor(None, rss_sample, base, 0.0)]
-        _progress(f"{len(samples[0]['processes'])} Moray processes ({samples[0]['scope']}); {args.concurrency} clients for {args.minutes} min")
+        _progress(
+            f"{len(samples[0]['processes'])} Moray processes ({samples[0]['scope']}); {args.concurrency} clients for {args.minutes} min"
+        )
         duration = args.minutes * 60
         deadline = soak.t0 + duration
 
@@ -577,8 +655,10 @@ async def soak_run(args: argparse.Namespace, base: str) -> dict:
                 await asyncio.sleep(max(0.0, soak.t0 + next_at - time.perf_counter()))
                 samples.append(await loop.run_in_executor(None, rss_sample, base, time.perf_counter() - soak.t0))
                 rs = soak.records
-                _progress(f"{time.perf_counter() - soak.t0:.0f}s: {len(rs)} requests, {sum(r.outcome == 'failed' for r in rs)} failed, "
-                          f"{sum(r.outcome == 'cancelled' for r in rs)} cancelled, RSS {samples[-1]['total_bytes'] / 2**20:.0f} MiB")
+                _progress(
+                    f"{time.perf_counter() - soak.t0:.0f}s: {len(rs)} requests, {sum(r.outcome == 'failed' for r in rs)} failed, "
+                    f"{sum(r.outcome == 'cancelled' for r in rs)} cancelled, RSS {samples[-1]['total_bytes'] / 2**20:.0f} MiB"
+                )
                 next_at += RSS_INTERVAL_S
 
         sampling = asyncio.ensure_future(sampler())
@@ -599,17 +679,35 @@ async def soak_run(args: argparse.Namespace, base: str) -> dict:
     for r in records:
         kinds.setdefault(r.kind, {"ok": 0, "failed": 0, "cancelled": 0})[r.outcome] += 1
     report = {
-        "url": base, "grpc": args.grpc, "minutes": args.minutes, "concurrency": args.concurrency, "seed": args.seed,
-        "cancel_fraction": args.cancel_fraction, "model": soak.model, "max_model_len": soak.max_model_len,
-        "wall_s": round(time.perf_counter() - soak.t0, 1), "load_s": round(load_end - soak.t0, 1),
-        "requests": len(records), "ok": len(ok), "failures": len(failed), "cancelled": sum(r.outcome == "cancelled" for r in records),
+        "url": base,
+        "grpc": args.grpc,
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "cancel_fraction": args.cancel_fraction,
+        "model": soak.model,
+        "max_model_len": soak.max_model_len,
+        "wall_s": round(time.perf_counter() - soak.t0, 1),
+        "load_s": round(load_end - soak.t0, 1),
+        "requests": len(records),
+        "ok": len(ok),
+        "failures": len(failed),
+        "cancelled": sum(r.outcome == "cancelled" for r in records),
         "by_kind": dict(sorted(kinds.items())),
         "failure_examples": [{"t_s": r.t_s, "kind": r.kind, "error": r.error} for r in failed[:30]],
-        "e2e_p50_s": round(pct([r.e2e_s for r in ok], 50), 4), "e2e_p99_s": round(pct([r.e2e_s for r in ok], 99), 4),
+        "e2e_p50_s": round(pct([r.e2e_s for r in ok], 50), 4),
+        "e2e_p99_s": round(pct([r.e2e_s for r in ok], 99), 4),
         "per_minute": per_minute(records),
-        "rss_start": samples[0], "rss_end": samples[-1],
-        "rss_timeline": [{"t_s": s["t_s"], "total_bytes": s["total_bytes"], "by_process": {f"{p['name']} ({pid})": p["rss_bytes"] for pid, p in s["processes"].items()}}
-                         for s in samples],
+        "rss_start": samples[0],
+        "rss_end": samples[-1],
+        "rss_timeline": [
+            {
+                "t_s": s["t_s"],
+                "total_bytes": s["total_bytes"],
+                "by_process": {f"{p['name']} ({pid})": p["rss_bytes"] for pid, p in s["processes"].items()},
+            }
+            for s in samples
+        ],
         "rss_growth_from_minute_2": rss_growth(samples, 120.0),
         "kv_before": kv_before,
         "kv_after_drain": {**kv, "drain_s": round(drain_s, 2)},
@@ -631,8 +729,10 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     print(text)
-    _progress(f"{report['requests']} requests, {report['failures']} failed, {report['cancelled']} cancelled; KV drained: "
-              f"{report['kv_after_drain'].get('drained')} ({report['kv_after_drain']['drain_s']}s); {'PASSED' if report['passed'] else 'FAILED'}")
+    _progress(
+        f"{report['requests']} requests, {report['failures']} failed, {report['cancelled']} cancelled; KV drained: "
+        f"{report['kv_after_drain'].get('drained')} ({report['kv_after_drain']['drain_s']}s); {'PASSED' if report['passed'] else 'FAILED'}"
+    )
     return 0 if report["passed"] else 1
 
 

@@ -92,7 +92,5 @@ def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
         "proxy_location": "EveryNode",
         "http_options": {"host": cfg.server.host, "port": cfg.server.http_port, "request_timeout_s": cfg.server.request_timeout_s},
         "grpc_options": {"port": cfg.server.grpc_port, "grpc_servicer_functions": GRPC_SERVICERS},
-        "applications": [
-            {"name": cfg.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": cfg.model_dump(mode="json")}
-        ],
+        "applications": [{"name": cfg.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": cfg.model_dump(mode="json")}],
     }

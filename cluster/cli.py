@@ -131,14 +131,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not _is_lead_process():
         return 0
     if args.json:
-        print(json.dumps({
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "num_cached_tokens": out.num_cached_tokens,
-            "prompt_token_ids": out.prompt_token_ids,
-            "logprobs": [{str(k): v for k, v in lp.items()} for lp in out.logprobs] if out.logprobs else None,
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "logprobs": [{str(k): v for k, v in lp.items()} for lp in out.logprobs] if out.logprobs else None,
+                }
+            )
+        )
     else:
         print(out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids)))
     return 0

@@ -171,7 +171,8 @@ class ServerConfig(_Strict):
         default=600.0, gt=0, description="a request running longer is aborted (its KV freed) and answered 504 / DEADLINE_EXCEEDED"
     )
     max_queued_requests: int = Field(
-        default=256, ge=0,
+        default=256,
+        ge=0,
         description="requests an ingress replica holds that have no first token yet; more are refused with 429 + Retry-After / "
         "RESOURCE_EXHAUSTED (0: no limit)",
     )

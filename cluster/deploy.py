@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             model = model.resolve()
         elif not model.is_dir():
-            print(f"cluster.deploy: warning: engine.model {model} is not a directory on this node; the workers' nodes need it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"cluster.deploy: warning: engine.model {model} is not a directory on this node; the workers' nodes need it",
+                file=sys.stderr,
+                flush=True,
+            )
         data["engine"]["model"] = str(model)
         cfg = parse_cluster_config(data)
     except ConfigError as e:
@@ -60,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="auto", logging_level="WARNING")
     problems = placement_problems(cfg, cluster_nodes())
     for problem in problems:
-        print(f"cluster.deploy: warning: {problem} (waiting up to {args.timeout:g}s for the cluster to scale up)",
-              file=sys.stderr, flush=True)
+        print(
+            f"cluster.deploy: warning: {problem} (waiting up to {args.timeout:g}s for the cluster to scale up)", file=sys.stderr, flush=True
+        )
     start_serve(cfg, detached=True)
     try:
         wait_until_ready(cfg, timeout_s=args.timeout, known_problems=problems)

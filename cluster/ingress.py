@@ -8,7 +8,6 @@ RESOURCE_EXHAUSTED with a one-line message. A `ValueError` a worker raises (the 
 second line of defence) is a 400 / INVALID_ARGUMENT too; nothing a client gets carries a traceback.
 """
 
-
 import asyncio
 import gc
 import json
@@ -109,8 +108,14 @@ class Ingress:
         self.router.on_worker_gone(self.metrics.forget_worker)  # a failed/expired worker's series leave /metrics
         colocated = self.config.mode == "colocated"
         self.orchestrator = Orchestrator(
-            self.router, prefill_handle, decode_handle, engine.block_size, self.model_name, colocated,
-            server=self.config.server, metrics=self.metrics,  # admission control, timeouts, failover counts
+            self.router,
+            prefill_handle,
+            decode_handle,
+            engine.block_size,
+            self.model_name,
+            colocated,
+            server=self.config.server,
+            metrics=self.metrics,  # admission control, timeouts, failover counts
         )
         self.workers: dict[str, dict] = {}
         self.created = int(time.time())
@@ -129,7 +134,8 @@ class Ingress:
     def live_workers(self, role: str) -> list[str]:
         horizon = time.time() - self.config.router.heartbeat_ttl_s
         return [
-            w for w, l in self.workers.items()
+            w
+            for w, l in self.workers.items()
             if l["role"] == role and l["reported_at"] >= horizon and l["healthy"] and not self.router.is_failed(w)
         ]
 
@@ -237,7 +243,9 @@ class Ingress:
         """What a client is told about a request that failed after validation (never a traceback)."""
         err = validation.client_error(e)
         if err is not None:  # a worker's ValueError, or an APIError (e.g. the orchestrator's 429/504)
-            log.log(logging.INFO if err.status < 500 else logging.WARNING, "request %s failed: %s %s", req.request_id, err.status, err.message)
+            log.log(
+                logging.INFO if err.status < 500 else logging.WARNING, "request %s failed: %s %s", req.request_id, err.status, err.message
+            )
             return err
         log.error("request %s failed", req.request_id, exc_info=e)
         return oa.APIError(500, f"internal error: {type(e).__name__}", "server_error")
@@ -282,8 +290,12 @@ class Ingress:
         if body.logprobs is not None:
             choice["logprobs"] = oa.completion_logprobs([self.detok(t) for t in tokens], logprobs, tokens, self.detok)
         return {
-            "id": req.request_id, "object": "text_completion", "created": oa.created(), "model": self.model_name,
-            "choices": [choice], "usage": oa.usage(len(req.prompt), len(tokens), last.num_cached_tokens),
+            "id": req.request_id,
+            "object": "text_completion",
+            "created": oa.created(),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": oa.usage(len(req.prompt), len(tokens), last.num_cached_tokens),
         }
 
     async def _chat_full(self, req: PreparedRequest, body: oa.ChatCompletionRequest) -> dict:
@@ -292,8 +304,12 @@ class Ingress:
         if body.logprobs:
             choice["logprobs"] = oa.chat_logprobs(tokens, logprobs, body.top_logprobs or 0, self.detok)
         return {
-            "id": req.request_id, "object": "chat.completion", "created": oa.created(), "model": self.model_name,
-            "choices": [choice], "usage": oa.usage(len(req.prompt), len(tokens), last.num_cached_tokens),
+            "id": req.request_id,
+            "object": "chat.completion",
+            "created": oa.created(),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": oa.usage(len(req.prompt), len(tokens), last.num_cached_tokens),
         }
 
     async def _sse(self, req: PreparedRequest, body, api_name: str, make_choice, obj: str):
@@ -304,13 +320,24 @@ class Ingress:
         try:
             async for chunk in self.run(req, api_name):
                 last = chunk
-                event = {"id": req.request_id, "object": obj, "created": created, "model": self.model_name,
-                         "choices": [make_choice(chunk, first)]}
+                event = {
+                    "id": req.request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [make_choice(chunk, first)],
+                }
                 first = False
                 yield f"data: {json.dumps(event)}\n\n"
             if include_usage and last is not None:
-                event = {"id": req.request_id, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                         "usage": oa.usage(len(req.prompt), last.completion_tokens, last.num_cached_tokens)}
+                event = {
+                    "id": req.request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": oa.usage(len(req.prompt), last.completion_tokens, last.num_cached_tokens),
+                }
                 yield f"data: {json.dumps(event)}\n\n"
         except Exception as e:  # noqa: BLE001 - reported to the client without a traceback
             if first:  # nothing sent yet: `_streaming` answers with an HTTP error instead
@@ -322,7 +349,9 @@ class Ingress:
         def choice(chunk: Chunk, first: bool) -> dict:
             out = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason if chunk.finished else None, "logprobs": None}
             if body.logprobs is not None and chunk.logprobs:
-                out["logprobs"] = oa.completion_logprobs([self.detok(t) for t in chunk.token_ids], chunk.logprobs, chunk.token_ids, self.detok)
+                out["logprobs"] = oa.completion_logprobs(
+                    [self.detok(t) for t in chunk.token_ids], chunk.logprobs, chunk.token_ids, self.detok
+                )
             return out
 
         return self._sse(req, body, "completions", choice, "text_completion")
@@ -371,7 +400,9 @@ class Ingress:
         self.check_auth(metadata.get("authorization"))
         request = self.validator.parse_grpc(request)
         checked = await self.validator.grpc(request)
-        return PreparedRequest(oa.new_id("grpc"), checked.prompt, checked.params, request.session_id or None, public_id=request.request_id or None)
+        return PreparedRequest(
+            oa.new_id("grpc"), checked.prompt, checked.params, request.session_id or None, public_id=request.request_id or None
+        )
 
     @staticmethod
     def _grpc_status(context, e: oa.APIError) -> None:
@@ -406,11 +437,19 @@ class Ingress:
         try:
             async for chunk in self.run(req, "grpc"):
                 msg = moray_pb2.GenerateResponse(
-                    request_id=req.client_id, token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished,
-                    finish_reason=chunk.finish_reason or "", logprobs=self._pb_logprobs(chunk),
+                    request_id=req.client_id,
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    finished=chunk.finished,
+                    finish_reason=chunk.finish_reason or "",
+                    logprobs=self._pb_logprobs(chunk),
                 )
                 if chunk.finished:
-                    msg.usage.CopyFrom(moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=chunk.completion_tokens, cached_tokens=chunk.num_cached_tokens))
+                    msg.usage.CopyFrom(
+                        moray_pb2.Usage(
+                            prompt_tokens=len(req.prompt), completion_tokens=chunk.completion_tokens, cached_tokens=chunk.num_cached_tokens
+                        )
+                    )
                 yield msg
         except Exception as e:  # noqa: BLE001 - a clean status, never a traceback, for the client
             err = self._failure(req, e)
@@ -430,13 +469,18 @@ class Ingress:
             self._grpc_status(grpc_context, self._failure(req, e))
             return moray_pb2.CompleteResponse()
         return moray_pb2.CompleteResponse(
-            request_id=req.client_id, token_ids=tokens, text=text, finish_reason=last.finish_reason or "",
+            request_id=req.client_id,
+            token_ids=tokens,
+            text=text,
+            finish_reason=last.finish_reason or "",
             usage=moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(tokens), cached_tokens=last.num_cached_tokens),
         )
 
     async def ListModels(self, request: moray_pb2.ListModelsRequest, grpc_context=None) -> moray_pb2.ListModelsResponse:
         card = self._model_card()
-        return moray_pb2.ListModelsResponse(models=[moray_pb2.ModelInfo(id=card["id"], owned_by="moray", created=card["created"], max_model_len=card["max_model_len"])])
+        return moray_pb2.ListModelsResponse(
+            models=[moray_pb2.ModelInfo(id=card["id"], owned_by="moray", created=card["created"], max_model_len=card["max_model_len"])]
+        )
 
     async def Health(self, request: moray_pb2.HealthRequest, grpc_context=None) -> moray_pb2.HealthResponse:
         s = self.health_status()

@@ -149,7 +149,10 @@ def placement_problems(cfg: ClusterConfig, nodes: list[dict[str, float]]) -> lis
         while placed < n and _place_replica(free, bundles, pool.placement_strategy):
             placed += 1
         if placed < n:
-            problems.append(f"the {name} pool cannot be placed: " + _shortfall(name, n, placed, per_replica, bundles, pool, before, nodes, totals, taken))
+            problems.append(
+                f"the {name} pool cannot be placed: "
+                + _shortfall(name, n, placed, per_replica, bundles, pool, before, nodes, totals, taken)
+            )
         got = {r: sum(b.get(r, 0.0) for b in before) - sum(f.get(r, 0.0) for f in free) for r in per_replica}
         taken.append((name, got))
     return problems
@@ -162,17 +165,23 @@ def _shortfall(name, n, placed, per_replica, bundles, pool, before, nodes, total
         if needed > available + 1e-9:
             others = [f"the {other} pool takes {_amount(r, got[r])}" for other, got in taken if got.get(r, 0.0) > 0]
             has = f"the Ray cluster has {_amount(r, totals.get(r, 0.0))}" + "".join(", " + o for o in others)
-            return (f"{n} replica{'s' if n != 1 else ''} x {_amount(r, v)} = {_amount(r, needed)} needed, "
-                    f"{_amount(r, available)} available ({has}); {fix}")
+            return (
+                f"{n} replica{'s' if n != 1 else ''} x {_amount(r, v)} = {_amount(r, needed)} needed, "
+                f"{_amount(r, available)} available ({has}); {fix}"
+            )
     # Enough in all, but not in the shape one replica needs.
     if len(bundles) > 1:
-        shape = (f"each replica needs {len(bundles)} bundles of {', '.join(_amount(r, v) for r, v in bundles[0].items())}"
-                 f" ({pool.placement_strategy}{': on different nodes' if pool.placement_strategy == 'STRICT_SPREAD' else ''})")
+        shape = (
+            f"each replica needs {len(bundles)} bundles of {', '.join(_amount(r, v) for r, v in bundles[0].items())}"
+            f" ({pool.placement_strategy}{': on different nodes' if pool.placement_strategy == 'STRICT_SPREAD' else ''})"
+        )
     else:
         shape = f"each replica needs {', '.join(_amount(r, v) for r, v in bundles[0].items())} on one node"
     largest = max(nodes, key=lambda node: node.get("CPU", 0.0), default={})
-    return (f"{f'only {placed} of {n} replicas fit' if placed else 'no replica fits'}: {shape}, the Ray cluster has {len(nodes)} node{'s' if len(nodes) != 1 else ''}"
-            f" (largest: {_amount('CPU', largest.get('CPU', 0.0))}); {fix}")
+    return (
+        f"{f'only {placed} of {n} replicas fit' if placed else 'no replica fits'}: {shape}, the Ray cluster has {len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+        f" (largest: {_amount('CPU', largest.get('CPU', 0.0))}); {fix}"
+    )
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -200,7 +209,10 @@ def serve_app_state(app_name: str) -> tuple[str | None, dict[str, tuple[str, str
     app = serve.status().applications.get(app_name)
     if app is None:
         return None, {}, ""
-    pools = {POOL_OF_DEPLOYMENT.get(name, name): (str(getattr(d.status, "value", d.status)), d.message or "") for name, d in app.deployments.items()}
+    pools = {
+        POOL_OF_DEPLOYMENT.get(name, name): (str(getattr(d.status, "value", d.status)), d.message or "")
+        for name, d in app.deployments.items()
+    }
     return str(getattr(app.status, "value", app.status)), pools, app.message or ""
 
 
@@ -284,7 +296,7 @@ def how_to_call(cfg: ClusterConfig) -> str:
         f"  HTTP (OpenAI-compatible): {http}/v1\n"
         f"  gRPC (moray.v1.Moray):    {grpc_addr}\n\n"
         f"  curl {http}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f"       -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+        f'       -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'\n'
         f"  .venv/bin/python -m cluster.grpc_client --address {grpc_addr} --prompt Hello\n"
     )
 

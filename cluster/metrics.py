@@ -24,7 +24,10 @@ _WORKER_COUNTERS = {
     "misrouted": ("misrouted", "moray_misrouted_requests", "requests a worker received although the router chose another", None),
     "handoff_bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),
     "handoff_state_bytes": (
-        "handoff_state_bytes", "moray_kv_handoff_state_bytes", "of the handoff bytes, linear-attention state (hybrid models)", "decode",
+        "handoff_state_bytes",
+        "moray_kv_handoff_state_bytes",
+        "of the handoff bytes, linear-attention state (hybrid models)",
+        "decode",
     ),
     "handoff_seconds": ("handoff_seconds", "moray_kv_handoff_seconds", "time a decode worker spent importing KV", "decode"),
     "handoffs": ("handoffs", "moray_kv_handoffs", "KV handoffs a decode worker completed", "decode"),
@@ -38,11 +41,15 @@ class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.ttft = Histogram("moray_time_to_first_token_seconds", "time to first token", ["path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("moray_time_per_output_token_seconds", "mean time per output token after the first", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "moray_time_per_output_token_seconds", "mean time per output token after the first", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.e2e = Histogram("moray_e2e_request_latency_seconds", "end-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter(
-            "moray_requests_total", "finished requests by outcome: the finish reason (stop, length, ...), error, timeout or cancelled",
-            ["api", "outcome"], registry=r,
+            "moray_requests_total",
+            "finished requests by outcome: the finish reason (stop, length, ...), error, timeout or cancelled",
+            ["api", "outcome"],
+            registry=r,
         )
         self.prompt_tokens = Counter("moray_prompt_tokens_total", "prompt tokens", registry=r)
         self.generation_tokens = Counter("moray_generation_tokens_total", "generated tokens", registry=r)
@@ -52,7 +59,10 @@ class FrontendMetrics:
         self.rejected = Counter("moray_rejected_requests", "requests refused by admission control", ["reason"], registry=r)
         self.timeouts = Counter("moray_request_timeouts", "requests aborted at server.request_timeout_s", ["stage"], registry=r)
         self.failovers = Counter(
-            "moray_failovers", "requests whose worker failed: retried on another (before any token went out) or failed", ["result"], registry=r
+            "moray_failovers",
+            "requests whose worker failed: retried on another (before any token went out) or failed",
+            ["result"],
+            registry=r,
         )
         # Worker state, per live worker.
         self.queue_depth = Gauge("moray_queue_depth", "requests waiting in a worker's scheduler", ["worker", "role"], registry=r)

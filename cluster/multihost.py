@@ -113,5 +113,7 @@ def placement_options(pool: PoolConfig) -> dict:
     bundle = {"CPU": pool.resources.cpus}
     if pool.resources.tpu is not None:
         bundle["TPU"] = pool.resources.tpu.chips_per_host
-    return {"placement_group_bundles": [dict(bundle) for _ in range(pool.hosts_per_replica)],
-            "placement_group_strategy": pool.placement_strategy}
+    return {
+        "placement_group_bundles": [dict(bundle) for _ in range(pool.hosts_per_replica)],
+        "placement_group_strategy": pool.placement_strategy,
+    }

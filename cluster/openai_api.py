@@ -100,7 +100,17 @@ class _Common(BaseModel):
     def sampling_fields(self, logprobs: int | None) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens is the validator's business)."""
         fields: dict[str, Any] = {"n": self.n, "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs}
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids"):
+        for name in (
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "stop_token_ids",
+        ):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value

@@ -237,7 +237,15 @@ class Orchestrator:
                         trace.first_token = time.perf_counter()
                         self._started(request_id)
                         first_logprobs = [result.first_logprobs] if result.first_logprobs else None
-                        last = Chunk([result.first_token], result.text, result.finished, result.finish_reason, result.num_cached_tokens, 1, first_logprobs)
+                        last = Chunk(
+                            [result.first_token],
+                            result.text,
+                            result.finished,
+                            result.finish_reason,
+                            result.num_cached_tokens,
+                            1,
+                            first_logprobs,
+                        )
                         if result.finished:
                             finished = completed = True
                             yield last
@@ -341,7 +349,15 @@ class Orchestrator:
                 finished = out.finished
                 new = len(out.new_token_ids)
                 logprobs = out.logprobs[-new:] if (out.logprobs and new) else None
-                yield Chunk(list(out.new_token_ids), out.delta_text, out.finished, out.finish_reason, out.num_cached_tokens, len(out.token_ids), logprobs)
+                yield Chunk(
+                    list(out.new_token_ids),
+                    out.delta_text,
+                    out.finished,
+                    out.finish_reason,
+                    out.num_cached_tokens,
+                    len(out.token_ids),
+                    logprobs,
+                )
         finally:
             if not finished:
                 gen.cancel()  # client gone, failure or timeout: the decode replica aborts and frees the KV blocks
@@ -376,7 +392,9 @@ async def _until(awaitable, deadline: float | None, stage: str) -> Any:
             return await awaitable
     except TimeoutError:
         if cm.expired():
-            raise RequestTimedOut(f"the request did not finish within server.request_timeout_s (stopped during {stage}); it was aborted") from None
+            raise RequestTimedOut(
+                f"the request did not finish within server.request_timeout_s (stopped during {stage}); it was aborted"
+            ) from None
         raise
 
 

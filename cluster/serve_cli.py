@@ -36,9 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "RAY_ADDRESS and running clusters are never used unless --address says so",
     )
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: this machine's); not with --address")
-    p.add_argument(
-        "--connect-timeout", type=float, default=30.0, help="seconds to wait for the --address cluster to answer (default 30)"
-    )
+    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for the --address cluster to answer (default 30)")
     p.add_argument(
         "--startup-timeout",
         type=float,
@@ -236,8 +234,11 @@ def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
     watchdog = threading.Timer(
         args.connect_timeout + 60,
         _exit_now,
-        (f"moray: error: {address} (from {source}) accepts connections but Ray did not connect within "
-         f"{args.connect_timeout + 60:g}s; is it a Ray GCS port?", 1),
+        (
+            f"moray: error: {address} (from {source}) accepts connections but Ray did not connect within "
+            f"{args.connect_timeout + 60:g}s; is it a Ray GCS port?",
+            1,
+        ),
     )
     watchdog.daemon = True
     watchdog.start()
@@ -339,7 +340,9 @@ def run(args: argparse.Namespace) -> int:
         except (Interrupted, StartupError):
             raise
         except Exception as e:  # e.g. a port in use, a route taken by another application
-            raise StartupError(f"Serve could not deploy '{cfg.name}': {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
+            raise StartupError(
+                f"Serve could not deploy '{cfg.name}': {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+            ) from None
         say(f"waiting for the application to become ready (up to {args.startup_timeout:g}s; Ctrl-C stops)")
         wait_until_ready(cfg, args.startup_timeout, known_problems=problems, say=say)
         print(how_to_call(cfg), flush=True)

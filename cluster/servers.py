@@ -112,7 +112,9 @@ class DecodeServer(_WorkerServer):
 
     def __init__(self, cluster_config: dict, prefill_handle=None):
         self.prefill_handle = prefill_handle
-        self._start(cluster_config, lambda cfg, engine: DecodeWorker(cfg, layers_per_chunk=self.config.handoff_layers_per_chunk, engine=engine))
+        self._start(
+            cluster_config, lambda cfg, engine: DecodeWorker(cfg, layers_per_chunk=self.config.handoff_layers_per_chunk, engine=engine)
+        )
 
     async def generate_from_prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams, handoff: PrefillResult, target_replica: str | None = None
@@ -130,5 +132,3 @@ class DecodeServer(_WorkerServer):
 
         async for out in self.worker.generate_from_prefill(request_id, prompt, params, handoff, fetch_chunk, release):
             yield out
-
-

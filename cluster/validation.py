@@ -44,8 +44,16 @@ OFFLOAD_CHARS = 4096
 DEFAULT_MAX_TOKENS = 16
 
 _GRPC_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 # `\uD800`-`\uDFFF` escapes: the only way a JSON body can carry a surrogate (raw UTF-8 cannot).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -139,7 +147,7 @@ def _check_tree(data: Any, depth_limit: bool, strings: bool) -> None:
         node, depth, path = stack.pop()
         if depth_limit and depth > MAX_JSON_DEPTH:
             raise oa.APIError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep", param=_param(path[:1]))
-        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
             if strings:
                 if isinstance(key, str) and not _valid_unicode(key):
                     raise _surrogate_error(path)
@@ -184,7 +192,9 @@ class RequestValidator:
 
     def check_size(self, size: int) -> None:
         if size > self.max_body_bytes:
-            raise oa.APIError(413, f"the request is larger than {self.max_body_bytes} bytes (server.max_body_bytes)", code="request_too_large")
+            raise oa.APIError(
+                413, f"the request is larger than {self.max_body_bytes} bytes (server.max_body_bytes)", code="request_too_large"
+            )
 
     def check_content_length(self, header: str | None) -> None:
         """A Content-Length header over the limit: refused before reading the body."""
@@ -198,7 +208,9 @@ class RequestValidator:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise oa.APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+            raise oa.APIError(
+                404, f"the model '{model}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found"
+            )
 
     # ---------------------------------------------------------------- prompts
 
@@ -209,7 +221,9 @@ class RequestValidator:
         if self.max_prompt_tokens:
             limit = min(limit, self.max_prompt_tokens)
         if len(prompt) > limit:
-            raise oa.APIError(400, f"the prompt has {len(prompt)} tokens; the limit is {limit}", param="prompt", code="context_length_exceeded")
+            raise oa.APIError(
+                400, f"the prompt has {len(prompt)} tokens; the limit is {limit}", param="prompt", code="context_length_exceeded"
+            )
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise oa.APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
@@ -246,7 +260,9 @@ class RequestValidator:
             raise oa.APIError(400, f"messages: {one_line(e)}", param="messages") from None
         except Exception as e:  # noqa: BLE001 - a template choking on odd input is the input's fault
             log.info("chat template failed on a request: %s: %s", type(e).__name__, one_line(e))
-            raise oa.APIError(400, f"messages: the chat template cannot render these messages ({type(e).__name__}: {one_line(e, 200)})", param="messages") from None
+            raise oa.APIError(
+                400, f"messages: the chat template cannot render these messages ({type(e).__name__}: {one_line(e, 200)})", param="messages"
+            ) from None
 
     # ---------------------------------------------------------------- sampling
 
@@ -264,7 +280,9 @@ class RequestValidator:
             raise oa.APIError(400, str(e), param=param) from None
         bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
-            raise oa.APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids")
+            raise oa.APIError(
+                400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
+            )
         if max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
             raise oa.APIError(
                 400,
@@ -344,4 +362,3 @@ class RequestValidator:
         max_tokens = fields.pop("max_tokens", None)
         fields.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
         return Checked(prompt, self.sampling_params(fields, len(prompt), max_tokens))
-

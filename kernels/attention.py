@@ -129,9 +129,7 @@ def _ragged_paged_attention_pallas(*args, sm_scale, sliding_window):
     if jax.default_backend() != "tpu":
         # Interpret mode: the kernel's tuned block-size table asks for the TPU generation and
         # raises without one, so pass small block sizes directly.
-        blocks = dict(
-            num_kv_pages_per_block=min(8, page_indices.shape[1]), num_queries_per_block=min(32, q.shape[0])
-        )
+        blocks = dict(num_kv_pages_per_block=min(8, page_indices.shape[1]), num_queries_per_block=min(32, q.shape[0]))
     out = tpu_rpa.ragged_paged_attention(*args, sm_scale=sm_scale, sliding_window=sliding_window, **blocks)
     # The kernel never stores padding rows (they hold uninitialised scratch): zero them.
     return jnp.where(_live_tokens(q.shape[0], cu_q_lens, num_seqs)[:, None, None], out, 0).astype(q.dtype)
@@ -209,9 +207,7 @@ def _ragged_paged_attention_jnp(
         if num_items == 0:
             continue  # e.g. a batch too small to hold a long sequence
         items = _plan_items(q_start, q_len, kv_lens, selected, rows, num_items)
-        values = _attend_items(
-            q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter
-        )
+        values = _attend_items(q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter)
         out = _scatter_items(out, items, values)
     return out
 
@@ -299,9 +295,7 @@ def _attend_items(
     q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(num_items, hkv, rows * group, d)
 
     # What a unit needs of its item, as one table so the loop gathers it once.
-    item_table = jnp.stack(
-        [items.seq, units.first_page, units.ends - units.per_item, items.first_pos, units.last_pos]
-    )
+    item_table = jnp.stack([items.seq, units.first_page, units.ends - units.per_item, items.first_pos, units.last_pos])
 
     def body(it, state):
         unit = it * per_iter + jnp.arange(per_iter)

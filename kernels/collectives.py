@@ -187,9 +187,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     """
     axes = tuple(axes)
     if has_ragged_all_to_all():
-        return jax.lax.ragged_all_to_all(
-            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes
-        )
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes)
     warn_once(
         "ragged_all_to_all",
         "ragged_all_to_all is not available on the %s backend: using a padded all_to_all (same result, more bytes)",

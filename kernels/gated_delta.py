@@ -146,7 +146,6 @@ def gated_delta_rule_recurrent(
     return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
 
 
-
 class _ChunkParts(NamedTuple):
     """What the scan over chunks needs of each chunk, all computable for every chunk at once.
 
@@ -387,15 +386,40 @@ def ragged_gated_delta_rule(
         raise ValueError(f"gated delta impl {impl!r} is not available")
     _check_heads(k, v)
     return _ragged_gated_delta_rule_jnp(
-        q, k, v, g, beta, states, slots, cu_q_lens, num_seqs, snap_lens, snap_slots,
-        chunk_size=chunk_size, decode_only=decode_only, use_qk_l2norm=use_qk_l2norm,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        states,
+        slots,
+        cu_q_lens,
+        num_seqs,
+        snap_lens,
+        snap_slots,
+        chunk_size=chunk_size,
+        decode_only=decode_only,
+        use_qk_l2norm=use_qk_l2norm,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "decode_only", "use_qk_l2norm"))
 def _ragged_gated_delta_rule_jnp(
-    q, k, v, g, beta, states, slots, cu_q_lens, num_seqs, snap_lens, snap_slots,
-    *, chunk_size, decode_only, use_qk_l2norm,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    states,
+    slots,
+    cu_q_lens,
+    num_seqs,
+    snap_lens,
+    snap_slots,
+    *,
+    chunk_size,
+    decode_only,
+    use_qk_l2norm,
 ):
     n, hv, dv = v.shape
     out_dtype = v.dtype  # v itself is recast below
@@ -461,8 +485,7 @@ def _chunk_loop(out, states, tokens, seqs: _Seqs, chunk_size: int):
         valid = pos + jnp.arange(chunk_size) < hi
         # where, not multiply: rows past the end may be padding holding NaN.
         q, k, v, g, beta = (
-            jnp.where(valid.reshape(-1, *(1,) * (a.ndim - 1)), jax.lax.dynamic_slice_in_dim(a, pos, chunk_size), 0)
-            for a in tokens
+            jnp.where(valid.reshape(-1, *(1,) * (a.ndim - 1)), jax.lax.dynamic_slice_in_dim(a, pos, chunk_size), 0) for a in tokens
         )
         # [C, H, d] -> [Hv, C, d]: heads lead, as in the contiguous form.
         q, k = (jnp.swapaxes(_expand_heads(a, hv), 0, 1) for a in (q, k))

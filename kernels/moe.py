@@ -49,9 +49,7 @@ MAX_TILE_ROWS = 128
 PALLAS_TILING = (128, 512, 512)
 
 
-def route_softmax_topk(
-    router_logits: jax.Array, top_k: int, renormalize: bool
-) -> tuple[jax.Array, jax.Array]:
+def route_softmax_topk(router_logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """Softmax over all experts in float32, then top-k; optionally renormalise the k weights."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
@@ -171,13 +169,9 @@ def _experts_sorted(x, ids, weights, gate_up, down):
     order, group_sizes = _sort_by_expert(ids, gate_up.shape[0])
     token_of = order // k
     xs = x[token_of]
-    h = jax.lax.ragged_dot(
-        xs, jnp.swapaxes(gate_up, 1, 2), group_sizes, preferred_element_type=jnp.float32
-    )
+    h = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), group_sizes, preferred_element_type=jnp.float32)
     act = _swiglu(h).astype(x.dtype)
-    out = jax.lax.ragged_dot(
-        act, jnp.swapaxes(down, 1, 2), group_sizes, preferred_element_type=jnp.float32
-    )
+    out = jax.lax.ragged_dot(act, jnp.swapaxes(down, 1, 2), group_sizes, preferred_element_type=jnp.float32)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token_of].add(out)
 

@@ -190,7 +190,7 @@ def mxu_width(device_kind: str) -> int:
 
 
 def select_impl(group_size: int, backend: str | None = None, device_kind: str | None = None) -> str:
-    """"pallas" or "xla" for a quantised matmul whose scales cover `group_size` inputs.
+    """ "pallas" or "xla" for a quantised matmul whose scales cover `group_size` inputs.
 
     Off TPU: always XLA (the kernel would run interpreted). On TPU: a group narrower than the MXU
     column width cannot feed the MXU a full-width contraction per scale, so XLA's
@@ -223,9 +223,7 @@ def shard_group_size(group_size: int, in_dim: int, shards: int, values_per_word:
         raise ValueError(f"input dimension {in_dim} does not split evenly over {shards} shards")
     per_shard = in_dim // shards
     if per_shard % values_per_word:
-        raise ValueError(
-            f"{shards} shards of {per_shard} inputs would split packed words of {values_per_word} values"
-        )
+        raise ValueError(f"{shards} shards of {per_shard} inputs would split packed words of {values_per_word} values")
     return math.gcd(group_size, per_shard)
 
 
@@ -255,9 +253,7 @@ def _matmul_pallas(x: Array, w: QuantizedWeight, interpret: bool | None = None) 
     tiles = -(-m // tm)
     rows = jnp.pad(rows, ((0, tiles * tm - m), (0, 0)))
     one_group = QuantizedWeight(w.values[None], w.scale[None], w.kind, w.group_size)
-    out = grouped_matmul(
-        rows, one_group, jnp.zeros((tiles,), jnp.int32), jnp.array([tiles], jnp.int32), tm=tm, interpret=interpret
-    )
+    out = grouped_matmul(rows, one_group, jnp.zeros((tiles,), jnp.int32), jnp.array([tiles], jnp.int32), tm=tm, interpret=interpret)
     return out[:m].reshape(*lead, -1)
 
 
@@ -326,9 +322,7 @@ def grouped_matmul(
             start = kk * scale_cols if tk >= g else (kk * tk) // g
             scale = scale_ref[:, pl.ds(start, scale_cols)]
             block = _dequantize_arrays(values_ref[...], scale, w.kind, block_group, dtype)  # [tn, tk]
-            acc_ref[...] += jax.lax.dot_general(
-                x_ref[...], block, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            acc_ref[...] += jax.lax.dot_general(x_ref[...], block, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
         @pl.when(kk == pl.num_programs(2) - 1)
         def _store():

@@ -82,4 +82,6 @@ def init_ray():
     # One CPU device per worker process is enough here; set for Ray's workers only, so this test
     # process (and the subprocesses later tests start) keep conftest's 8 virtual devices.
     env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env})
+    ray.init(
+        address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env}
+    )

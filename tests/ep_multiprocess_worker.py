@@ -21,7 +21,16 @@ CONFIGS = {
     "2x4-hierarchical": dict(mesh="2x4", moe={"dispatch": "hierarchical"}),
     "2x2x2-hierarchical-dispatch": dict(mesh="2x2x2", moe={"dispatch": "hierarchical-dispatch", "fast_axes": ["core"]}),
 }
-ENGINE = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, token_buckets=[4, 32], page_buckets=[8], compilation_cache_dir=None, warmup=False)
+ENGINE = dict(
+    block_size=8,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    max_model_len=64,
+    token_buckets=[4, 32],
+    page_buckets=[8],
+    compilation_cache_dir=None,
+    warmup=False,
+)
 GENERATE = dict(mesh="2x4", moe={"dispatch": "hierarchical"})
 
 

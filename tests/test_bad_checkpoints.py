@@ -18,9 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
-    return save_hf_checkpoint(
-        tmp_path_factory.mktemp("good"), "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
-    )
+    return save_hf_checkpoint(tmp_path_factory.mktemp("good"), "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
 
 @pytest.fixture

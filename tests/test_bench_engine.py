@@ -22,8 +22,18 @@ from workers.models.make_model import HYBRID_PRESETS, PRESETS, make_model
 ROOT = Path(__file__).resolve().parent.parent
 RUNS, STEPS, PROMPT, PREFILL, BATCHES = 2, 2, 8, 16, (1, 2)
 BYTE_KINDS = {
-    "attention", "linear_attention", "norms", "dense_mlp", "router", "shared_expert", "experts", "lm_head",
-    "embedding", "kv", "state", "total",
+    "attention",
+    "linear_attention",
+    "norms",
+    "dense_mlp",
+    "router",
+    "shared_expert",
+    "experts",
+    "lm_head",
+    "embedding",
+    "kv",
+    "state",
+    "total",
 }
 
 
@@ -32,10 +42,37 @@ def run_bench(tmp: Path, arch: str) -> tuple[dict, str, Path]:
     out = tmp / "engine.json"
     batches = ",".join(map(str, BATCHES))
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--model", str(model), "--json", str(out),
-         "--runs", str(RUNS), "--decode-steps", str(STEPS), "--prompt-len", str(PROMPT), "--prefill-len", str(PREFILL),
-         "--batches", batches, "--roofline-batches", batches, "--compare-batches", batches, "--bandwidth-mib", "8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "bench",
+            "engine",
+            "--model",
+            str(model),
+            "--json",
+            str(out),
+            "--runs",
+            str(RUNS),
+            "--decode-steps",
+            str(STEPS),
+            "--prompt-len",
+            str(PROMPT),
+            "--prefill-len",
+            str(PREFILL),
+            "--batches",
+            batches,
+            "--roofline-batches",
+            batches,
+            "--compare-batches",
+            batches,
+            "--bandwidth-mib",
+            "8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stderr, model
@@ -99,7 +136,9 @@ def test_bandwidth_and_roofline(result):
     assert data["kv_bytes_per_token"] == preset.num_layers * 2 * preset.num_kv_heads * preset.head_dim * 4
     assert data["state_bytes_per_sequence"] == 0 and data["kv_dtype"] == "float32"
     assert data["layers"] == {
-        "num_layers": preset.num_layers, "linear_attention": 0, "full_attention": preset.num_layers,
+        "num_layers": preset.num_layers,
+        "linear_attention": 0,
+        "full_attention": preset.num_layers,
         "full_attention_layers": list(range(preset.num_layers)),
     }
 
@@ -138,8 +177,12 @@ def test_hybrid_roofline(hybrid):
     # Gated DeltaNet weights of one layer: qkvz, ba, the depthwise conv, dt_bias, A_log, the gated norm, out.
     value_dim = LP.num_value_heads * LP.head_dim
     linear_layer = (
-        (TINY_CONV_DIM + value_dim) * h + 2 * LP.num_value_heads * h + TINY_CONV_DIM * LP.conv_kernel_size
-        + 2 * LP.num_value_heads + LP.head_dim + h * value_dim
+        (TINY_CONV_DIM + value_dim) * h
+        + 2 * LP.num_value_heads * h
+        + TINY_CONV_DIM * LP.conv_kernel_size
+        + 2 * LP.num_value_heads
+        + LP.head_dim
+        + h * value_dim
     )
     # Gated attention: q (query | gate) k v, o, q/k norms.
     q_size, kv_size = P.num_heads * P.head_dim, P.num_kv_heads * P.head_dim
@@ -231,7 +274,9 @@ def test_missing_transformers_is_reported(monkeypatch):
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
-    rc = moray_main(["bench", "engine", "--model", str(tmp_path), "--json", str(tmp_path / "o.json"), "--batches", "1,8", "--roofline-batches", "16"])
+    rc = moray_main(
+        ["bench", "engine", "--model", str(tmp_path), "--json", str(tmp_path / "o.json"), "--batches", "1,8", "--roofline-batches", "16"]
+    )
     assert rc == 2 and "must also be in --batches" in capsys.readouterr().err
 
 

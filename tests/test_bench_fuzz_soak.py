@@ -35,7 +35,9 @@ def test_loopback_urls_are_accepted(url):
     assert fuzz.check_url(url) == url.rstrip("/")
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000", "http://127.0.0.1.nip.io", "ftp://127.0.0.1"])
+@pytest.mark.parametrize(
+    "url", ["http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000", "http://127.0.0.1.nip.io", "ftp://127.0.0.1"]
+)
 def test_other_hosts_are_refused(url):
     with pytest.raises(ValueError):
         fuzz.check_url(url)
@@ -108,8 +110,10 @@ def test_lone_surrogates_invalid_utf8_and_deep_nesting_under_the_body_limit():
             with pytest.raises(UnicodeDecodeError):
                 c.body_bytes().decode("utf-8")
     deep = stratum("mutated:deep", 80)
-    depths = [max((len(m) for m in re.findall(rb"\[+", b)), default=0) + max((len(m) // 5 for m in re.findall(rb'(?:\{"a":)+', b)), default=0)
-              for b in bodies(deep)]
+    depths = [
+        max((len(m) for m in re.findall(rb"\[+", b)), default=0) + max((len(m) // 5 for m in re.findall(rb'(?:\{"a":)+', b)), default=0)
+        for b in bodies(deep)
+    ]
     assert max(depths) >= 1000
     assert all(len(c.body_bytes()) < T.max_body_bytes for c in deep if "," not in c.kind)
     assert any(c.expect == "reject" for c in deep)
@@ -138,7 +142,11 @@ def test_token_ids_roles_tool_calls_context_and_stream_flags():
     roles = stratum("mutated:bad_role", 30)
     assert any("bad_role" in c.kind for c in roles)
     tools = stratum("mutated:null_content_tool_calls", 40)
-    chat_tools = [json.loads(c.body_bytes()) for c in tools if c.path.endswith("chat/completions") and c.kind.startswith("mutated:null_content_tool_calls")]
+    chat_tools = [
+        json.loads(c.body_bytes())
+        for c in tools
+        if c.path.endswith("chat/completions") and c.kind.startswith("mutated:null_content_tool_calls")
+    ]
     assert any(m.get("content", 1) is None and "tool_calls" in m for b in chat_tools for m in b["messages"])
     ctx = stratum("mutated:beyond_context", 30)
     limits = [int(c.kind.split(", ")[0].rsplit(":", 1)[1]) for c in ctx if c.kind.startswith("mutated:max_tokens_beyond_context")]
@@ -172,11 +180,16 @@ def test_malformed_bodies_framing_and_grpc():
 
 
 def test_soak_report_helpers():
-    text = "\n".join([
-        '# HELP x', 'moray_kv_cache_usage_ratio{role="decode",worker="d1"} 0.25', 'moray_kv_cache_usage_ratio{role="prefill",worker="p1"} 0.0',
-        'moray_running_requests{role="decode",worker="d1"} 1.0', 'moray_queue_depth{role="decode",worker="d1"} 0.0',
-        'moray_router_worker_load{field="active_decode_blocks",worker="d1"} 12.0',
-    ])
+    text = "\n".join(
+        [
+            "# HELP x",
+            'moray_kv_cache_usage_ratio{role="decode",worker="d1"} 0.25',
+            'moray_kv_cache_usage_ratio{role="prefill",worker="p1"} 0.0',
+            'moray_running_requests{role="decode",worker="d1"} 1.0',
+            'moray_queue_depth{role="decode",worker="d1"} 0.0',
+            'moray_router_worker_load{field="active_decode_blocks",worker="d1"} 12.0',
+        ]
+    )
     assert parse_metrics(text)["moray_kv_cache_usage_ratio"][0] == ({"role": "decode", "worker": "d1"}, 0.25)
     kv = kv_state(text)
     assert kv["busy_workers"] == ["d1"] and not kv["drained"] and kv["workers"]["d1"]["kv_blocks_in_use"] == 12
@@ -222,16 +235,49 @@ def cluster(tmp_path_factory):
 def test_fuzz_end_to_end(cluster, tmp_path):
     out = tmp_path / "fuzz.json"
     # A loaded test machine can be slow: the 2 s rejection budget is the benchmark's, not this test's.
-    rc = moray_main(["bench", "fuzz", "--url", cluster["base"], "--grpc", cluster["grpc"], "--api-key", cluster["key"], "--cases", "200",
-                     "--grpc-cases", "50", "--seed", "0", "--concurrency", "4", "--slow-rejection-s", "10", "--json", str(out)])
+    rc = moray_main(
+        [
+            "bench",
+            "fuzz",
+            "--url",
+            cluster["base"],
+            "--grpc",
+            cluster["grpc"],
+            "--api-key",
+            cluster["key"],
+            "--cases",
+            "200",
+            "--grpc-cases",
+            "50",
+            "--seed",
+            "0",
+            "--concurrency",
+            "4",
+            "--slow-rejection-s",
+            "10",
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert r["cases_run"] == {"http": 200, "grpc": 50} and not r["stopped_by_time"]
     assert r["target"] == {"model": "tiny", "vocab_size": 512, "max_model_len": 256}
     for proto, n in (("http", 200), ("grpc", 50)):
         p = r[proto]
         assert p["cases"] == n == sum(p["by_status"].values()) == sum(sum(v.values()) for v in p["by_kind"].values())
-        for key in ("server_errors", "server_error_examples", "server_error_groups", "timeouts", "malformed_responses", "slow_rejections", "slowest_rejection",
-                    "rejection_latency_p50_s", "rejection_latency_p99_s", "accepted_invalid", "rejected_valid"):
+        for key in (
+            "server_errors",
+            "server_error_examples",
+            "server_error_groups",
+            "timeouts",
+            "malformed_responses",
+            "slow_rejections",
+            "slowest_rejection",
+            "rejection_latency_p50_s",
+            "rejection_latency_p99_s",
+            "accepted_invalid",
+            "rejected_valid",
+        ):
             assert key in p
         assert p["slowest_rejection"]["latency_s"] >= p["rejection_latency_p99_s"] >= p["rejection_latency_p50_s"] > 0
         assert {"valid"} < set(p["by_kind"])
@@ -247,15 +293,41 @@ def test_fuzz_end_to_end(cluster, tmp_path):
 
 def test_soak_end_to_end(cluster, tmp_path):
     out = tmp_path / "soak.json"
-    rc = moray_main(["bench", "soak", "--url", cluster["base"], "--grpc", cluster["grpc"], "--api-key", cluster["key"], "--minutes", "0.3",
-                     "--concurrency", "4", "--cancel-fraction", "0.2", "--json", str(out)])
+    rc = moray_main(
+        [
+            "bench",
+            "soak",
+            "--url",
+            cluster["base"],
+            "--grpc",
+            cluster["grpc"],
+            "--api-key",
+            cluster["key"],
+            "--minutes",
+            "0.3",
+            "--concurrency",
+            "4",
+            "--cancel-fraction",
+            "0.2",
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert r["requests"] == r["ok"] + r["failures"] + r["cancelled"] == sum(m["requests"] for m in r["per_minute"])
     assert r["ok"] > 0 and r["cancelled"] > 0
-    assert {"completion", "chat", "chat_session_turn", "completion_session_turn", "grpc_generate"} <= {k.removesuffix("_stream") for k in r["by_kind"]}
+    assert {"completion", "chat", "chat_session_turn", "completion_session_turn", "grpc_generate"} <= {
+        k.removesuffix("_stream") for k in r["by_kind"]
+    }
     assert all(m["e2e_p99_s"] >= m["e2e_p50_s"] > 0 for m in r["per_minute"] if m["ok"])
     names = {p["name"] for p in r["rss_start"]["processes"].values()}
-    assert {"ServeReplica:fuzz:Ingress", "ServeReplica:fuzz:PrefillServer", "ServeReplica:fuzz:DecodeServer", "ProxyActor", "ServeController"} <= names, names
+    assert {
+        "ServeReplica:fuzz:Ingress",
+        "ServeReplica:fuzz:PrefillServer",
+        "ServeReplica:fuzz:DecodeServer",
+        "ProxyActor",
+        "ServeController",
+    } <= names, names
     assert "Ray node" in r["rss_start"]["scope"] and all(p["rss_bytes"] > 0 for p in r["rss_end"]["processes"].values())
     assert r["rss_growth_from_minute_2"]["per_process"]
     assert r["failures"] == 0, r["failure_examples"]

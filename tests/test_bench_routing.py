@@ -34,8 +34,19 @@ def test_the_oracle_reaches_every_reusable_block_when_nothing_is_evicted():
 
 
 def test_repeated_runs_report_medians_with_the_same_fields_as_one_run():
-    runs = [dict(requests=8, hit_rate=h, ttft_p50_s=0.1, ttft_p99_s=0.2, max_over_mean_load=l, wall_s=1.0,
-                 prompt_tokens_per_worker={"a": 1.0}, decisions_by_branch={"cache-hit": 8}) for h, l in ((0.5, 1.2), (0.7, 1.0), (0.6, 1.1))]
+    runs = [
+        dict(
+            requests=8,
+            hit_rate=h,
+            ttft_p50_s=0.1,
+            ttft_p99_s=0.2,
+            max_over_mean_load=l,
+            wall_s=1.0,
+            prompt_tokens_per_worker={"a": 1.0},
+            decisions_by_branch={"cache-hit": 8},
+        )
+        for h, l in ((0.5, 1.2), (0.7, 1.0), (0.6, 1.1))
+    ]
     m = median_of(runs)
     assert (m["hit_rate"], m["max_over_mean_load"]) == (0.6, 1.1)
     assert set(runs[0]) <= set(m) and len(m["runs"]) == 3
@@ -43,8 +54,29 @@ def test_repeated_runs_report_medians_with_the_same_fields_as_one_run():
 
 def test_bench_routing_end_to_end(tmp_path, capsys):
     out = tmp_path / "routing.json"
-    rc = moray_main(["bench", "routing", "--workers", "2", "--kv-blocks", "48", "--requests", "24", "--concurrency", "4",
-                     "--policies", "round-robin", "kv-aware", "--think-time-ms", "100", "--repeats", "1", "--json", str(out)])
+    rc = moray_main(
+        [
+            "bench",
+            "routing",
+            "--workers",
+            "2",
+            "--kv-blocks",
+            "48",
+            "--requests",
+            "24",
+            "--concurrency",
+            "4",
+            "--policies",
+            "round-robin",
+            "kv-aware",
+            "--think-time-ms",
+            "100",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert out.read_text().strip() in capsys.readouterr().out  # printed too (Ray may add its own lines)

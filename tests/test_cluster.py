@@ -67,12 +67,19 @@ def test_openai_client_completions_and_chat(cluster):
     streamed = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(ch.choices[0].text for ch in streamed) == out.choices[0].text
 
-    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
     chunks = list(
         c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
     )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
@@ -178,7 +185,9 @@ def no_leaked_blocks(request):
 def test_cancelled_stream_frees_kv_on_both_workers(cluster):
     async def start_and_cancel():
         c = openai.AsyncOpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0)
-        stream = await c.completions.create(model="tiny", prompt=PROMPT * 5, max_tokens=50, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stream = await c.completions.create(
+            model="tiny", prompt=PROMPT * 5, max_tokens=50, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         got = 0
         async for _ in stream:
             got += 1
@@ -213,7 +222,9 @@ AUTH = (("authorization", f"Bearer {API_KEY}"), ("application", "disagg"))
 def test_grpc_generate_stream_complete_models_health(cluster):
     with grpc_channel(cluster) as ch:
         stub = moray_pb2_grpc.MorayStub(ch)
-        req = moray_pb2.GenerateRequest(model="tiny", prompt=PROMPT, sampling=moray_pb2.SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True))
+        req = moray_pb2.GenerateRequest(
+            model="tiny", prompt=PROMPT, sampling=moray_pb2.SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True)
+        )
         parts = list(stub.Generate(req, metadata=AUTH, timeout=120))
         assert parts[-1].finished and parts[-1].usage.completion_tokens == 6
         assert sum(len(p.token_ids) for p in parts) == 6
@@ -262,23 +273,93 @@ BAD_HTTP = [
     ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, API_KEY, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, API_KEY, 400, "role"),
     ("messages not a list", "/v1/chat/completions", {"model": "tiny", "messages": "hi"}, API_KEY, 400, "messages"),
-    ("non-text content part", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, API_KEY, 400, "text"),
-    ("top_logprobs too large", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, API_KEY, 400, "top_logprobs"),
+    (
+        "non-text content part",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        API_KEY,
+        400,
+        "text",
+    ),
+    (
+        "top_logprobs too large",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99},
+        API_KEY,
+        400,
+        "top_logprobs",
+    ),
     # issue #13: each of these was a 500 (a traceback) or silently accepted
-    ("max_tokens with 5000 digits", "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", API_KEY, 400, "digits"),
+    (
+        "max_tokens with 5000 digits",
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        API_KEY,
+        400,
+        "digits",
+    ),
     ("stop_token_ids outside vocab", "/v1/completions", {**GOOD, "stop_token_ids": [100000]}, API_KEY, 400, "vocabulary"),
     ("lone surrogate", "/v1/completions", b'{"model": "tiny", "prompt": "ab\\ud800cd", "max_tokens": 2}', API_KEY, 400, "unicode"),
-    ("deeply nested JSON", "/v1/completions", b'{"model": "tiny", "prompt": "hi", "metadata": ' + b"[" * 100000 + b"]" * 100000 + b"}", API_KEY, 400, "nested"),
-    ("junk tool_calls", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": "junk"}]}, API_KEY, 400, "tool_calls"),
+    (
+        "deeply nested JSON",
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "hi", "metadata": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+        API_KEY,
+        400,
+        "nested",
+    ),
+    (
+        "junk tool_calls",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": "junk"}]},
+        API_KEY,
+        400,
+        "tool_calls",
+    ),
     ("max_tokens as a string", "/v1/completions", {**GOOD, "max_tokens": "16"}, API_KEY, 400, "max_tokens"),
     ("max_tokens true", "/v1/completions", {**GOOD, "max_tokens": True}, API_KEY, 400, "max_tokens"),
     ("stream as a string", "/v1/completions", {**GOOD, "stream": "yes"}, API_KEY, 400, "stream"),
-    ("stream_options without stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, API_KEY, 400, "stream_options"),
-    ("top_logprobs without logprobs", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, API_KEY, 400, "top_logprobs"),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {**GOOD, "stream_options": {"include_usage": True}},
+        API_KEY,
+        400,
+        "stream_options",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        API_KEY,
+        400,
+        "top_logprobs",
+    ),
     ("max_tokens past the context", "/v1/completions", {**GOOD, "max_tokens": 100000}, API_KEY, 400, "maximum context length is 256"),
-    ("response_format", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, API_KEY, 400, "response_format is not supported"),
-    ("tools", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, API_KEY, 400, "tools is not supported"),
-    ("tool_choice", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, API_KEY, 400, "tool_choice is not supported"),
+    (
+        "response_format",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        API_KEY,
+        400,
+        "response_format is not supported",
+    ),
+    (
+        "tools",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        API_KEY,
+        400,
+        "tools is not supported",
+    ),
+    (
+        "tool_choice",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        API_KEY,
+        400,
+        "tool_choice is not supported",
+    ),
     ("logit_bias", "/v1/completions", {**GOOD, "logit_bias": {"5": 10}}, API_KEY, 400, "logit_bias is not supported"),
     ("suffix", "/v1/completions", {**GOOD, "suffix": "tail"}, API_KEY, 400, "suffix is not supported"),
     ("best_of > 1", "/v1/completions", {**GOOD, "best_of": 2}, API_KEY, 400, "best_of is not supported"),
@@ -297,17 +378,73 @@ def test_bad_http_input(cluster, case):
 
 BAD_GRPC = [
     ("no input", moray_pb2.GenerateRequest(model="tiny"), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    ("temperature < 0", moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(temperature=-1)), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("max_tokens 0", moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(max_tokens=0)), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    ("token id outside vocab", moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[5, 99999])), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (
+        "temperature < 0",
+        moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(temperature=-1)),
+        AUTH,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    (
+        "max_tokens 0",
+        moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(max_tokens=0)),
+        AUTH,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens",
+    ),
+    (
+        "token id outside vocab",
+        moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[5, 99999])),
+        AUTH,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "vocabulary",
+    ),
     ("unknown model", moray_pb2.GenerateRequest(model="nope", prompt="hi"), AUTH, grpc.StatusCode.NOT_FOUND, "nope"),
-    ("bad role", moray_pb2.GenerateRequest(model="tiny", messages=moray_pb2.ChatMessages(messages=[moray_pb2.ChatMessage(role="wizard", content="x")])), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "role"),
-    ("missing API key", moray_pb2.GenerateRequest(model="tiny", prompt="hi"), (("application", "disagg"),), grpc.StatusCode.UNAUTHENTICATED, "API key"),
-    ("wrong API key", moray_pb2.GenerateRequest(model="tiny", prompt="hi"), (("authorization", "Bearer bad"), ("application", "disagg")), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
+    (
+        "bad role",
+        moray_pb2.GenerateRequest(
+            model="tiny", messages=moray_pb2.ChatMessages(messages=[moray_pb2.ChatMessage(role="wizard", content="x")])
+        ),
+        AUTH,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "role",
+    ),
+    (
+        "missing API key",
+        moray_pb2.GenerateRequest(model="tiny", prompt="hi"),
+        (("application", "disagg"),),
+        grpc.StatusCode.UNAUTHENTICATED,
+        "API key",
+    ),
+    (
+        "wrong API key",
+        moray_pb2.GenerateRequest(model="tiny", prompt="hi"),
+        (("authorization", "Bearer bad"), ("application", "disagg")),
+        grpc.StatusCode.UNAUTHENTICATED,
+        "invalid API key",
+    ),
     # issue #13: INTERNAL with a Ray traceback in the details, or silently clamped
-    ("stop token id outside vocab", moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(stop_token_ids=[99999])), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-    ("max_tokens past the context", moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(max_tokens=100000)), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "maximum context length"),
-    ("oversized request", moray_pb2.GenerateRequest(model="tiny", prompt="x" * (2 << 20)), AUTH, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than"),
+    (
+        "stop token id outside vocab",
+        moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(stop_token_ids=[99999])),
+        AUTH,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "vocabulary",
+    ),
+    (
+        "max_tokens past the context",
+        moray_pb2.GenerateRequest(model="tiny", prompt="hi", sampling=moray_pb2.SamplingOptions(max_tokens=100000)),
+        AUTH,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "maximum context length",
+    ),
+    (
+        "oversized request",
+        moray_pb2.GenerateRequest(model="tiny", prompt="x" * (2 << 20)),
+        AUTH,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "larger than",
+    ),
 ]
 
 
@@ -352,7 +489,11 @@ def test_grpc_oversized_prompt_is_refused_at_once_and_health_stays_fast(cluster)
     thread.start()
     start = time.monotonic()
     with grpc_channel(cluster) as ch, pytest.raises(grpc.RpcError) as e:
-        list(moray_pb2_grpc.MorayStub(ch).Generate(moray_pb2.GenerateRequest(model="tiny", prompt="y" * (5 << 20)), metadata=AUTH, timeout=60))
+        list(
+            moray_pb2_grpc.MorayStub(ch).Generate(
+                moray_pb2.GenerateRequest(model="tiny", prompt="y" * (5 << 20)), metadata=AUTH, timeout=60
+            )
+        )
     elapsed = time.monotonic() - start
     thread.join()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -399,7 +540,10 @@ def test_grpc_client_errors_are_not_logged_as_errors_with_tracebacks(cluster):
     request = moray_pb2.GenerateRequest(model=marker, prompt="hi")
     with grpc_channel(cluster) as ch:
         stub = moray_pb2_grpc.MorayStub(ch)
-        for call in (lambda: list(stub.Generate(request, metadata=AUTH, timeout=60)), lambda: stub.Complete(request, metadata=AUTH, timeout=60)):
+        for call in (
+            lambda: list(stub.Generate(request, metadata=AUTH, timeout=60)),
+            lambda: stub.Complete(request, metadata=AUTH, timeout=60),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -416,5 +560,7 @@ def test_unknown_route_through_serve_is_an_openai_error(cluster):
 
 
 def test_still_serving_after_bad_input(cluster):
-    out = client(cluster).completions.create(model="tiny", prompt="still alive?", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    out = client(cluster).completions.create(
+        model="tiny", prompt="still alive?", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 3

@@ -32,9 +32,13 @@ ENGINE_ARGS = dict(
 )
 
 FAMILIES = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], num_hidden_layers=3, head_dim=24),
+    "qwen3_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], num_hidden_layers=3, head_dim=24
+    ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=48, norm_topk_prob=True),
+    "qwen2_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=48, norm_topk_prob=True
+    ),
 }
 
 
@@ -64,9 +68,9 @@ def test_greedy_generate_equals_transformers(family, tmp_path):
     ours = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     for prompt, out in zip(batch, ours):
-        ref = model.generate(
-            torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[
+            0, len(prompt) :
+        ].tolist()
         assert out.token_ids == ref
         assert out.finish_reason == "length"
 
@@ -198,7 +202,9 @@ def test_no_recompilation_after_warmup(tiny):
 
 
 def test_kv_events_describe_the_cache(tiny):
-    engine = EngineCore(EngineConfig(model=str(tiny), num_kv_blocks=17, enable_prefix_caching=True, **{**ENGINE_ARGS, "warmup": False}), show_progress=False)
+    engine = EngineCore(
+        EngineConfig(model=str(tiny), num_kv_blocks=17, enable_prefix_caching=True, **{**ENGINE_ARGS, "warmup": False}), show_progress=False
+    )
     sub = engine.events.subscribe()
     prompt = prompts(1, seed=12, lo=40, hi=41)[0]
     engine.add_request("a", prompt, GREEDY)
@@ -248,7 +254,13 @@ def test_bad_prompts_raise_value_error(llm):
 
 def test_generate_cli(tiny):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", str(tiny), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "generate", "--model", str(tiny), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     ok = run("--prompt", "Hello there", "--max-tokens", "5", "--temperature", "0", "--json", "--ignore-eos")
     assert ok.returncode == 0, ok.stderr

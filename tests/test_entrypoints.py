@@ -133,7 +133,12 @@ def kill_all(pids: set[int]) -> None:
 
 def start_moray_serve(args: list[str], e: dict) -> subprocess.Popen:
     return subprocess.Popen(
-        [str(BIN / "moray"), "serve", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [str(BIN / "moray"), "serve", *args],
+        cwd=ROOT,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
 
@@ -268,17 +273,33 @@ def test_moray_serve_fails_at_once_when_a_pool_cannot_be_placed(model_dir, tmp_p
 @pytest.mark.parametrize(
     "pools, nodes, problem",
     [
-        ({"decode": {"replicas": 4}}, [{"CPU": 2.0}],
-         "the decode pool cannot be placed: 4 replicas x 1 CPU = 4 CPUs needed, 1 CPU available (the Ray cluster has 2 CPUs, the prefill pool takes 1 CPU)"),
-        ({"mode": "colocated", "decode": {"resources": {"cpus": 4}}}, [{"CPU": 2.0}, {"CPU": 2.0}],
-         "the decode pool cannot be placed: no replica fits: each replica needs 4 CPUs on one node, the Ray cluster has 2 nodes (largest: 2 CPUs)"),
-        ({"mode": "colocated", "decode": {"hosts_per_replica": 2}}, [{"CPU": 8.0}],
-         "each replica needs 2 bundles of 1 CPU (STRICT_SPREAD: on different nodes), the Ray cluster has 1 node"),
+        (
+            {"decode": {"replicas": 4}},
+            [{"CPU": 2.0}],
+            "the decode pool cannot be placed: 4 replicas x 1 CPU = 4 CPUs needed, 1 CPU available (the Ray cluster has 2 CPUs, the prefill pool takes 1 CPU)",
+        ),
+        (
+            {"mode": "colocated", "decode": {"resources": {"cpus": 4}}},
+            [{"CPU": 2.0}, {"CPU": 2.0}],
+            "the decode pool cannot be placed: no replica fits: each replica needs 4 CPUs on one node, the Ray cluster has 2 nodes (largest: 2 CPUs)",
+        ),
+        (
+            {"mode": "colocated", "decode": {"hosts_per_replica": 2}},
+            [{"CPU": 8.0}],
+            "each replica needs 2 bundles of 1 CPU (STRICT_SPREAD: on different nodes), the Ray cluster has 1 node",
+        ),
         ({"mode": "colocated", "decode": {"hosts_per_replica": 2, "placement_strategy": "PACK"}}, [{"CPU": 8.0}], None),
-        ({"decode": {"replicas": 2, "resources": {"tpu": {"type": "v6e", "topology": "2x4"}}}}, [{"CPU": 8.0, "TPU": 8.0}],
-         "the decode pool cannot be placed: 2 replicas x 8 TPU chips = 16 TPU chips needed, 8 TPU chips available"),
+        (
+            {"decode": {"replicas": 2, "resources": {"tpu": {"type": "v6e", "topology": "2x4"}}}},
+            [{"CPU": 8.0, "TPU": 8.0}],
+            "the decode pool cannot be placed: 2 replicas x 8 TPU chips = 16 TPU chips needed, 8 TPU chips available",
+        ),
         ({"decode": {"autoscaling": {"min_replicas": 0, "max_replicas": 8}}}, [{"CPU": 1.0}], None),
-        ({"prefill": {"replicas": 3}}, [{"CPU": 2.0}], "the prefill pool cannot be placed: 3 replicas x 1 CPU = 3 CPUs needed, 2 CPUs available"),
+        (
+            {"prefill": {"replicas": 3}},
+            [{"CPU": 2.0}],
+            "the prefill pool cannot be placed: 3 replicas x 1 CPU = 3 CPUs needed, 2 CPUs available",
+        ),
     ],
 )
 def test_placement_problems_name_the_pool_and_the_shortfall(pools, nodes, problem):
@@ -324,7 +345,11 @@ def test_moray_serve_address_auto_or_given_fails_clearly_when_dead(model_dir, tm
     t0 = time.monotonic()
     run = subprocess.run(
         [str(BIN / "moray"), "serve", "--config", str(path), "--address", address, "--connect-timeout", "3"],
-        cwd=ROOT, env=e, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     took = time.monotonic() - t0
     assert run.returncode == 1, run.stdout + run.stderr
@@ -384,8 +409,12 @@ def code_metric_names() -> tuple[set[str], set[str]]:
     """
     call = re.compile(r"\b(Counter|Gauge|Histogram|Summary)\(\s*(f?)[\"']([a-z0-9_{}]+)[\"']")
     literal = re.compile(r"[\"'](moray_[a-z0-9_]+)[\"']")
-    suffixes = {"Counter": ["_total", "_created"], "Gauge": [""], "Histogram": ["", "_bucket", "_sum", "_count", "_created"],
-                "Summary": ["", "_sum", "_count", "_created"]}
+    suffixes = {
+        "Counter": ["_total", "_created"],
+        "Gauge": [""],
+        "Histogram": ["", "_bucket", "_sum", "_count", "_created"],
+        "Summary": ["", "_sum", "_count", "_created"],
+    }
     names: set[str] = set()
     prefixes: set[str] = set()
     called: set[str] = set()
@@ -428,7 +457,11 @@ def readme_block(heading: str) -> list[str]:
 
 def ray_logs(ray_tmp: str, names=("dashboard_agent.log", "dashboard.log", "raylet.out"), lines: int = 15) -> str:
     logs = Path(ray_tmp, "ray", "session_latest", "logs")
-    tails = [f"--- {name}\n" + "\n".join((logs / name).read_text(errors="replace").splitlines()[-lines:]) for name in names if (logs / name).is_file()]
+    tails = [
+        f"--- {name}\n" + "\n".join((logs / name).read_text(errors="replace").splitlines()[-lines:])
+        for name in names
+        if (logs / name).is_file()
+    ]
     return "\n" + "\n".join(tails)
 
 
@@ -464,17 +497,23 @@ def test_readme_ray_job_recipe_runs_verbatim(model_dir, tmp_path, ray_tmp):
         return command
 
     commands = [
-        sub(start, ("--port=6379", f"--port={gcs}"),
+        sub(
+            start,
+            ("--port=6379", f"--port={gcs}"),
             # Ports a second Ray on the machine (other tests) would take too.
-            ("--dashboard-port=8265", f"--dashboard-port={dashboard} --ray-client-server-port={free_port()} "
-                                      f"--dashboard-agent-listen-port={free_port()}")),
+            (
+                "--dashboard-port=8265",
+                f"--dashboard-port={dashboard} --ray-client-server-port={free_port()} --dashboard-agent-listen-port={free_port()}",
+            ),
+        ),
         sub(make_demo, ("/tmp/moray-demo-model", str(model))),
-        sub(submit, ("http://127.0.0.1:8265", f"http://127.0.0.1:{dashboard}"),
-            ("cluster/configs/ray-job-example.yaml", str(config))),
+        sub(submit, ("http://127.0.0.1:8265", f"http://127.0.0.1:{dashboard}"), ("cluster/configs/ray-job-example.yaml", str(config))),
         sub(curl, ("http://127.0.0.1:8000", f"http://127.0.0.1:{http}")),
     ]
     # A user's shell: no venv on PATH, no PYTHONPATH, no RAY_AUTH_MODE unless the commands set them.
-    shell_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_AUTH_MODE", "RAY_ADDRESS", "JAX_NUM_CPU_DEVICES", "VIRTUAL_ENV")}
+    shell_env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_AUTH_MODE", "RAY_ADDRESS", "JAX_NUM_CPU_DEVICES", "VIRTUAL_ENV")
+    }
     shell_env["PATH"] = os.pathsep.join(p for p in shell_env.get("PATH", "").split(os.pathsep) if Path(p).resolve() != BIN.resolve())
     shell_env.update(RAY_TMPDIR=ray_tmp, JAX_PLATFORMS="cpu")
 
@@ -491,7 +530,11 @@ def test_readme_ray_job_recipe_runs_verbatim(model_dir, tmp_path, ray_tmp):
         t0 = time.monotonic()
         attach = subprocess.run(
             [str(BIN / "moray"), "serve", "--config", str(path), "--address", "auto", "--startup-timeout", "10"],
-            cwd=ROOT, env=env(ray_tmp, RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=180,
+            cwd=ROOT,
+            env=env(ray_tmp, RAY_AUTH_MODE="token"),
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
         assert attach.returncode == 1, attach.stdout + attach.stderr
         assert time.monotonic() - t0 < 90

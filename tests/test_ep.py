@@ -87,7 +87,9 @@ def test_hierarchical_dispatch_layer_is_exact_where_it_splits():
             )(x)
             np.testing.assert_array_equal(np.asarray(gather(split)), np.asarray(gather(flat)))
         args = problem(tokens=16, hidden=hidden, seed=1)
-        np.testing.assert_allclose(run(ExpertParallel(mesh, ("host", "chip"), "hierarchical-dispatch"), *args), dense_reference(*args), atol=1e-5)
+        np.testing.assert_allclose(
+            run(ExpertParallel(mesh, ("host", "chip"), "hierarchical-dispatch"), *args), dense_reference(*args), atol=1e-5
+        )
 
 
 def test_hierarchical_dispatch_falls_back_to_flat_with_one_warning(caplog):

@@ -122,8 +122,13 @@ class FakeWorker:
                 tokens.append(100 + i)
                 done = i == params.max_tokens - 1
                 yield SimpleNamespace(
-                    new_token_ids=[100 + i], delta_text=f"t{i} ", finished=done, finish_reason="length" if done else None,
-                    num_cached_tokens=0, token_ids=list(tokens), logprobs=None,
+                    new_token_ids=[100 + i],
+                    delta_text=f"t{i} ",
+                    finished=done,
+                    finish_reason="length" if done else None,
+                    num_cached_tokens=0,
+                    token_ids=list(tokens),
+                    logprobs=None,
                 )
         finally:
             if acquired:
@@ -143,8 +148,16 @@ class FakeWorker:
             await self._alive_wait(asyncio.sleep(self.delay))
             self.prefilled.append(rid)
             return SimpleNamespace(
-                request_id=rid, worker_id=self.id, first_token=42, text="first ", finished=False, finish_reason=None,
-                num_cached_tokens=0, prompt_len=len(prompt), num_layers=2, first_logprobs=None,
+                request_id=rid,
+                worker_id=self.id,
+                first_token=42,
+                text="first ",
+                finished=False,
+                finish_reason=None,
+                num_cached_tokens=0,
+                prompt_len=len(prompt),
+                num_layers=2,
+                first_logprobs=None,
             )
 
         return FakeResponse(run(), on_cancel=lambda: self.cancelled.append(rid))
@@ -177,9 +190,21 @@ class FakeHandle:
 
 def load(worker: str, role: str) -> dict:
     return {
-        "worker_id": worker, "role": role, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_free_blocks": 100,
-        "num_total_blocks": 100, "pending_prefill_tokens": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_held": 0,
-        "epoch": 1, "last_seq": -1, "healthy": True, "ts": time.time(),
+        "worker_id": worker,
+        "role": role,
+        "num_running": 0,
+        "num_waiting": 0,
+        "kv_usage": 0.0,
+        "num_free_blocks": 100,
+        "num_total_blocks": 100,
+        "pending_prefill_tokens": 0,
+        "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0,
+        "num_held": 0,
+        "epoch": 1,
+        "last_seq": -1,
+        "healthy": True,
+        "ts": time.time(),
     }
 
 
@@ -218,7 +243,11 @@ def http_request(body: dict, path: str = "/v1/completions"):
         sent = True
         return {"type": "http.request", "body": raw, "more_body": False}
 
-    headers = [(b"authorization", f"Bearer {API_KEY}".encode()), (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    headers = [
+        (b"authorization", f"Bearer {API_KEY}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(raw)).encode()),
+    ]
     return Request({"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}, receive)
 
 
@@ -516,7 +545,9 @@ def cluster(model_dir):
 
     init_ray()
     cfg = cluster_config(
-        model_dir, name=APP, decode={"replicas": 2},
+        model_dir,
+        name=APP,
+        decode={"replicas": 2},
         router={"policy": "round-robin", "remote_prefill_min_tokens": REMOTE_PREFILL_MIN_TOKENS},
     )
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg["server"]["http_port"]))
@@ -631,7 +662,14 @@ def test_killed_decode_replica_fails_over(cluster):
             # max_num_seqs is 8 per replica; round-robin puts 8 streams on each, filling both.
             stream_logs = [{} for _ in range(16)]
             streams = [
-                asyncio.create_task(sse_stream(session, base, {"model": "tiny", "prompt": token_prompt(rng, 6), "max_tokens": STREAM_TOKENS, "ignore_eos": True}, log=log))
+                asyncio.create_task(
+                    sse_stream(
+                        session,
+                        base,
+                        {"model": "tiny", "prompt": token_prompt(rng, 6), "max_tokens": STREAM_TOKENS, "ignore_eos": True},
+                        log=log,
+                    )
+                )
                 for log in stream_logs
             ]
             deadline = time.monotonic() + 120
@@ -640,7 +678,11 @@ def test_killed_decode_replica_fails_over(cluster):
                 await asyncio.sleep(0.01)
             wait_logs = [{} for _ in range(16)]
             waiting = [
-                asyncio.create_task(sse_stream(session, base, {"model": "tiny", "prompt": token_prompt(rng, 6), "max_tokens": 4, "ignore_eos": True}, log=log))
+                asyncio.create_task(
+                    sse_stream(
+                        session, base, {"model": "tiny", "prompt": token_prompt(rng, 6), "max_tokens": 4, "ignore_eos": True}, log=log
+                    )
+                )
                 for log in wait_logs
             ]
             # The streams fill every slot for a while yet: the new requests wait in the decode engines'
@@ -649,7 +691,9 @@ def test_killed_decode_replica_fails_over(cluster):
             deadline = time.monotonic() + 30
             while True:
                 text = (await asyncio.to_thread(http_json, base + "/metrics", None, None))[1]
-                queued = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("moray_queue_depth{") and 'role="decode"' in l)
+                queued = sum(
+                    float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("moray_queue_depth{") and 'role="decode"' in l
+                )
                 if queued >= 16:
                     break
                 assert time.monotonic() < deadline and not any(t.done() for t in streams), (queued, [log["n"] for log in stream_logs])
@@ -673,13 +717,17 @@ def test_killed_decode_replica_fails_over(cluster):
             leaving = asyncio.create_task(leave_live_streams())
 
             async def new_request(i):
-                status, body = await asyncio.to_thread(http_json, base + "/v1/completions", {"model": "tiny", "prompt": token_prompt(random.Random(i), 5), "max_tokens": 4})
+                status, body = await asyncio.to_thread(
+                    http_json, base + "/v1/completions", {"model": "tiny", "prompt": token_prompt(random.Random(i), 5), "max_tokens": 4}
+                )
                 return status, body, time.monotonic() - killed
 
             async def poll_health():
                 polls = []
                 while time.monotonic() - killed < 3:
-                    polls.append((round(time.monotonic() - killed, 2), (await asyncio.to_thread(http_json, base + "/health", None, None))[1]))
+                    polls.append(
+                        (round(time.monotonic() - killed, 2), (await asyncio.to_thread(http_json, base + "/health", None, None))[1])
+                    )
                     if polls[-1][1].get("decode_workers") == 1:
                         break
                     await asyncio.sleep(0.05)
@@ -753,4 +801,19 @@ def test_aborted_streams_free_every_workers_kv_at_once(cluster):
         time.sleep(0.1)
     # (after the failover test one decode replica is new, or still starting: every live one counts)
     assert any(l["role"] == "prefill" for l in loads.values()) and any(l["role"] == "decode" for l in loads.values()), loads
-    assert not busy, {w: {k: l[k] for k in ("role", "num_free_blocks", "num_total_blocks", "num_held", "num_running", "num_waiting", "num_importing", "num_requests")} for w, l in busy.items()}
+    assert not busy, {
+        w: {
+            k: l[k]
+            for k in (
+                "role",
+                "num_free_blocks",
+                "num_total_blocks",
+                "num_held",
+                "num_running",
+                "num_waiting",
+                "num_importing",
+                "num_requests",
+            )
+        }
+        for w, l in busy.items()
+    }

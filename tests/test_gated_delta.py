@@ -123,8 +123,10 @@ def test_conv_matches_transformers_and_pieces(kernel_size):
     # A decode step equals transformers' causal_conv1d_update (state as [B, C, K-1] there).
     torch_state = torch.from_numpy(np.ascontiguousarray(x[:, 5:8].transpose(0, 2, 1)))
     want = hf.causal_conv1d_update(
-        torch.from_numpy(x[:, 8:9]).transpose(1, 2), torch_state[..., -(kernel_size - 1) :].contiguous(),
-        torch.from_numpy(weight), activation="silu",
+        torch.from_numpy(x[:, 8:9]).transpose(1, 2),
+        torch_state[..., -(kernel_size - 1) :].contiguous(),
+        torch.from_numpy(weight),
+        activation="silu",
     )
     piece, _ = conv(x[:, 8:9], weight, x[:, 8 - (kernel_size - 1) : 8])
     close(piece, want.transpose(1, 2).numpy())
@@ -161,24 +163,37 @@ def ragged_batch(seed=0):
     conv_states = rng.standard_normal((NUM_SLOTS, KERNEL - 1, CHANNELS)).astype(np.float32)
     weight = rng.standard_normal((CHANNELS, KERNEL)).astype(np.float32)
     return dict(
-        tokens=(q, k, v, g, beta), x=x, weight=weight, states=states, conv_states=conv_states, cu=cu,
-        slots=slots, snap_lens=snap_lens, snap_slots=snap_slots, num_seqs=np.array([len(LENS)], np.int32),
+        tokens=(q, k, v, g, beta),
+        x=x,
+        weight=weight,
+        states=states,
+        conv_states=conv_states,
+        cu=cu,
+        slots=slots,
+        snap_lens=snap_lens,
+        snap_slots=snap_slots,
+        num_seqs=np.array([len(LENS)], np.int32),
     )
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "decode_only"), donate_argnums=(1,))
 def ragged_step(tokens, states, b, chunk_size, decode_only=False):
     return gd.ragged_gated_delta_rule(
-        *tokens, states, b["slots"], b["cu"], b["num_seqs"], b["snap_lens"], b["snap_slots"],
-        chunk_size=chunk_size, decode_only=decode_only,
+        *tokens,
+        states,
+        b["slots"],
+        b["cu"],
+        b["num_seqs"],
+        b["snap_lens"],
+        b["snap_slots"],
+        chunk_size=chunk_size,
+        decode_only=decode_only,
     )
 
 
 @functools.partial(jax.jit, donate_argnums=(2,))
 def ragged_conv(x, weight, conv_states, b):
-    return gd.ragged_causal_conv1d(
-        x, weight, conv_states, b["slots"], b["cu"], b["num_seqs"], b["snap_lens"], b["snap_slots"]
-    )
+    return gd.ragged_causal_conv1d(x, weight, conv_states, b["slots"], b["cu"], b["num_seqs"], b["snap_lens"], b["snap_slots"])
 
 
 def index_args(b):
@@ -239,8 +254,10 @@ def test_ragged_padding_changes_nothing():
     short = dict(b, num_seqs=np.array([len(LENS) - 1], np.int32))
     cut = live - LENS[-1]
     junk = np.random.default_rng(9)
-    short["tokens"] = tuple(np.where(np.arange(len(a)).reshape(-1, *(1,) * (a.ndim - 1)) < cut, a,
-                                     junk.uniform(-1, 0, a.shape).astype(np.float32)) for a in b["tokens"])
+    short["tokens"] = tuple(
+        np.where(np.arange(len(a)).reshape(-1, *(1,) * (a.ndim - 1)) < cut, a, junk.uniform(-1, 0, a.shape).astype(np.float32))
+        for a in b["tokens"]
+    )
     out2, states2 = ragged_step(short["tokens"], jnp.asarray(b["states"]), index_args(short), chunk_size=4)
     out2, states2 = np.asarray(out2), np.asarray(states2)
     np.testing.assert_array_equal(out2[:cut], np.asarray(out)[:cut])
@@ -271,9 +288,7 @@ def test_decode_only_equals_general_path():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     out, states = map(np.asarray, fast)
     for i in range(num_live):  # and both equal one contiguous recurrent step
-        want_out, want_state = recurrent(
-            *(a[None, i : i + 1] for a in tokens), b["states"][d["slots"][i]][None]
-        )
+        want_out, want_state = recurrent(*(a[None, i : i + 1] for a in tokens), b["states"][d["slots"][i]][None])
         close(out[i], want_out[0, 0])
         close(states[d["slots"][i]], want_state[0])
     close(states[11], states[3])  # snapshot after the only token = the final state

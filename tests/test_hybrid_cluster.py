@@ -54,7 +54,9 @@ def test_served_text_equals_offline_and_handoff_carries_state(cluster, model_dir
 
     prompt = "A hybrid model keeps a recurrent state per sequence and a paged cache for its attention layers."
     engine_args = {k: v for k, v in cluster["config"]["engine"].items() if k != "model"}
-    expected = LLM(str(model_dir), **engine_args, warmup=False).generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    expected = LLM(str(model_dir), **engine_args, warmup=False).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    )[0]
     before_kv, before_state = metric(cluster, "moray_kv_handoff_bytes_total"), metric(cluster, "moray_kv_handoff_state_bytes_total")
     out = client(cluster).completions.create(model="qwen35", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == expected.text
@@ -74,7 +76,10 @@ def test_chat_turns_report_cached_tokens(cluster):
         {"role": "user", "content": "What does a linear attention layer keep for each sequence it serves?"},
     ]
     first = c.chat.completions.create(model="qwen35", messages=messages, max_tokens=6, temperature=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And the attention layers?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the attention layers?"},
+    ]
     second = c.chat.completions.create(model="qwen35", messages=messages, max_tokens=6, temperature=0)
     # At least the first turn's prompt up to its last full block was found (a state snapshot is
     # always kept there).

@@ -19,8 +19,46 @@ from workers.models import FAMILIES, ModelConfig, ModelLoadError, load_config, l
 from workers.models.layers import KVCache
 
 PROMPTS = [
-    [3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 36, 52, 90, 1, 7, 30, 64, 12, 50, 2, 81, 44, 19, 6, 73, 28, 95, 37, 14,
-     59, 8, 66, 21, 47, 10, 85, 33],
+    [
+        3,
+        17,
+        42,
+        5,
+        88,
+        61,
+        9,
+        23,
+        70,
+        11,
+        4,
+        36,
+        52,
+        90,
+        1,
+        7,
+        30,
+        64,
+        12,
+        50,
+        2,
+        81,
+        44,
+        19,
+        6,
+        73,
+        28,
+        95,
+        37,
+        14,
+        59,
+        8,
+        66,
+        21,
+        47,
+        10,
+        85,
+        33,
+    ],
     [8, 2, 77, 45, 12, 91, 30, 5, 63, 18],
     [5, 5, 5, 60, 21, 33, 94, 18, 2, 40, 66, 71, 9, 26, 55, 3, 80, 13, 47, 29, 62, 7, 38, 16],
 ]
@@ -95,8 +133,7 @@ def fuse_expert_tensors(model_dir, num_layers: int, num_experts: int, prefix: st
     for layer in range(num_layers):
         p = f"{prefix}.layers.{layer}.mlp.experts"
         gate_up = [
-            np.concatenate([tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")])
-            for e in range(num_experts)
+            np.concatenate([tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")]) for e in range(num_experts)
         ]
         tensors[f"{p}.gate_up_proj"] = np.stack(gate_up)
         tensors[f"{p}.down_proj"] = np.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(num_experts)])
@@ -194,8 +231,17 @@ def test_hybrid_config_bookkeeping(tmp_path):
     assert "model.norm.weight" in zero_centred and "model.layers.2.self_attn.q_norm.weight" in zero_centred
     assert "model.layers.0.linear_attn.norm.weight" not in zero_centred  # RMSNormGated: a plain weight
     plain = ModelConfig(
-        model_type="x", vocab_size=8, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4,
-        rms_norm_eps=1e-6, rope={"theta": 1e4}, sliding_windows=(None,) * 3, moe_layers=(False,) * 3,
+        model_type="x",
+        vocab_size=8,
+        hidden_size=8,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope={"theta": 1e4},
+        sliding_windows=(None,) * 3,
+        moe_layers=(False,) * 3,
         intermediate_size=8,
     )
     assert not plain.is_hybrid and plain.num_kv_layers == 3 and [plain.kv_layer_index(l) for l in range(3)] == [0, 1, 2]

@@ -80,7 +80,9 @@ def test_data_tensor_and_expert_parallel_sizes_combine(ep_model):
     """dp=2 over hosts, the dense layers split 4 ways, experts 8 ways. The Gated DeltaNet weights (logical axis
     `linear_heads`, fused q|k|v|z rows that do not split like attention heads) stay replicated under tp."""
     ckpt, want = ep_model
-    model = load_parallel_model(ckpt, ParallelConfig(mesh="2x4", dp=2, tp=4, moe={"dispatch": "hierarchical"}), dtype="float32", show_progress=False)
+    model = load_parallel_model(
+        ckpt, ParallelConfig(mesh="2x4", dp=2, tp=4, moe={"dispatch": "hierarchical"}), dtype="float32", show_progress=False
+    )
     linear, full = model.weights.layers[0].attn, model.weights.layers[1].attn
     assert all(axis is None for w in (linear.qkvz, linear.ba, linear.out, linear.conv) for axis in w.sharding.spec)
     assert full.qkv.sharding.spec[0] == "chip" and model.weights.layers[0].mlp.gate_up.sharding.spec[0] == ("host", "chip")

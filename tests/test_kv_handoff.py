@@ -123,7 +123,12 @@ def test_worker_counts_a_handoff_whose_release_outlives_the_request(model_dir):
                     await asyncio.wait_for(request_done.wait(), 3.0)
                 return await prefill.release("r")
 
-            outs = [o async for o in decode.generate_from_prefill("r", prompt, params, result, lambda a, b: prefill.kv_chunk("r", a, b), slow_release)]
+            outs = [
+                o
+                async for o in decode.generate_from_prefill(
+                    "r", prompt, params, result, lambda a, b: prefill.kv_chunk("r", a, b), slow_release
+                )
+            ]
             request_done.set()
             assert outs[-1].finished and len(outs[-1].token_ids) == 2
             assert decode.counters.handoffs == 1 and decode.counters.handoff_bytes > 0

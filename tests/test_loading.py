@@ -64,9 +64,7 @@ def test_dummy_load_format_reads_no_weights(ckpt, tmp_path):
     (d / "config.json").write_text((ckpt / "config.json").read_text())
     model = load_model(d, load_format="dummy", dtype="float32", show_progress=False)
     real = load_model(ckpt, dtype="float32", show_progress=False)
-    assert jax.tree.map(lambda a: (a.shape, a.dtype), model.weights) == jax.tree.map(
-        lambda a: (a.shape, a.dtype), real.weights
-    )
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), model.weights) == jax.tree.map(lambda a: (a.shape, a.dtype), real.weights)
     logits = prompt_logits(model, PROMPTS)
     assert np.isfinite(logits[0]).all()
 

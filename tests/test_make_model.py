@@ -22,7 +22,10 @@ PROMPT = [5, 17, 300, 42, 7, 99, 250, 3, 11]
 def make(out: Path, arch: str, preset: str, seed: int = 0) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "make-model", str(out), "--arch", arch, "--preset", preset, "--seed", str(seed)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     return out

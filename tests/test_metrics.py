@@ -25,10 +25,26 @@ from cluster_harness import cluster_config  # noqa: E402
 def report(worker: str, role: str = "decode", ts: float | None = None, **kw) -> dict:
     """A worker's load report (`workers.worker.EngineWorker.load`)."""
     load = {
-        "worker_id": worker, "role": role, "num_running": 1, "num_waiting": 0, "kv_usage": 0.25, "num_free_blocks": 90,
-        "num_total_blocks": 100, "pending_prefill_tokens": 0, "prefix_cache_queries": 100, "prefix_cache_hits": 40,
-        "num_held": 0, "epoch": 1, "last_seq": -1, "handoffs": 2, "handoff_bytes": 1000, "handoff_state_bytes": 0,
-        "handoff_seconds": 0.5, "misrouted": 1, "healthy": True, "ts": time.time() if ts is None else ts,
+        "worker_id": worker,
+        "role": role,
+        "num_running": 1,
+        "num_waiting": 0,
+        "kv_usage": 0.25,
+        "num_free_blocks": 90,
+        "num_total_blocks": 100,
+        "pending_prefill_tokens": 0,
+        "prefix_cache_queries": 100,
+        "prefix_cache_hits": 40,
+        "num_held": 0,
+        "epoch": 1,
+        "last_seq": -1,
+        "handoffs": 2,
+        "handoff_bytes": 1000,
+        "handoff_state_bytes": 0,
+        "handoff_seconds": 0.5,
+        "misrouted": 1,
+        "healthy": True,
+        "ts": time.time() if ts is None else ts,
     }
     return {**load, **kw}
 

@@ -60,18 +60,12 @@ def routed_experts(x, ids, weights, gate_up, down, impl):
 
 # Every token count with every expert count, and every (experts, top_k) pair, in 12 shapes.
 TOKENS, EXPERTS, TOP_KS = (1, 3, 37, 130), (4, 8, 16), (1, 2, 4)
-SHAPES = [
-    (tokens, experts, TOP_KS[(i + j) % 3])
-    for i, tokens in enumerate(TOKENS)
-    for j, experts in enumerate(EXPERTS)
-]
+SHAPES = [(tokens, experts, TOP_KS[(i + j) % 3]) for i, tokens in enumerate(TOKENS) for j, experts in enumerate(EXPERTS)]
 ROUTINGS = ("random", "half_idle", "same_k")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize(
-    "tokens,experts,top_k,routing", [(*shape, ROUTINGS[i % 3]) for i, shape in enumerate(SHAPES)]
-)
+@pytest.mark.parametrize("tokens,experts,top_k,routing", [(*shape, ROUTINGS[i % 3]) for i, shape in enumerate(SHAPES)])
 def test_matches_dense_reference(impl, tokens, experts, top_k, routing):
     x, ids, weights = make_tokens(tokens, experts, top_k, routing)
     gate_up, down = make_weights(experts)

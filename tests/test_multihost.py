@@ -16,8 +16,15 @@ from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models.make_model import make_model
 from workers.multihost import EngineFollower, ReplicatedCore
 
-ENGINE = {"block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 128, "token_buckets": [8, 32],
-          "page_buckets": [4, 16], "compilation_cache_dir": None}
+ENGINE = {
+    "block_size": 8,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "max_model_len": 128,
+    "token_buckets": [8, 32],
+    "page_buckets": [4, 16],
+    "compilation_cache_dir": None,
+}
 PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 4, 90], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94, 100, 7]]
 
 
@@ -80,8 +87,12 @@ def multihost_app(model_dir):
         name="multihost",
         mode="colocated",
         engine={**ENGINE, "parallel": {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}}},
-        decode={"resources": {"cpus": 1}, "hosts_per_replica": 2, "placement_strategy": "PACK",
-                "env": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}},
+        decode={
+            "resources": {"cpus": 1},
+            "hosts_per_replica": 2,
+            "placement_strategy": "PACK",
+            "env": {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"},
+        },
     )
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg["server"]["http_port"]))
     serve.run(build_app(cfg), name="multihost", route_prefix="/", blocking=False)
@@ -101,8 +112,9 @@ def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_d
     llm = LLM(str(model_dir), warmup=False, **ENGINE)
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     for prompt, want in zip(PROMPTS, expected):
-        status, body = http_json(multihost_app + "/v1/completions",
-                                 {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        status, body = http_json(
+            multihost_app + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        )
         assert status == 200, body
         assert body["choices"][0]["text"] == want.text
     status, health = http_json(multihost_app + "/health", key=None)

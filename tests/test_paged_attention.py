@@ -152,9 +152,7 @@ def test_gqa_ratios(hq, hkv, page_size):
     assert_matches(out, arrays, keys, values, 0.5)
 
 
-@pytest.mark.parametrize(
-    "pages_per_unit,units_per_iter,sliding_window", [(1, 1, None), (1, 3, 5), (2, 7, None), (3, 2, 1)]
-)
+@pytest.mark.parametrize("pages_per_unit,units_per_iter,sliding_window", [(1, 1, None), (1, 3, 5), (2, 7, None), (3, 2, 1)])
 def test_tiny_units_and_iterations(pages_per_unit, units_per_iter, sliding_window):
     """Many units per item, split across iterations and sharing them: exercises the online-softmax merge."""
     arrays, keys, values = build_batch(2, *CASES["mixed"], page_size=4, hq=4, hkv=2)
@@ -311,9 +309,7 @@ def test_pallas_kernel_matches_jnp():
     """The Pallas path (JAX's TPU kernel) against the jnp path; on CPU via TPU interpret mode."""
     from jax.experimental.pallas import tpu as pltpu
 
-    arrays, keys, values = build_batch(
-        10, [5, 1, 20], [9, 30, 20], page_size=16, hq=4, hkv=2, d=128, nan_fill=False
-    )
+    arrays, keys, values = build_batch(10, [5, 1, 20], [9, 30, 20], page_size=16, hq=4, hkv=2, d=128, nan_fill=False)
     run = functools.partial(ragged_paged_attention, *args_of(arrays), sm_scale=0.1, sliding_window=12)
     expected = np.asarray(run(impl="jnp"))
     if jax.default_backend() == "tpu":

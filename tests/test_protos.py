@@ -17,8 +17,20 @@ def test_stubs_are_up_to_date(tmp_path):
     src.mkdir(parents=True)
     shutil.copy(ROOT / "protos/moray/v1/moray.proto", src)
     proc = subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.", "protos/moray/v1/moray.proto"],
-        cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            ".",
+            "--python_out=.",
+            "--pyi_out=.",
+            "--grpc_python_out=.",
+            "protos/moray/v1/moray.proto",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     for name in GENERATED:

@@ -30,8 +30,7 @@ def base(tmp_path_factory):
         tmp_path_factory.mktemp("dense"), "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     )
     return {
-        scheme: quantize_checkpoint(dense, tmp_path_factory.mktemp(scheme), scheme, group_size=32)
-        for scheme in ("w4a16", "fp8", "mxfp8")
+        scheme: quantize_checkpoint(dense, tmp_path_factory.mktemp(scheme), scheme, group_size=32) for scheme in ("w4a16", "fp8", "mxfp8")
     }
 
 
@@ -77,17 +76,35 @@ CONFIG_CASES = {
     "nvfp4": (
         lambda q, raw: q.update(
             format="nvfp4-pack-quantized",
-            config_groups={"group_0": dict(q["config_groups"]["group_0"], format="nvfp4-pack-quantized", weights=dict(
-                num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True, dynamic=False,
-                scale_dtype="torch.float8_e4m3fn"))},
+            config_groups={
+                "group_0": dict(
+                    q["config_groups"]["group_0"],
+                    format="nvfp4-pack-quantized",
+                    weights=dict(
+                        num_bits=4,
+                        type="float",
+                        strategy="tensor_group",
+                        group_size=16,
+                        symmetric=True,
+                        dynamic=False,
+                        scale_dtype="torch.float8_e4m3fn",
+                    ),
+                )
+            },
         ),
         GROUP_ERR + "NVFP4 (4-bit float weights) is not supported",
     ),
     "mxfp4": (
         lambda q, raw: q.update(
-            config_groups={"group_0": dict(q["config_groups"]["group_0"], format="mxfp4-pack-quantized", weights=dict(
-                num_bits=4, type="float", strategy="group", group_size=32, symmetric=True, dynamic=False,
-                scale_dtype="torch.uint8"))},
+            config_groups={
+                "group_0": dict(
+                    q["config_groups"]["group_0"],
+                    format="mxfp4-pack-quantized",
+                    weights=dict(
+                        num_bits=4, type="float", strategy="group", group_size=32, symmetric=True, dynamic=False, scale_dtype="torch.uint8"
+                    ),
+                )
+            },
         ),
         GROUP_ERR + "MXFP4 (4-bit float weights) is not supported",
     ),
@@ -97,8 +114,9 @@ CONFIG_CASES = {
         GROUP_ERR + "format 'marlin-24' is not supported for int4 weights (expected pack-quantized)",
     ),
     "w4a8": (
-        lambda q, raw: q["config_groups"]["group_0"].update(input_activations=dict(
-            num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)),
+        lambda q, raw: q["config_groups"]["group_0"].update(
+            input_activations=dict(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
+        ),
         GROUP_ERR + "int4 weights with quantised activations (W4A8/W4AFP8) are not supported",
     ),
     "other-method": (
@@ -143,16 +161,23 @@ def _set(key, value):
 
 W4 = f"layer '{UP}' (W4A16 int4 (group 32)): "
 TENSOR_CASES = {
-    "zero-point-tensor": (_set(f"{UP}.weight_zero_point", np.zeros((4, 2), np.int32)),
-                          W4 + "asymmetric weights: zero points (weight_zero_point) are not supported"),
-    "g-idx-tensor": (_set(f"{UP}.weight_g_idx", np.zeros(64, np.int32)),
-                     W4 + "activation reordering (weight_g_idx, actorder 'group') is not supported"),
-    "unknown-tensor": (_set(f"{UP}.weight_magic", np.zeros(3, np.float32)),
-                       W4 + f"unknown tensor '{UP}.weight_magic'"),
-    "weight-shape-transposed": (_set(f"{UP}.weight_shape", np.array([64, 32], np.int64)),
-                                W4 + "weight_shape is [64, 32], expected [out, in] = [32, 64]"),
-    "float-weight-packed": (_set(f"{UP}.weight_packed", np.zeros((32, 8), np.float32)),
-                            W4 + "weight_packed is floating-point (F32); packed int4 weights must be I32 words"),
+    "zero-point-tensor": (
+        _set(f"{UP}.weight_zero_point", np.zeros((4, 2), np.int32)),
+        W4 + "asymmetric weights: zero points (weight_zero_point) are not supported",
+    ),
+    "g-idx-tensor": (
+        _set(f"{UP}.weight_g_idx", np.zeros(64, np.int32)),
+        W4 + "activation reordering (weight_g_idx, actorder 'group') is not supported",
+    ),
+    "unknown-tensor": (_set(f"{UP}.weight_magic", np.zeros(3, np.float32)), W4 + f"unknown tensor '{UP}.weight_magic'"),
+    "weight-shape-transposed": (
+        _set(f"{UP}.weight_shape", np.array([64, 32], np.int64)),
+        W4 + "weight_shape is [64, 32], expected [out, in] = [32, 64]",
+    ),
+    "float-weight-packed": (
+        _set(f"{UP}.weight_packed", np.zeros((32, 8), np.float32)),
+        W4 + "weight_packed is floating-point (F32); packed int4 weights must be I32 words",
+    ),
     "dense-weight-instead": (
         lambda s: (s.pop(f"{UP}.weight_packed"), s.__setitem__(f"{UP}.weight", np.zeros((32, 64), np.float32))),
         W4 + "quantization_config quantises this layer but the checkpoint holds a dense 'weight'",
@@ -169,26 +194,35 @@ def test_bad_quantised_tensors(base, tmp_path, case):
 
 def test_fp8_static_activations(base, tmp_path):
     static = lambda q, raw: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False)
-    load_error(variant(base, tmp_path, "fp8", config=static),
-               GROUP_ERR + "static activation scales (input_scale) are not supported; only dynamic activations")
+    load_error(
+        variant(base, tmp_path, "fp8", config=static),
+        GROUP_ERR + "static activation scales (input_scale) are not supported; only dynamic activations",
+    )
     d = variant(base, tmp_path / "b", "fp8", tensors=_set(f"{UP}.input_scale", np.ones(1, np.float32)))
     load_error(d, f"layer '{UP}' (FP8 (channel)): static activation scales (input_scale) are not supported")
 
 
 def test_fp8_formats_and_mxfp8_scale_dtype(base, tmp_path):
     naive = lambda q, raw: q["config_groups"]["group_0"].update(format="naive-quantized")
-    load_error(variant(base, tmp_path, "fp8", config=naive),
-               GROUP_ERR + "format 'naive-quantized' is not supported for fp8 weights (expected float-quantized)")
+    load_error(
+        variant(base, tmp_path, "fp8", config=naive),
+        GROUP_ERR + "format 'naive-quantized' is not supported for fp8 weights (expected float-quantized)",
+    )
     float_scales = _set(f"{UP}.weight_scale", np.ones((32, 2), np.float32))
-    load_error(variant(base, tmp_path / "b", "mxfp8", tensors=float_scales),
-               f"layer '{UP}' (MXFP8 (group 32)): weight_scale has dtype F32, expected U8 (E8M0 exponents)")
+    load_error(
+        variant(base, tmp_path / "b", "mxfp8", tensors=float_scales),
+        f"layer '{UP}' (MXFP8 (group 32)): weight_scale has dtype F32, expected U8 (E8M0 exponents)",
+    )
 
 
 def test_cli_reports_one_line(base, tmp_path):
     d = variant(base, tmp_path, config=setter(symmetric=False))
     proc = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "logits", "--model", str(d), "--token-ids", "1,2,3", "--out", str(tmp_path / "l.npy")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("moray: error:")]

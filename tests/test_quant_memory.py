@@ -48,8 +48,17 @@ def expert_heavy(tmp_path_factory) -> Path:
 
 def test_bench_memory_measures_device_buffers(expert_heavy, tmp_path):
     args = argparse.Namespace(
-        model=expert_heavy, json=tmp_path / "m.json", schemes=["w4a16", "fp8", "mxfp8"], group_size=128,
-        work_dir=tmp_path / "work", dtype="float32", batch=2, prompt_len=8, decode_steps=3, num_prompts=2, seed=0,
+        model=expert_heavy,
+        json=tmp_path / "m.json",
+        schemes=["w4a16", "fp8", "mxfp8"],
+        group_size=128,
+        work_dir=tmp_path / "work",
+        dtype="float32",
+        batch=2,
+        prompt_len=8,
+        decode_steps=3,
+        num_prompts=2,
+        seed=0,
     )
     results = measure(args)["results"]
     assert results["w4a16"]["weight_ratio"] <= 0.30
@@ -71,10 +80,33 @@ def test_bench_memory_cli(tmp_path):
     tiny = make_model(tmp_path / "tiny", "mixtral", "tiny", seed=1)
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "memory", "--model", str(tiny), "--json", str(out),
-         "--schemes", "w4a16", "--group-size", "32", "--batch", "1", "--prompt-len", "4", "--decode-steps", "2",
-         "--num-prompts", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "bench",
+            "memory",
+            "--model",
+            str(tiny),
+            "--json",
+            str(out),
+            "--schemes",
+            "w4a16",
+            "--group-size",
+            "32",
+            "--batch",
+            "1",
+            "--prompt-len",
+            "4",
+            "--decode-steps",
+            "2",
+            "--num-prompts",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
@@ -98,8 +130,16 @@ def test_engine_serves_quantised_checkpoint_like_its_decompression(tmp_path):
     tiny = make_model(tmp_path / "tiny", "qwen3_moe", "tiny", seed=3)
     q = quantize_checkpoint(tiny, tmp_path / "w4a16", "w4a16", group_size=32)
     dense = decompress_with_library(q, tmp_path / "dense")
-    args = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, token_buckets=[8, 32],
-                page_buckets=[8], compilation_cache_dir=None, warmup=False)
+    args = dict(
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        token_buckets=[8, 32],
+        page_buckets=[8],
+        compilation_cache_dir=None,
+        warmup=False,
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 9, 200, 31, 7], [42, 17, 3]]
     got = [o.token_ids for o in LLM(str(q), **args).generate(prompts, greedy)]

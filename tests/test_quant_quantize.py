@@ -105,8 +105,9 @@ def moray(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_quantize_and_errors(dense, tmp_path):
     out = tmp_path / "q"
-    proc = moray("quantize", str(dense["qwen3_moe"]), str(out), "--scheme", "w4a16", "--group-size", "32",
-                 "--ignore", r"re:.*self_attn\.o_proj$")
+    proc = moray(
+        "quantize", str(dense["qwen3_moe"]), str(out), "--scheme", "w4a16", "--group-size", "32", "--ignore", r"re:.*self_attn\.o_proj$"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(out)
     config = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -402,8 +402,14 @@ class SimWorker:
         return sum(-(-(len(r.prompt_token_ids) + len(r.output_token_ids) - left) // BS) for r, left in self.running)
 
     def load(self, ts: float) -> WorkerLoad:
-        return WorkerLoad(self.id, "decode", inflight_prefill_tokens=self.prefill_backlog,
-                          active_decode_blocks=self.active_blocks(), kv_usage=self.kv.usage, ts=ts)
+        return WorkerLoad(
+            self.id,
+            "decode",
+            inflight_prefill_tokens=self.prefill_backlog,
+            active_decode_blocks=self.active_blocks(),
+            kv_usage=self.kv.usage,
+            ts=ts,
+        )
 
 
 def simulate_hot_prefix(policy_cfg: dict, num_blocks: int = 2048, ticks: int = 300, seed: int = 0) -> dict:
@@ -524,8 +530,28 @@ def test_multi_turn_sessions_land_on_the_worker_holding_earlier_turns():
 
 def test_moray_bench_route_writes_json(tmp_path, capsys):
     out = tmp_path / "route.json"
-    rc = moray_main(["bench", "route", "--backend", "memory", "--workers", "4", "--sequences", "200", "--prefix-groups", "8",
-                     "--prefix-tokens", "256", "--requests", "300", "--threads", "2", "--out", str(out)])
+    rc = moray_main(
+        [
+            "bench",
+            "route",
+            "--backend",
+            "memory",
+            "--workers",
+            "4",
+            "--sequences",
+            "200",
+            "--prefix-groups",
+            "8",
+            "--prefix-tokens",
+            "256",
+            "--requests",
+            "300",
+            "--threads",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result

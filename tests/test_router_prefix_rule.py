@@ -327,13 +327,24 @@ def test_worker_load_keeps_the_sparse_flag_through_redis(server):
         assert loads["hybrid"] == WorkerLoad.from_dict(loads["hybrid"].to_dict())
 
     # The worker side: EngineWorker.load() -> routing.worker_load -> the sink's heartbeat.
-    report = {"worker_id": "w9", "role": "decode", "pending_prefill_tokens": 3, "num_total_blocks": 10, "num_free_blocks": 4,
-              "kv_usage": 0.6, "num_waiting": 0, "epoch": 1, "last_seq": -1, "sparse_blocks": True}
+    report = {
+        "worker_id": "w9",
+        "role": "decode",
+        "pending_prefill_tokens": 3,
+        "num_total_blocks": 10,
+        "num_free_blocks": 4,
+        "kv_usage": 0.6,
+        "num_waiting": 0,
+        "epoch": 1,
+        "last_seq": -1,
+        "sparse_blocks": True,
+    }
     assert worker_load(report).sparse_blocks is True
     assert worker_load({**report, "sparse_blocks": False}).sparse_blocks is False
     assert worker_load({k: v for k, v in report.items() if k != "sparse_blocks"}).sparse_blocks is False
-    s = RedisKVEventSink(connect(server.url(), 2.0), MODEL, "w9", role="decode", heartbeat_interval_s=0.05,
-                         load_fn=lambda: worker_load(report)).start()
+    s = RedisKVEventSink(
+        connect(server.url(), 2.0), MODEL, "w9", role="decode", heartbeat_interval_s=0.05, load_fn=lambda: worker_load(report)
+    ).start()
     try:
         got = _wait(lambda: fresh.live_workers().get("w9"))
         assert got.sparse_blocks is True and got.active_decode_blocks == 6

@@ -60,7 +60,8 @@ class RedisServer:
         self.log = open(self.tmp / f"redis-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
             [REDIS_SERVER, *port_args, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.tmp), *self.args],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 10
         while True:
@@ -330,7 +331,11 @@ def test_two_replicas_make_the_same_decisions(server, client):
         request = RouteRequest(f"q{i}", block_hashes(follow_up, BS, MODEL), len(follow_up))
         d1, d2 = r1.route(request), r2.route(request)
         assert (d1.decode_worker, d1.prefill_worker, d1.expected_cached_tokens, d1.reason) == (
-            d2.decode_worker, d2.prefill_worker, d2.expected_cached_tokens, d2.reason)
+            d2.decode_worker,
+            d2.prefill_worker,
+            d2.expected_cached_tokens,
+            d2.reason,
+        )
         assert d1.best_cached_tokens == d2.best_cached_tokens >= len(prompt) // BS * BS  # both saw the conversation
 
 
@@ -373,6 +378,7 @@ def test_redis_restart_degrades_to_load_routing_then_kv_routing_resumes(tmp_path
         assert value("moray_router_redis_degraded_total") == 50 and value("moray_router_index_up") == 0
 
         server.start()  # same port, empty: everything Redis knew is gone
+
         # The sinks notice (their heartbeat finds the index lost their position) and ship snapshots;
         # the router's breaker probe sees Redis answer. KV-aware routing resumes on its own.
         def kv_aware_again():
@@ -626,9 +632,23 @@ def test_a_redis_that_never_answers_costs_one_timeout_then_nothing():
 def auth_server(tmp_path_factory):
     s = RedisServer(
         tmp_path_factory.mktemp("redis-auth"),
-        "--requirepass", "s3cret-default",
-        "--user", "router", "on", ">router-pw", "~*", "&*", "+@all",
-        "--user", "readonly", "on", ">ro-pw", "~*", "&*", "+@read", "+ping",
+        "--requirepass",
+        "s3cret-default",
+        "--user",
+        "router",
+        "on",
+        ">router-pw",
+        "~*",
+        "&*",
+        "+@all",
+        "--user",
+        "readonly",
+        "on",
+        ">ro-pw",
+        "~*",
+        "&*",
+        "+@read",
+        "+ping",
     ).start()
     yield s
     s.stop()
@@ -682,17 +702,34 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def cert(subject, issuer, key, signer, ca: bool, san=None):
-        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
-             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-             # Key identifiers: Python 3.13's strict X.509 verification requires them.
-             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            # Key identifiers: Python 3.13's strict X.509 verification requires them.
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False)
+        )
         if ca:
-            b = b.add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                              data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                              encipher_only=False, decipher_only=False), critical=True)
+            b = b.add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
         if san:
             b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
         return b.sign(signer, hashes.SHA256())
@@ -700,8 +737,14 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "moray test CA")])
     ca = cert(ca_name, ca_name, ca_key, ca_key, True)
-    server = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), ca_name, key, ca_key, False,
-                  [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    server = cert(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]),
+        ca_name,
+        key,
+        ca_key,
+        False,
+        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+    )
     paths = d / "ca.pem", d / "server.pem", d / "server.key"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
@@ -711,8 +754,20 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
 
 def test_tls_with_a_private_ca(tmp_path):
     ca, cert, key = make_certs(tmp_path)
-    server = RedisServer(tmp_path, "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-                         "--tls-auth-clients", "no", "--requirepass", "tls-pw", tls=True)
+    server = RedisServer(
+        tmp_path,
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(ca),
+        "--tls-auth-clients",
+        "no",
+        "--requirepass",
+        "tls-pw",
+        tls=True,
+    )
     try:
         server.start()
     except RuntimeError as e:

@@ -33,9 +33,7 @@ def _sample(params_list, logits, *, generated=None, bucket=None, num_logprobs=0,
     bucket = bucket or n
     padded = np.zeros((bucket, vocab), np.float32)
     padded[:n] = logits
-    batch = build_sampling_batch(
-        params_list, generated if generated is not None else [0] * n, bucket, vocab, **kwargs
-    )
+    batch = build_sampling_batch(params_list, generated if generated is not None else [0] * n, bucket, vocab, **kwargs)
     out = sample(jnp.asarray(padded), batch, num_logprobs=num_logprobs)
     return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
@@ -140,9 +138,7 @@ def test_build_batch_errors():
     with pytest.raises(ValueError, match="prompt_token_ids_list and output_token_ids_list"):
         build_sampling_batch([SamplingParams(presence_penalty=1.0)], [0], 1, 16)
     with pytest.raises(ValueError, match="out of range"):
-        build_sampling_batch(
-            [SamplingParams(frequency_penalty=1.0)], [1], 1, 16, [[1]], [[99]]
-        )
+        build_sampling_batch([SamplingParams(frequency_penalty=1.0)], [1], 1, 16, [[1]], [[99]])
 
 
 # ================================================================================ greedy / rng
@@ -191,12 +187,7 @@ def test_seeded_sampling_independent_of_batch_position_and_composition():
 
 def test_different_seeds_give_different_tokens():
     logits = np.zeros((1, 1000), np.float32)  # uniform: any two streams almost surely differ
-    seq = {
-        seed: [
-            _sample([SamplingParams(seed=seed)], logits, generated=[t]).token_ids[0] for t in range(20)
-        ]
-        for seed in (1, 2)
-    }
+    seq = {seed: [_sample([SamplingParams(seed=seed)], logits, generated=[t]).token_ids[0] for t in range(20)] for seed in (1, 2)}
     assert seq[1] != seq[2]
     # The step counter advances the stream: a seeded request does not repeat one token.
     assert len(set(seq[1])) > 10
@@ -251,8 +242,11 @@ def test_top_k_top_p_on_large_vocab_matches_sort_reference():
     rng = np.random.default_rng(4)
     vocab = 4096
     logits = (rng.normal(size=(3, vocab)) * 3).astype(np.float32)
-    params = [SamplingParams(top_k=200, seed=0), SamplingParams(top_p=0.9, seed=1),
-              SamplingParams(top_k=300, top_p=0.6, temperature=0.7, seed=2)]
+    params = [
+        SamplingParams(top_k=200, seed=0),
+        SamplingParams(top_p=0.9, seed=1),
+        SamplingParams(top_k=300, top_p=0.6, temperature=0.7, seed=2),
+    ]
     batch = build_sampling_batch(params, [0, 0, 0], 3, vocab)
     got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), batch)))
     for row, p in enumerate(params):
@@ -316,8 +310,12 @@ def test_penalties_match_numpy_reference():
     got = np.asarray(apply_penalties(jnp.asarray(logits), batch))
     for row, p in enumerate(params):
         expected = _penalty_reference(
-            logits[row], prompts[row], np.asarray(outputs[row], np.int64),
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            logits[row],
+            prompts[row],
+            np.asarray(outputs[row], np.int64),
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
         )
         np.testing.assert_allclose(got[row], expected, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[3], logits[3])
@@ -333,9 +331,7 @@ def test_greedy_with_penalties_picks_argmax_of_penalised_logits():
     assert out.token_ids[0] == 6
     # Frequency penalty over the output: 3.0 - 3 * 0.5 = 1.5 < 2.0.
     params = [SamplingParams.greedy(frequency_penalty=0.5)]
-    out = _sample(
-        params, logits, generated=[3], prompt_token_ids_list=[[]], output_token_ids_list=[[4, 4, 4]]
-    )
+    out = _sample(params, logits, generated=[3], prompt_token_ids_list=[[]], output_token_ids_list=[[4, 4, 4]])
     assert out.token_ids[0] == 6
 
 
@@ -394,8 +390,13 @@ def test_logprobs_are_raw_log_softmax_and_top_n_are_largest():
         SamplingParams(seed=3, logprobs=2),
     ]
     out = _sample(
-        params, logits, generated=[2, 0, 1], bucket=4, num_logprobs=5,
-        prompt_token_ids_list=[[1, 2], [3], [4]], output_token_ids_list=outputs,
+        params,
+        logits,
+        generated=[2, 0, 1],
+        bucket=4,
+        num_logprobs=5,
+        prompt_token_ids_list=[[1, 2], [3], [4]],
+        output_token_ids_list=outputs,
     )
     assert isinstance(out, SamplerOutput)
     reference = _log_softmax(logits)

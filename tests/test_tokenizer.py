@@ -175,9 +175,7 @@ def test_seed_text_changes_the_merges(tmp_path):
 
 def test_runtime_module_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, workers.models.tokenizer as t; "
-        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
-        "assert not bad, bad"
+        "import sys, workers.models.tokenizer as t; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
 

@@ -37,7 +37,11 @@ def validator(model_dir):
 
     _, cfg = load_config(str(model_dir))
     return validation.RequestValidator(
-        model_name="tiny", vocab_size=cfg.vocab_size, max_model_len=MAX_MODEL_LEN, tokenizer=Tokenizer.from_dir(model_dir), max_body_bytes=1 << 20
+        model_name="tiny",
+        vocab_size=cfg.vocab_size,
+        max_model_len=MAX_MODEL_LEN,
+        tokenizer=Tokenizer.from_dir(model_dir),
+        max_body_bytes=1 << 20,
     )
 
 
@@ -99,7 +103,10 @@ def test_nan_and_other_non_json_constants_are_a_400(validator):
     assert "NaN" in refused(completion, validator, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}').message
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", "16"), ("max_tokens", True), ("max_tokens", 16.0), ("stream", "yes"), ("temperature", "0.5"), ("prompt", [1, True])])
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_tokens", "16"), ("max_tokens", True), ("max_tokens", 16.0), ("stream", "yes"), ("temperature", "0.5"), ("prompt", [1, True])],
+)
 def test_types_are_strict(validator, field, value):
     e = refused(completion, validator, {**GOOD, field: value})
     assert e.status == 400 and field in e.message
@@ -138,7 +145,10 @@ def test_unsupported_chat_fields_are_a_400(validator, field, value):
     assert e.status == 400 and e.param == field and "not supported" in e.message
 
 
-@pytest.mark.parametrize("field,value", [("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}), ("best_of", 1), ("suffix", None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}), ("best_of", 1), ("suffix", None)],
+)
 def test_values_that_ask_for_nothing_are_accepted(validator, field, value):
     assert completion(validator, {**GOOD, field: value}).params.max_tokens == 2
 
@@ -150,7 +160,12 @@ def test_max_tokens_past_the_context_is_a_400_with_the_numbers(validator):
     prompt = list(range(1, 11))
     e = refused(completion, validator, {**GOOD, "prompt": prompt, "max_tokens": 1000})
     assert e.status == 400 and e.code == "context_length_exceeded"
-    assert f"{MAX_MODEL_LEN}" in e.message and "1010" in e.message and "10 in the prompt" in e.message and "1000 in the completion" in e.message
+    assert (
+        f"{MAX_MODEL_LEN}" in e.message
+        and "1010" in e.message
+        and "10 in the prompt" in e.message
+        and "1000 in the completion" in e.message
+    )
     assert completion(validator, {**GOOD, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - 10}).params.max_tokens == MAX_MODEL_LEN - 10
     # An unset max_tokens is the default, cut to the room left.
     assert completion(validator, {"model": "tiny", "prompt": list(range(1, MAX_MODEL_LEN - 5))}).params.max_tokens == 6
@@ -165,10 +180,21 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400(validator):
 
 
 def test_chat_message_with_junk_tool_calls_is_a_400(validator):
-    e = refused(chat, validator, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": "junk"}]})
+    e = refused(
+        chat,
+        validator,
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": "junk"}]},
+    )
     assert e.status == 400 and e.param.startswith("messages")
-    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"x\": 1}"}}
-    ok = chat(validator, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}], "max_tokens": 2})
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"x": 1}'}}
+    ok = chat(
+        validator,
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}],
+            "max_tokens": 2,
+        },
+    )
     assert ok.prompt
 
 
@@ -199,7 +225,9 @@ def test_grpc_size_limit_is_checked_before_decoding_or_tokenising(validator, mon
 
 
 def test_grpc_sampling_uses_the_same_rules(validator):
-    req = moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[1, 2, 3]), sampling=moray_pb2.SamplingOptions(max_tokens=1000))
+    req = moray_pb2.GenerateRequest(
+        model="tiny", token_ids=moray_pb2.TokenIds(ids=[1, 2, 3]), sampling=moray_pb2.SamplingOptions(max_tokens=1000)
+    )
     assert "maximum context length" in api_error(validator.grpc, req).message
     req = moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=[1, 2, 3]))
     assert asyncio.run(validator.grpc(req)).params.max_tokens == validation.DEFAULT_MAX_TOKENS
@@ -209,7 +237,9 @@ def test_grpc_sampling_uses_the_same_rules(validator):
 
 def test_grpc_developer_role_is_a_system_message_as_over_http(validator):
     """Found by `moray bench fuzz`: HTTP accepted "developer" (OpenAI's newer name for system), gRPC refused it."""
-    msgs = moray_pb2.ChatMessages(messages=[moray_pb2.ChatMessage(role="developer", content="Be brief."), moray_pb2.ChatMessage(role="user", content="hi")])
+    msgs = moray_pb2.ChatMessages(
+        messages=[moray_pb2.ChatMessage(role="developer", content="Be brief."), moray_pb2.ChatMessage(role="user", content="hi")]
+    )
     developer = asyncio.run(validator.grpc(moray_pb2.GenerateRequest(model="tiny", messages=msgs)))
     msgs.messages[0].role = "system"
     system = asyncio.run(validator.grpc(moray_pb2.GenerateRequest(model="tiny", messages=msgs)))
@@ -251,7 +281,9 @@ def ray_task_error(cause: BaseException) -> BaseException:
     """What a Serve handle raises for a replica's exception: the remote traceback in str(), the cause kept."""
     from ray.exceptions import RayTaskError
 
-    return RayTaskError("DecodeServer.generate", f"Traceback (most recent call last):\n  File \"engine.py\"\n{cause!r}", cause).as_instanceof_cause()
+    return RayTaskError(
+        "DecodeServer.generate", f'Traceback (most recent call last):\n  File "engine.py"\n{cause!r}', cause
+    ).as_instanceof_cause()
 
 
 def test_worker_errors_become_one_line_client_errors():
@@ -469,8 +501,12 @@ def test_async_engine_duplicate_id_never_touches_the_running_stream():
 
 @pytest.mark.parametrize(
     "method, path, status, words",
-    [("GET", "/v1/nope", 404, "unknown route: GET /v1/nope"), ("POST", "/", 404, "unknown route"),
-     ("DELETE", "/v1/completions", 405, "method DELETE is not allowed on /v1/completions"), ("PUT", "/health", 405, "not allowed")],
+    [
+        ("GET", "/v1/nope", 404, "unknown route: GET /v1/nope"),
+        ("POST", "/", 404, "unknown route"),
+        ("DELETE", "/v1/completions", 405, "method DELETE is not allowed on /v1/completions"),
+        ("PUT", "/health", 405, "not allowed"),
+    ],
 )
 def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(method, path, status, words):
     """Found by `moray bench fuzz`: FastAPI's `{"detail": "Not Found"}` is not what OpenAI clients parse."""

@@ -53,7 +53,7 @@ class ParallelConfigError(ValueError):
 
 
 def parse_mesh(spec: str) -> tuple[int, ...]:
-    """"8" -> (1, 8); "2x4" -> (2, 4); "2x2x2" -> (2, 2, 2). Axes are `LEVELS` from the end: a 2-D
+    """ "8" -> (1, 8); "2x4" -> (2, 4); "2x2x2" -> (2, 2, 2). Axes are `LEVELS` from the end: a 2-D
     mesh is (host, chip), a 3-D one (host, chip, core)."""
     try:
         dims = tuple(int(d) for d in spec.lower().split("x"))
@@ -88,9 +88,7 @@ def device_grid(devices: Sequence[Any], shape: Sequence[int] | None = None):
             hosts = len({d.process_index for d in ordered})
             shape = (hosts, len(ordered) // hosts)
     if math.prod(shape) != len(ordered):
-        raise ParallelConfigError(
-            f"mesh {format_mesh(shape)} has {math.prod(shape)} devices but {len(ordered)} are available"
-        )
+        raise ParallelConfigError(f"mesh {format_mesh(shape)} has {math.prod(shape)} devices but {len(ordered)} are available")
     return np.array(ordered, dtype=object).reshape(tuple(shape))
 
 
@@ -354,7 +352,6 @@ def launch_local_processes(
                 p.kill()
             p.wait()
     return rc
-
 
 
 # ---------------------------------------------------------------------------------------------

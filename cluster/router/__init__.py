@@ -44,7 +44,25 @@ from .types import (
 )
 
 __all__ = [
-    "POLICIES", "CostWeights", "IndexUnavailable", "KVEventStreamConsumer", "KVIndex", "Lookup", "MemoryKVIndex",
-    "MirroredKVIndex", "NoWorkersAvailable", "PrefixMatch", "RedisKVEventSink", "RedisKVIndex", "RouteDecision", "RouteRequest",
-    "Router", "RouterMetrics", "WorkerLoad", "attach_in_process", "build_index", "load_from_engine_stats", "make_policy",
+    "POLICIES",
+    "CostWeights",
+    "IndexUnavailable",
+    "KVEventStreamConsumer",
+    "KVIndex",
+    "Lookup",
+    "MemoryKVIndex",
+    "MirroredKVIndex",
+    "NoWorkersAvailable",
+    "PrefixMatch",
+    "RedisKVEventSink",
+    "RedisKVIndex",
+    "RouteDecision",
+    "RouteRequest",
+    "Router",
+    "RouterMetrics",
+    "WorkerLoad",
+    "attach_in_process",
+    "build_index",
+    "load_from_engine_stats",
+    "make_policy",
 ]

@@ -162,12 +162,7 @@ class MemoryKVIndex:
         with self._lock:
             epoch, seq = self._state.get(worker_id, (0, -1))
             names = {bit: tier for tier, bit in self._tier_bits.items()}
-            blocks = [
-                (h, names[bit])
-                for h, bits in self._by_worker.get(worker_id, {}).items()
-                for bit in names
-                if bits & bit
-            ]
+            blocks = [(h, names[bit]) for h, bits in self._by_worker.get(worker_id, {}).items() for bit in names if bits & bit]
             return epoch, seq, blocks
 
     def position(self, worker_id: str) -> tuple[int, int] | None:

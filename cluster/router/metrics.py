@@ -24,23 +24,35 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, gauge_interval_s: float = 1.0):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.decisions = Counter("moray_router_decisions", "routing decisions by policy and deciding branch", ["policy", "branch"], registry=r)
+        self.decisions = Counter(
+            "moray_router_decisions", "routing decisions by policy and deciding branch", ["policy", "branch"], registry=r
+        )
         self.prefill = Counter("moray_router_prefill", "decisions by where the prompt is prefilled", ["where"], registry=r)
         self.decision_seconds = Histogram(
-            "moray_router_decision_seconds", "time to make one routing decision (index lookup included)",
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25), registry=r,
+            "moray_router_decision_seconds",
+            "time to make one routing decision (index lookup included)",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25),
+            registry=r,
         )
         self.prompt_tokens = Counter("moray_router_prompt_tokens", "prompt tokens routed", registry=r)
-        self.routed_tokens = Counter("moray_router_routed_prompt_tokens", "prompt tokens routed to each decode worker", ["worker"], registry=r)
+        self.routed_tokens = Counter(
+            "moray_router_routed_prompt_tokens", "prompt tokens routed to each decode worker", ["worker"], registry=r
+        )
         self.cached_best = Counter("moray_router_cached_tokens_best", "cached prefix tokens on the best live candidate", registry=r)
         self.cached_chosen = Counter("moray_router_cached_tokens_chosen", "cached prefix tokens on the chosen worker", registry=r)
         self.reused = Counter("moray_router_reused_tokens", "prefix tokens the engines reported actually reused", registry=r)
-        self.degraded = Counter("moray_router_redis_degraded", "decisions made by load alone because the KV index was unavailable", registry=r)
+        self.degraded = Counter(
+            "moray_router_redis_degraded", "decisions made by load alone because the KV index was unavailable", registry=r
+        )
         self.index_errors = Counter("moray_router_index_errors", "failed KV index calls", ["op"], registry=r)
         self.index_up = Gauge("moray_router_index_up", "1 while the KV index answers, 0 while degraded", registry=r)
         self.index_up.set(1)
-        self.sequence_gaps = Counter("moray_router_index_purges", "worker entries purged: sequence gap, new epoch or cleared", ["worker", "reason"], registry=r)
-        self.index_lag = Gauge("moray_router_index_lag_seconds", "age of a worker's KV events when they reached the index", ["worker"], registry=r)
+        self.sequence_gaps = Counter(
+            "moray_router_index_purges", "worker entries purged: sequence gap, new epoch or cleared", ["worker", "reason"], registry=r
+        )
+        self.index_lag = Gauge(
+            "moray_router_index_lag_seconds", "age of a worker's KV events when they reached the index", ["worker"], registry=r
+        )
         self.worker_load = Gauge("moray_router_worker_load", "last heartbeat load of each live worker", ["worker", "field"], registry=r)
         self.live_workers = Gauge("moray_router_live_workers", "workers with a fresh heartbeat", registry=r)
         self.worker_failures = Counter(
@@ -87,7 +99,6 @@ class RouterMetrics:
                 self.index_lag.labels(w).set(load.index_lag_s)
         self._gauge_workers = set(loads)
         self.live_workers.set(len(loads))
-
 
     def forget_worker(self, worker_id: str) -> None:
         """Removes every series labelled with a worker that left (failed, or its heartbeat expired)."""

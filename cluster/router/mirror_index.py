@@ -36,7 +36,11 @@ class MirroredKVIndex:
         self.breaker = remote.breaker  # the router's index-up metric follows Redis itself
         self.local = MemoryKVIndex(heartbeat_ttl_s=remote.heartbeat_ttl_s, session_ttl_s=remote.session_ttl_s)
         self.consumer = KVEventStreamConsumer(
-            self.local, remote.client, remote.model, poll_interval_s=poll_interval_s, heartbeat_refresh_s=heartbeat_refresh_s,
+            self.local,
+            remote.client,
+            remote.model,
+            poll_interval_s=poll_interval_s,
+            heartbeat_refresh_s=heartbeat_refresh_s,
             remote=remote,
         )
         self.on_purge = None  # set by the router; forwarded from the local copy

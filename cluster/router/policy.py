@@ -73,8 +73,9 @@ class CostWeights:
 
     @classmethod
     def from_config(cls, cfg) -> "CostWeights":
-        return cls(cfg.cache_weight, cfg.load_weight, cfg.queue_weight, cfg.host_tier_credit, cfg.session_bonus_blocks,
-                   cfg.load_slack_blocks)
+        return cls(
+            cfg.cache_weight, cfg.load_weight, cfg.queue_weight, cfg.host_tier_credit, cfg.session_bonus_blocks, cfg.load_slack_blocks
+        )
 
 
 TIE_WEIGHT = 0.001  # per block of load or upcoming work: decides only between otherwise equal candidates

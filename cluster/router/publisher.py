@@ -66,9 +66,7 @@ def attach_in_process(index, publisher: KVEventPublisher) -> None:
     publisher.add_listener(lambda e: index.apply([e]))
 
 
-def load_from_engine_stats(
-    worker_id: str, role: Role, stats, inflight_prefill_tokens: int = 0, sparse_blocks: bool = False
-) -> WorkerLoad:
+def load_from_engine_stats(worker_id: str, role: Role, stats, inflight_prefill_tokens: int = 0, sparse_blocks: bool = False) -> WorkerLoad:
     """A WorkerLoad from `EngineCore.stats()`. Blocks not free are held by running sequences. The engine's
     stats do not separate un-prefilled prompt tokens, so the caller passes them if it tracks them.
     `sparse_blocks`: the engine publishes only reusable block boundaries (`core.cfg.is_hybrid`)."""
@@ -147,9 +145,16 @@ class RedisKVEventSink:
         # Off the request path: a longer deadline than the router's lets multi-thousand-block snapshots land.
         client = connect_from_config(kv_cfg, timeout_s=max(kv_cfg.timeout_s, 2.0))
         return cls(
-            client, model, worker_id, role=role, heartbeat_ttl_s=router_cfg.heartbeat_ttl_s, batch_size=kv_cfg.sink_batch_size,
-            flush_interval_s=kv_cfg.sink_flush_interval_s, stream_maxlen=kv_cfg.stream_maxlen,
-            retry_interval_s=kv_cfg.retry_interval_s, **kw,
+            client,
+            model,
+            worker_id,
+            role=role,
+            heartbeat_ttl_s=router_cfg.heartbeat_ttl_s,
+            batch_size=kv_cfg.sink_batch_size,
+            flush_interval_s=kv_cfg.sink_flush_interval_s,
+            stream_maxlen=kv_cfg.stream_maxlen,
+            retry_interval_s=kv_cfg.retry_interval_s,
+            **kw,
         )
 
     # ---------------------------------------------------------------- engine side (never blocks)
@@ -275,8 +280,19 @@ class RedisKVEventSink:
             pipe = self.client.pipeline(transaction=False)
             for run in runs:
                 e0 = run[0]
-                pipe.evalsha(APPLY.sha, 1, self.workers_key, self.tag, e0.worker_id, str(e0.epoch), e0.seq, 1,
-                             self.stream_maxlen, e0.timestamp, *pack_events(run))
+                pipe.evalsha(
+                    APPLY.sha,
+                    1,
+                    self.workers_key,
+                    self.tag,
+                    e0.worker_id,
+                    str(e0.epoch),
+                    e0.seq,
+                    1,
+                    self.stream_maxlen,
+                    e0.timestamp,
+                    *pack_events(run),
+                )
             return pipe.execute()
 
         results = self._script(send)
@@ -313,15 +329,27 @@ class RedisKVEventSink:
         def send():
             pipe = self.client.pipeline(transaction=False)
             for i, part in enumerate(parts):
-                pipe.evalsha(SNAPSHOT.sha, 1, self.workers_key, self.tag, self.worker_id, str(epoch), seq, 1 if i == 0 else 0,
-                             self.stream_maxlen, *pack_blocks(part))
+                pipe.evalsha(
+                    SNAPSHOT.sha,
+                    1,
+                    self.workers_key,
+                    self.tag,
+                    self.worker_id,
+                    str(epoch),
+                    seq,
+                    1 if i == 0 else 0,
+                    self.stream_maxlen,
+                    *pack_blocks(part),
+                )
             return pipe.execute()
 
         self._script(send)
         self._count("snapshots")
         if self._metrics is not None:
             self._metrics.snapshots.labels(reason).inc()
-        log.info("KV event sink %s: shipped a snapshot of %d blocks (%s; epoch %d, seq %d)", self.worker_id, len(blocks), reason, epoch, seq)
+        log.info(
+            "KV event sink %s: shipped a snapshot of %d blocks (%s; epoch %d, seq %d)", self.worker_id, len(blocks), reason, epoch, seq
+        )
         self._written = (epoch, seq)
         self._pending.clear()
         self._needs_resync = False
@@ -335,8 +363,13 @@ class RedisKVEventSink:
         self._load = load
         epoch, seq = self._mirror.position(self.worker_id) or (0, -1)
         load = replace(
-            load or WorkerLoad(self.worker_id), worker_id=self.worker_id, role=self.role,
-            epoch=epoch, last_seq=seq, ts=time.time(), index_lag_s=self._lag_s,
+            load or WorkerLoad(self.worker_id),
+            worker_id=self.worker_id,
+            role=self.role,
+            epoch=epoch,
+            last_seq=seq,
+            ts=time.time(),
+            index_lag_s=self._lag_s,
         )
         pipe = self.client.pipeline(transaction=False)
         heartbeat_commands(pipe, self.tag, load, self.heartbeat_ttl_s)
@@ -372,8 +405,17 @@ class KVEventStreamConsumer:
     """Keeps a local MemoryKVIndex equal to the Redis index: load it, then tail the model's stream.
     Also copies live heartbeats into it, so the local index knows loads and liveness too."""
 
-    def __init__(self, index: MemoryKVIndex, client: redis.Redis, model: str, *, poll_interval_s: float = 0.05,
-                 heartbeat_refresh_s: float = 1.0, count: int = 1000, remote: RedisKVIndex | None = None):
+    def __init__(
+        self,
+        index: MemoryKVIndex,
+        client: redis.Redis,
+        model: str,
+        *,
+        poll_interval_s: float = 0.05,
+        heartbeat_refresh_s: float = 1.0,
+        count: int = 1000,
+        remote: RedisKVIndex | None = None,
+    ):
         self.index = index
         self.client = client
         self.remote = remote or RedisKVIndex(client, model)  # shared with a MirroredKVIndex: one breaker
@@ -446,8 +488,7 @@ class KVEventStreamConsumer:
             self._apply_entry(f)
         except (KeyError, ValueError, struct.error) as e:
             if not self.unreadable_entries:
-                log.warning("KV stream consumer: skipping an entry it cannot read (%s: %r); counting further ones silently",
-                            entry_id, e)
+                log.warning("KV stream consumer: skipping an entry it cannot read (%s: %r); counting further ones silently", entry_id, e)
             self.unreadable_entries += 1
 
     def _apply_entry(self, f: dict) -> None:

@@ -175,7 +175,9 @@ end
 # is a handful of calls per candidate whatever the prompt length, plus, to find the sparse workers
 # lacking the first block, up to a small call per block or an SMISMEMBER per such worker (~100 us of
 # Redis time for a 76-block chain and 8 hybrid workers).
-LOOKUP = LuaScript(_LUA_COMMON + r"""
+LOOKUP = LuaScript(
+    _LUA_COMMON
+    + r"""
 local now = now_ms()
 local want = ARGV[4] == '1'
 local live, gens, ogens = {}, {}, {}
@@ -325,14 +327,17 @@ end
 local sess = {}
 if ARGV[2] ~= '' then sess = call('HKEYS', 'sess:' .. tag .. ':' .. ARGV[2]) end
 return {matches, live, sess}
-""")
+"""
+)
 
 # KEYS[1] workers set. ARGV: tag, worker, epoch, first seq, strict, stream maxlen (0 = no stream),
 # oldest event time, tier table, event records (seq = first seq + position).
 # strict=1 (the worker's sink): a gap or unknown start returns 'resync' and changes nothing; the sink
 # then ships a snapshot. strict=0: a gap purges the worker and applies what follows.
 # Returns {result, last seq}: result ok | dup | resync | gap | epoch.
-APPLY = LuaScript(_LUA_COMMON + r"""
+APPLY = LuaScript(
+    _LUA_COMMON
+    + r"""
 local w, epoch, first, strict = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5] == '1'
 local batch_tiers = split(ARGV[8])
 local recs = ARGV[9]
@@ -381,11 +386,14 @@ if ARGV[6] ~= '0' then
 end
 sweep(256)
 return {result, last}
-""")
+"""
+)
 
 # KEYS[1] workers set. ARGV: tag, worker, epoch, last seq, reset (1 = replace), stream maxlen, tier
 # table, block records. A worker's whole cache state, shipped in parts (the first with reset=1).
-SNAPSHOT = LuaScript(_LUA_COMMON + r"""
+SNAPSHOT = LuaScript(
+    _LUA_COMMON
+    + r"""
 local w, epoch, seq, reset = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local batch_tiers = split(ARGV[7])
 local recs = ARGV[8]
@@ -409,7 +417,8 @@ if ARGV[6] ~= '0' then
 end
 sweep(256)
 return gen
-""")
+"""
+)
 
 # KEYS[1] workers set. ARGV: tag, stream max length (0 = do not append to the stream), the deciding
 # router's id, then one record per decision (a batch: one call however many decisions accumulated):
@@ -421,7 +430,9 @@ return gen
 # that starts at the first block, the block's spec hash names the worker too, so a lookup finds it as a
 # candidate. The decisions also go to the stream (one entry per batch, t=D), so routers that mirror the
 # index locally share them.
-DECIDE = LuaScript(_LUA_COMMON + r"""
+DECIDE = LuaScript(
+    _LUA_COMMON
+    + r"""
 local maxlen, rid = tonumber(ARGV[2]), ARGV[3]
 local now = now_ms()
 local find, sub = string.find, string.sub
@@ -461,14 +472,14 @@ if maxlen > 0 and #shared > 0 then
   call('XADD', 'events:' .. tag, 'MAXLEN', '~', maxlen, '*', 't', 'D', 'r', rid, unpack(shared))
 end
 return 1
-""")
+"""
+)
 
 
 def pack_decision(width_ms: int, session_ttl_ms: int, workers: list[str], held: list[int], hashes: list[int], session: str) -> str:
     """One DECIDE record (see the script): only the hashes some chosen worker lacks travel."""
     offset = min(min(held, default=0), len(hashes)) if width_ms > 0 else len(hashes)
-    return (f"{width_ms}|{session_ttl_ms}|{','.join(workers)}|{','.join(map(str, held))}|{offset}|"
-            f"{pack_hashes(hashes[offset:])}|{session}")
+    return f"{width_ms}|{session_ttl_ms}|{','.join(workers)}|{','.join(map(str, held))}|{offset}|{pack_hashes(hashes[offset:])}|{session}"
 
 
 def unpack_decision(rec: str) -> tuple[int, list[str], list[int], list[int], str | None]:
@@ -477,12 +488,19 @@ def unpack_decision(rec: str) -> tuple[int, list[str], list[int], list[int], str
     width, _ttl, workers, held, offset, hashes, session = rec.split("|", 6)
     raw = bytes.fromhex(hashes)
     start = int(offset)
-    return (int(width), workers.split(","), [max(0, int(x) - start) for x in held.split(",")],
-            list(struct.unpack(f">{len(raw) // 8}Q", raw)), session or None)
+    return (
+        int(width),
+        workers.split(","),
+        [max(0, int(x) - start) for x in held.split(",")],
+        list(struct.unpack(f">{len(raw) // 8}Q", raw)),
+        session or None,
+    )
 
 
 # KEYS[1] workers set. ARGV: tag, worker ('' = every worker without a live heartbeat).
-REMOVE = LuaScript(_LUA_COMMON + r"""
+REMOVE = LuaScript(
+    _LUA_COMMON
+    + r"""
 local removed, targets = {}, {}
 if ARGV[2] ~= '' then targets = {ARGV[2]} else
   for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
@@ -501,11 +519,14 @@ for _, w in ipairs(targets) do
 end
 sweep(256)
 return removed
-""")
+"""
+)
 
 # KEYS[1] workers set. ARGV: tag. Every worker's position and current blocks, and the stream's last id,
 # read atomically: a consumer loads this and then tails the stream from that id.
-READ_ALL = LuaScript(_LUA_COMMON + r"""
+READ_ALL = LuaScript(
+    _LUA_COMMON
+    + r"""
 local last = call('XREVRANGE', 'events:' .. tag, '+', '-', 'COUNT', 1)
 local last_id = '0-0'
 if #last > 0 then last_id = last[1][1] end
@@ -517,13 +538,17 @@ for _, w in ipairs(call('SMEMBERS', KEYS[1])) do
   end
 end
 return {last_id, out}
-""")
+"""
+)
 
 # KEYS[1] workers set. ARGV: tag, budget. One bounded sweep step; returns the superseded sets left.
-SWEEP = LuaScript(_LUA_COMMON + r"""
+SWEEP = LuaScript(
+    _LUA_COMMON
+    + r"""
 sweep(tonumber(ARGV[2]))
 return call('LLEN', SWEEP)
-""")
+"""
+)
 
 ALL_SCRIPTS = (LOOKUP, APPLY, SNAPSHOT, DECIDE, REMOVE, READ_ALL, SWEEP)
 
@@ -704,8 +729,19 @@ class RedisKVIndex:
             pipe = self.client.pipeline(transaction=False)
             for run in runs:
                 e0 = run[0]
-                pipe.evalsha(APPLY.sha, 1, self.workers_key, self.tag, e0.worker_id, str(e0.epoch), e0.seq, 0,
-                             self.stream_maxlen, e0.timestamp, *pack_events(run))
+                pipe.evalsha(
+                    APPLY.sha,
+                    1,
+                    self.workers_key,
+                    self.tag,
+                    e0.worker_id,
+                    str(e0.epoch),
+                    e0.seq,
+                    0,
+                    self.stream_maxlen,
+                    e0.timestamp,
+                    *pack_events(run),
+                )
             return pipe.execute()
 
         results = self.breaker.call(lambda: self._with_scripts(send))
@@ -771,10 +807,7 @@ class RedisKVIndex:
             self._loads_at = -float("inf")
             return self.lookup(block_hashes, session_id)
         loads = {w: self._loads[w] for w in names}
-        matches = {
-            matches_flat[i]: PrefixMatch(int(matches_flat[i + 1]), int(matches_flat[i + 2]))
-            for i in range(0, len(matches_flat), 3)
-        }
+        matches = {matches_flat[i]: PrefixMatch(int(matches_flat[i + 1]), int(matches_flat[i + 2])) for i in range(0, len(matches_flat), 3)}
         return Lookup(matches, loads, sorted(w for w in sess if w in loads))
 
     def longest_prefix(self, block_hashes: list[int]) -> dict[str, int]:
@@ -790,7 +823,9 @@ class RedisKVIndex:
         ttl_s > 0 asks for them. With async_writes (the default) the call is queued for the writer
         thread, which pipelines whatever accumulated: the decision does not wait for a second round trip."""
         held = held or [0] * len(workers)
-        rec = pack_decision(self._spec_width_ms if ttl_s > 0 else 0, int(self.session_ttl_s * 1000), workers, held, block_hashes, session_id or "")
+        rec = pack_decision(
+            self._spec_width_ms if ttl_s > 0 else 0, int(self.session_ttl_s * 1000), workers, held, block_hashes, session_id or ""
+        )
         if not self.async_writes:
             self.breaker.call(lambda: DECIDE(self.client, [self.workers_key], [self.tag, self.stream_maxlen, self.router_id, rec]))
             return
@@ -823,7 +858,11 @@ class RedisKVIndex:
 
             def send():
                 for start in range(0, len(batch), DECIDE_BATCH):  # one script call per batch
-                    DECIDE(self.client, [self.workers_key], [self.tag, self.stream_maxlen, self.router_id, *batch[start : start + DECIDE_BATCH]])
+                    DECIDE(
+                        self.client,
+                        [self.workers_key],
+                        [self.tag, self.stream_maxlen, self.router_id, *batch[start : start + DECIDE_BATCH]],
+                    )
 
             try:
                 self.breaker.call(send)
@@ -877,9 +916,9 @@ class RedisKVIndex:
 
     def flush_all(self) -> None:
         """Deletes every key of this model (tests, benchmarks). SCAN-based; never use on a hot path."""
+
         def send():
             for k in self.client.scan_iter(match=f"*:{self.tag}*", count=1000):
                 self.client.delete(k)
 
         self.breaker.call(send)
-

@@ -227,16 +227,15 @@ class Router:
             with self._lock:
                 loads = dict(self._last_loads) or {
                     # ts=0: every pending bump counts, so degraded decisions still spread.
-                    w: WorkerLoad(w, role, ts=0.0) for w, role in self._fallback.items()
+                    w: WorkerLoad(w, role, ts=0.0)
+                    for w, role in self._fallback.items()
                 }
             return self._without_failed(Lookup({}, loads)), True
         with self._lock:
             self._last_loads = lookup.loads
         return self._without_failed(lookup), False
 
-    def _decide(
-        self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, upcoming: dict | None = None
-    ) -> RouteDecision:
+    def _decide(self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, upcoming: dict | None = None) -> RouteDecision:
         loads = lookup.loads
         if not loads:
             raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
@@ -273,7 +272,9 @@ class Router:
         costs = policy.costs(ctx, candidates, stage)
         stochastic = policy.stochastic
         worker, how = select(
-            costs, ctx.request.request_id, self._rng,
+            costs,
+            ctx.request.request_id,
+            self._rng,
             self.config.temperature if stochastic else 0.0,
             self.config.exploration if stochastic else 0.0,
         )

@@ -124,7 +124,9 @@ class AsyncEngine:
         if entry is not None and entry[1] is q:
             del self._streams[request_id]
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **kw) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **kw
+    ) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(request_id, prompt_token_ids, params, **kw)
         try:
             async for out in stream:

@@ -27,9 +27,7 @@ def hash_block(parent: int, token_ids: Sequence[int], extra_keys: str = "") -> i
     return int.from_bytes(h.digest()[:8], "little")
 
 
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, extra_keys: str = "", start: int = 0, parent: int = ROOT_PARENT
-) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: str = "", start: int = 0, parent: int = ROOT_PARENT) -> list[int]:
     """Hashes of the full blocks of `token_ids` from block index `start` (given the hash before it)."""
     out = []
     for i in range(start, len(token_ids) // block_size):

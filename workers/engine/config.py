@@ -58,9 +58,7 @@ class ParallelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mesh: str | None = Field(
-        default=None, pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){0,2}$", description="e.g. 8, 2x4 (host x chip), 2x2x2"
-    )
+    mesh: str | None = Field(default=None, pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){0,2}$", description="e.g. 8, 2x4 (host x chip), 2x2x2")
     dp: int | None = Field(default=None, ge=1, description="attention data-parallel size; default devices / tp")
     tp: int = Field(default=1, ge=1, description="tensor parallelism of the dense parts (trailing mesh axes)")
     ep: int | None = Field(default=None, ge=1, description="expert-parallel size (trailing mesh axes); default all devices")

@@ -68,7 +68,9 @@ class DataParallelKVCacheManager:
     ):
         if slots_per_rank:
             self.ranks = [
-                HybridCacheManager(blocks_per_rank, block_size, slots_per_rank, snapshots_per_rank, enable_prefix_caching, extra_keys, events)
+                HybridCacheManager(
+                    blocks_per_rank, block_size, slots_per_rank, snapshots_per_rank, enable_prefix_caching, extra_keys, events
+                )
                 for _ in range(dp)
             ]
         else:
@@ -200,10 +202,25 @@ class DataParallelRunner(ModelRunner):
         """Rank r's slots are rows [r * slots, (r + 1) * slots) of each pool, on rank r's devices."""
         n, cfg = self.num_state_slots, self.cfg
         zeros = lambda shape: jax.jit(lambda: jnp.zeros((n, *shape), jnp.float32), out_shardings=self.rank_sharding)()
-        return [zeros(cfg.conv_state_shape) for _ in range(cfg.num_state_layers)], [zeros(cfg.recurrent_state_shape) for _ in range(cfg.num_state_layers)]
+        return [zeros(cfg.conv_state_shape) for _ in range(cfg.num_state_layers)], [
+            zeros(cfg.recurrent_state_shape) for _ in range(cfg.num_state_layers)
+        ]
 
     def _step_impl(
-        self, weights, kv_pages, state_pools, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices, states, decode_only=False
+        self,
+        weights,
+        kv_pages,
+        state_pools,
+        tokens,
+        positions,
+        slot_mapping,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        logits_indices,
+        states,
+        decode_only=False,
     ):
         self.num_traces += 1
         meta = (list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, self.model.mesh, self.model.data_axes)

@@ -126,14 +126,25 @@ class EngineCore:
         if self.model.data_parallel_size > 1:  # each rank its own sequences, blocks and state slots
             dp = self.model.data_parallel_size
             self.kv = DataParallelKVCacheManager(
-                dp, num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events,
-                slots_per_rank=slots, snapshots_per_rank=config.max_state_snapshots,
+                dp,
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                config.model_name,
+                self.events,
+                slots_per_rank=slots,
+                snapshots_per_rank=config.max_state_snapshots,
             )
             self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         elif self.cfg.is_hybrid:
             self.kv = HybridCacheManager(
-                num_blocks, config.block_size, config.state_slots, config.max_state_snapshots,
-                config.enable_prefix_caching, config.model_name, self.events,
+                num_blocks,
+                config.block_size,
+                config.state_slots,
+                config.max_state_snapshots,
+                config.enable_prefix_caching,
+                config.model_name,
+                self.events,
             )
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         else:
@@ -363,7 +374,10 @@ class EngineCore:
         state.pending.append(token)
         params = request.sampling_params
         if state.logprobs is not None:
-            top = {int(t): float(lp) for t, lp in zip(sampled["top_logprob_ids"][j][: params.logprobs], sampled["top_logprobs"][j][: params.logprobs])}
+            top = {
+                int(t): float(lp)
+                for t, lp in zip(sampled["top_logprob_ids"][j][: params.logprobs], sampled["top_logprobs"][j][: params.logprobs])
+            }
             top[token] = float(sampled["token_logprob"][j])
             state.logprobs.append(top)
         before = state.detokenizer.text

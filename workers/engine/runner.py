@@ -109,14 +109,38 @@ class ModelRunner:
         return kv_bytes_per_block(self.model, self.block_size)
 
     def _step_impl(
-        self, weights, kv_pages, state_pools, tokens, positions, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, logits_indices, states, decode_only=False
+        self,
+        weights,
+        kv_pages,
+        state_pools,
+        tokens,
+        positions,
+        slot_mapping,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        logits_indices,
+        states,
+        decode_only=False,
     ):
         self.num_traces += 1  # runs only while tracing: counts compilations
         if state_pools is None:
             cache = PagedKVCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
         else:
             conv, rec = state_pools
-            cache = PagedHybridCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, list(conv), list(rec), *states, decode_only=decode_only)
+            cache = PagedHybridCache(
+                list(kv_pages),
+                slot_mapping,
+                kv_lens,
+                page_indices,
+                cu_q_lens,
+                num_seqs,
+                list(conv),
+                list(rec),
+                *states,
+                decode_only=decode_only,
+            )
         logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
         pools = None if state_pools is None else (cache.conv, cache.recurrent)
         return logits, cache.pages, pools
@@ -290,7 +314,9 @@ class ModelRunner:
             progress(1)
         if self.num_state_slots:  # the slot set-up programs (nothing real: every destination is padding)
             for n in self.init_buckets:
-                self.state_pools = _init_slots_jit(self.state_pools, np.full((n,), self.num_state_slots, np.int32), np.zeros((n,), np.int32))
+                self.state_pools = _init_slots_jit(
+                    self.state_pools, np.full((n,), self.num_state_slots, np.int32), np.zeros((n,), np.int32)
+                )
         elapsed = time.perf_counter() - start
         log.info("warm-up compiled %d step programs in %.1fs", len(shapes), elapsed)
         return elapsed

@@ -146,9 +146,7 @@ def build_sampling_batch(
     use_penalties = any(p.uses_penalties for p in params_list)
     token_counts = prompt_mask = None
     if use_penalties:
-        token_counts, prompt_mask = _penalty_tensors(
-            params_list, bucket, vocab_size, prompt_token_ids_list, output_token_ids_list
-        )
+        token_counts, prompt_mask = _penalty_tensors(params_list, bucket, vocab_size, prompt_token_ids_list, output_token_ids_list)
 
     host = SamplingBatch(
         temperature=temperature,
@@ -249,9 +247,7 @@ class SamplerOutput(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(
-    logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0, rows: jax.Array | None = None
-) -> SamplerOutput:
+def sample(logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0, rows: jax.Array | None = None) -> SamplerOutput:
     """Picks one token per row. `num_logprobs` (static): top logprobs to return, max over rows.
 
     `rows` (i32[B], optional): batch row i samples from `logits[rows[i]]`. The gather runs inside this
@@ -305,9 +301,7 @@ def filter_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits
 
 
-def _top_k_top_p(
-    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, use_top_k: bool, use_top_p: bool
-) -> jax.Array:
+def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, use_top_k: bool, use_top_p: bool) -> jax.Array:
     """Keeps, per row, the top-k tokens and then the top-p nucleus of their renormalised
     distribution; the rest become -inf. Tokens tied with a cut-off are kept.
 
@@ -409,9 +403,7 @@ class Logprob:
     rank: int  # 1 = most likely token at that position
 
 
-def prompt_logprobs(
-    logits: jax.Array, prompt_ids: Sequence[int], k: int
-) -> list[dict[int, Logprob] | None]:
+def prompt_logprobs(logits: jax.Array, prompt_ids: Sequence[int], k: int) -> list[dict[int, Logprob] | None]:
     """Per prompt position: {prompt token: its Logprob, then the top-k tokens, best first}.
 
     `logits[t]` (f32[T, V], T >= len(prompt_ids) - 1) predicts token t + 1, so position 0 has no

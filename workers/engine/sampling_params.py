@@ -141,18 +141,14 @@ class SamplingParams(BaseModel):
         if ids is None:
             return ()
         # bool is an int subclass; reject it explicitly.
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
         return tuple(ids)
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
 
     # ----------------------------------------------------------------------------- derived
@@ -163,8 +159,4 @@ class SamplingParams(BaseModel):
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

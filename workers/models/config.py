@@ -48,8 +48,7 @@ class LinearAttentionConfig(BaseModel):
     def _check_heads(self) -> "LinearAttentionConfig":
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(
-                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of linear_num_key_heads "
-                f"({self.num_key_heads})"
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of linear_num_key_heads ({self.num_key_heads})"
             )
         return self
 
@@ -111,18 +110,12 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ValueError("per-layer settings must have num_hidden_layers entries")
         if any(self.moe_layers):
             if not (0 < self.num_experts_per_tok <= self.num_experts):
-                raise ValueError(
-                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
-                    f"{self.num_experts}]"
-                )
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]")
             if self.moe_intermediate_size <= 0:
                 raise ValueError("moe_intermediate_size must be positive for MoE layers")
         if not all(self.moe_layers) and self.intermediate_size <= 0:
@@ -245,10 +238,7 @@ def rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     elif scaling is not None:
         raise ModelLoadError(f"config.json: rope_scaling must be an object, got {scaling!r}")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"config.json: unsupported rope scaling type '{rope_type}' "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
+        raise ModelLoadError(f"config.json: unsupported rope scaling type '{rope_type}' (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return RopeConfig(theta=float(theta), scaling_type=rope_type, factor=factor)
 
 
@@ -327,8 +317,7 @@ def text_config_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ModelLoadError(
-            f"config.json: missing required key 'text_config' ({raw.get('model_type')} without a text model "
-            "cannot be served)"
+            f"config.json: missing required key 'text_config' ({raw.get('model_type')} without a text model cannot be served)"
         )
     outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
     tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -349,9 +338,7 @@ def hybrid_layers_from_hf(raw: dict[str, Any]) -> tuple[int, ...]:
         raise ModelLoadError("config.json: layer_types must have num_hidden_layers entries")
     for t in types:
         if t not in LAYER_TYPES:
-            raise ModelLoadError(
-                f"config.json: unsupported layer type '{t}' in layer_types (supported: {', '.join(LAYER_TYPES)})"
-            )
+            raise ModelLoadError(f"config.json: unsupported layer type '{t}' in layer_types (supported: {', '.join(LAYER_TYPES)})")
     return tuple(i for i, t in enumerate(types) if t == "linear_attention")
 
 

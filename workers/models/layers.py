@@ -104,9 +104,7 @@ class KVCache:
         conv = recurrent = None
         if cfg.is_hybrid:
             conv = [jnp.zeros((batch, *cfg.conv_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)]
-            recurrent = [
-                jnp.zeros((batch, *cfg.recurrent_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)
-            ]
+            recurrent = [jnp.zeros((batch, *cfg.recurrent_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)]
         return KVCache(
             k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_kv_layers)],
             v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_kv_layers)],

@@ -150,10 +150,7 @@ def hybrid_config(arch: str, p: Preset, lp: LinearPreset, eos_id: int, pad_id: i
         "attention_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": p.initializer_range,
-        "layer_types": [
-            "full_attention" if (i + 1) % lp.full_attention_interval == 0 else "linear_attention"
-            for i in range(p.num_layers)
-        ],
+        "layer_types": ["full_attention" if (i + 1) % lp.full_attention_interval == 0 else "linear_attention" for i in range(p.num_layers)],
         "linear_num_key_heads": lp.num_key_heads,
         "linear_num_value_heads": lp.num_value_heads,
         "linear_key_head_dim": lp.head_dim,
@@ -169,9 +166,7 @@ def hybrid_config(arch: str, p: Preset, lp: LinearPreset, eos_id: int, pad_id: i
         "use_cache": True,
     }
     if arch == "qwen3_next":
-        text.update(
-            intermediate_size=p.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True
-        )
+        text.update(intermediate_size=p.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
         return {"architectures": [ARCHS[arch]], "model_type": arch, **text, "dtype": "float32"}
     vision = {  # the smallest vision tower transformers builds; the checkpoint holds none of its weights
         "model_type": "qwen3_5_moe_vision",

@@ -64,9 +64,7 @@ def ragged_conv_step(x: Array, weight: Array, pool: Array, meta: tuple[Array, ..
 
 def ragged_delta_step(q, k, v, g, beta, pool: Array, meta: tuple[Array, ...], decode_only: bool) -> tuple[Array, Array]:
     slots, snap_slots, snap_lens, cu_q_lens, num_seqs = meta
-    return ragged_gated_delta_rule(
-        q, k, v, g, beta, pool, slots, cu_q_lens, num_seqs, snap_lens, snap_slots, decode_only=decode_only
-    )
+    return ragged_gated_delta_rule(q, k, v, g, beta, pool, slots, cu_q_lens, num_seqs, snap_lens, snap_slots, decode_only=decode_only)
 
 
 def init_slots(pools, dst: Array, src: Array):

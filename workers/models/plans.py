@@ -59,9 +59,7 @@ def _linear_attention_weights(prefix: str, cfg: ModelConfig, qkvz, ba) -> Linear
     return LinearAttentionWeights(
         qkvz=WeightSpec(qkvz, _LINEAR_AXES),
         ba=WeightSpec(ba, _LINEAR_AXES),
-        conv=WeightSpec(
-            Tensor(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel_size)), ("linear_heads", None, None)
-        ),
+        conv=WeightSpec(Tensor(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel_size)), ("linear_heads", None, None)),
         dt_bias=per_head("dt_bias"),
         A_log=per_head("A_log"),
         norm=norm_spec(f"{prefix}.norm.weight", lc.value_head_dim),
@@ -108,24 +106,19 @@ def mlp_plan(prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj"
     gate, up, down = names
     return MLPWeights(
         gate_up=WeightSpec(
-            Concat(
-                (Tensor(f"{prefix}.{gate}.weight", (inter, hidden)), Tensor(f"{prefix}.{up}.weight", (inter, hidden)))
-            ),
+            Concat((Tensor(f"{prefix}.{gate}.weight", (inter, hidden)), Tensor(f"{prefix}.{up}.weight", (inter, hidden)))),
             ("mlp", "embed"),
         ),
         down=linear_spec(f"{prefix}.{down}.weight", hidden, inter, ("embed", "mlp")),
     )
 
 
-def experts_plan(
-    prefix: str, cfg: ModelConfig, names=("gate_proj", "up_proj", "down_proj")
-) -> tuple[WeightSpec, WeightSpec]:
+def experts_plan(prefix: str, cfg: ModelConfig, names=("gate_proj", "up_proj", "down_proj")) -> tuple[WeightSpec, WeightSpec]:
     """gate_up [E, 2I, H] and down [E, H, I] from `prefix.I.<name>.weight` (or fused v5 tensors)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     gate, up, down = names
     per_expert_gate_up = [
-        Concat((Tensor(f"{prefix}.{e}.{gate}.weight", (i, h)), Tensor(f"{prefix}.{e}.{up}.weight", (i, h))))
-        for e in range(cfg.num_experts)
+        Concat((Tensor(f"{prefix}.{e}.{gate}.weight", (i, h)), Tensor(f"{prefix}.{e}.{up}.weight", (i, h)))) for e in range(cfg.num_experts)
     ]
     per_expert_down = [Tensor(f"{prefix}.{e}.{down}.weight", (h, i)) for e in range(cfg.num_experts)]
     return (
@@ -162,7 +155,5 @@ def model_plan(
         embed=linear_spec(f"{prefix}.embed_tokens.weight", cfg.vocab_size, h, ("vocab", "embed")),
         layers=layers,
         final_norm=norm_spec(f"{prefix}.norm.weight", h, zc),
-        lm_head=None
-        if cfg.tie_word_embeddings
-        else linear_spec("lm_head.weight", cfg.vocab_size, h, ("vocab", "embed")),
+        lm_head=None if cfg.tie_word_embeddings else linear_spec("lm_head.weight", cfg.vocab_size, h, ("vocab", "embed")),
     )

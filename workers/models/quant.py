@@ -49,8 +49,17 @@ ACTIVATIONS_ENV_VAR = "MORAY_QUANTIZE_ACTIVATIONS"
 SUPPORTED = "W4A16 pack-quantized, FP8 float-quantized, MXFP8 mxfp8-quantized"
 # Parameter names compressed-tensors may attach to a quantised module.
 QUANT_PARAMS = {
-    "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale",
-    "input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
+    "weight_packed",
+    "weight_scale",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_g_idx",
+    "weight_global_scale",
+    "input_scale",
+    "input_zero_point",
+    "input_global_scale",
+    "output_scale",
+    "output_zero_point",
 }
 # Why a tensor next to a quantised layer cannot be served.
 EXTRA_TENSOR_REASONS = {
@@ -240,14 +249,15 @@ def parse_quantization_config(raw_config: dict[str, Any]) -> QuantConfig | None:
         raise ModelLoadError("config.json: quantization_config must be an object")
     method = q.get("quant_method")
     if method != "compressed-tensors":
-        raise ModelLoadError(
-            f"quantization_config: quant_method {method!r} is not supported (compressed-tensors only: {SUPPORTED})"
-        )
+        raise ModelLoadError(f"quantization_config: quant_method {method!r} is not supported (compressed-tensors only: {SUPPORTED})")
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
         raise ModelLoadError(f"quantization_config: quantization_status '{status}' is not supported (expected 'compressed')")
-    for key, what in (("kv_cache_scheme", "KV cache quantisation"), ("sparsity_config", "sparse weights"),
-                      ("transform_config", "weight transforms (rotations)")):
+    for key, what in (
+        ("kv_cache_scheme", "KV cache quantisation"),
+        ("sparsity_config", "sparse weights"),
+        ("transform_config", "weight transforms (rotations)"),
+    ):
         if q.get(key):
             raise ModelLoadError(f"quantization_config: {key} ({what}) is not supported")
     groups = q.get("config_groups")

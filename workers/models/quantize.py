@@ -305,9 +305,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="unquantised Hugging Face checkpoint directory")
     parser.add_argument("output", type=Path, help="directory for the compressed-tensors checkpoint")
     parser.add_argument("--scheme", choices=SCHEMES, required=True)
-    parser.add_argument(
-        "--group-size", type=int, default=128, help="w4a16: inputs per scale (-1: one scale per output channel)"
-    )
+    parser.add_argument("--group-size", type=int, default=128, help="w4a16: inputs per scale (-1: one scale per output channel)")
     parser.add_argument(
         "--ignore",
         nargs="+",

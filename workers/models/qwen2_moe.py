@@ -21,10 +21,7 @@ MODEL_TYPE = "qwen2_moe"
 def _default_layer_types(raw: dict[str, Any], n: int) -> list[str]:
     use = bool(raw.get("use_sliding_window"))
     max_window_layers = raw.get("max_window_layers", 28)
-    return [
-        "sliding_attention" if use and (i + 1) % 2 and i < max_window_layers else "full_attention"
-        for i in range(n)
-    ]
+    return ["sliding_attention" if use and (i + 1) % 2 and i < max_window_layers else "full_attention" for i in range(n)]
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:

@@ -49,6 +49,4 @@ def plan(cfg: ModelConfig) -> ModelWeights:
 
 
 def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None):
-    return decoder_forward(
-        weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices, experts, linear_mixer=gated_deltanet
-    )
+    return decoder_forward(weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices, experts, linear_mixer=gated_deltanet)

@@ -82,9 +82,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise _corrupt(path, f"bad entry for tensor '{name}': {entry!r}") from None
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if end - begin != expected or begin < 0 or data_start + end > size:
-            raise _corrupt(
-                path, f"tensor '{name}' offsets {begin}..{end} do not fit its shape/dtype or the file"
-            )
+            raise _corrupt(path, f"tensor '{name}' offsets {begin}..{end} do not fit its shape/dtype or the file")
         infos[name] = TensorInfo(path, dtype, shape, data_start + begin)
     return infos
 

@@ -172,8 +172,7 @@ def _check_messages(messages: Any) -> None:
         if content is None and role == "assistant" and msg.get("tool_calls"):
             continue  # an assistant turn that only calls tools
         raise ValueError(
-            f"messages[{i}].content must be a string (None only for an assistant message with tool_calls); "
-            f"got {type(content).__name__}"
+            f"messages[{i}].content must be a string (None only for an assistant message with tool_calls); got {type(content).__name__}"
         )
 
 

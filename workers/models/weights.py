@@ -53,9 +53,7 @@ class Tensor:
             raise ModelLoadError(f"missing tensor '{self.key}' (expected shape {_fmt(self.shape)})")
         got = reader.shape(self.key)
         if got != self.shape:
-            raise ModelLoadError(
-                f"tensor '{self.key}' has shape {_fmt(got)}, expected {_fmt(self.shape)}"
-            )
+            raise ModelLoadError(f"tensor '{self.key}' has shape {_fmt(got)}, expected {_fmt(self.shape)}")
 
     def read(self, reader: CheckpointReader, index: Index) -> np.ndarray:
         return np.asarray(reader.array(self.key)[index])
@@ -144,12 +142,7 @@ def grouped_rows(group_sizes: tuple[int, ...], num_groups: int) -> tuple[int, ..
     """The order that turns `num_groups` groups of [part 0 | part 1 | ...] (sizes `group_sizes`) into
     [part 0 of every group | part 1 of every group | ...]."""
     stride, starts = sum(group_sizes), np.cumsum((0, *group_sizes[:-1]))
-    return tuple(
-        g * stride + int(start) + i
-        for start, size in zip(starts, group_sizes)
-        for g in range(num_groups)
-        for i in range(size)
-    )
+    return tuple(g * stride + int(start) + i for start, size in zip(starts, group_sizes) for g in range(num_groups) for i in range(size))
 
 
 @dataclass(frozen=True)
