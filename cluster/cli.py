@@ -181,7 +181,7 @@ def _add_module_commands(sub, commands: dict[str, tuple[str, str]]) -> None:
 
 # `workers.models.make_model.ARCHS`, spelled out: importing it would load JAX for every `moray` command
 # (tests/test_make_model.py checks the two agree).
-MAKE_MODEL_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next"]
+MAKE_MODEL_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v3"]
 
 
 def build_parser() -> argparse.ArgumentParser:

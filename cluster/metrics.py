@@ -68,6 +68,9 @@ class FrontendMetrics:
         self.queue_depth = Gauge("moray_queue_depth", "requests waiting in a worker's scheduler", ["worker", "role"], registry=r)
         self.running = Gauge("moray_running_requests", "requests running in a worker", ["worker", "role"], registry=r)
         self.kv_usage = Gauge("moray_kv_cache_usage_ratio", "fraction of a worker's KV blocks in use", ["worker", "role"], registry=r)
+        self.kv_bytes_per_token = Gauge(
+            "moray_kv_cache_bytes_per_token", "KV bytes one token takes over all layers on a worker", ["worker", "role"], registry=r
+        )
         for _, (attr, name, help_, role) in _WORKER_COUNTERS.items():
             setattr(self, attr, Counter(name, help_, ["worker"] if role else ["worker", "role"], registry=r))
         self._totals: dict[str, dict[str, float]] = {}  # worker -> report field -> last total seen
@@ -85,6 +88,8 @@ class FrontendMetrics:
         self.queue_depth.labels(w, role).set(load["num_waiting"])
         self.running.labels(w, role).set(load["num_running"])
         self.kv_usage.labels(w, role).set(load["kv_usage"])
+        if "kv_bytes_per_token" in load:
+            self.kv_bytes_per_token.labels(w, role).set(load["kv_bytes_per_token"])
         totals = self._totals.setdefault(w, {})
         for field, (attr, _, _, only) in _WORKER_COUNTERS.items():
             if only is not None and role != only:
@@ -104,7 +109,7 @@ class FrontendMetrics:
         self._totals.pop(worker_id, None)
         if role is None:
             return
-        for gauge in (self.queue_depth, self.running, self.kv_usage):
+        for gauge in (self.queue_depth, self.running, self.kv_usage, self.kv_bytes_per_token):
             _remove(gauge, worker_id, role)
         for _, (attr, _, _, only) in _WORKER_COUNTERS.items():
             _remove(getattr(self, attr), *((worker_id,) if only else (worker_id, role)))

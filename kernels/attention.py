@@ -24,8 +24,12 @@ def causal_attention(
     v_cache: jax.Array,  # [B, S, Hkv, D]
     q_positions: jax.Array,  # [B, T] absolute position of each query
     sliding_window: int | None = None,
+    sm_scale: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention where query at position p sees cache slots 0..p.
+
+    V may be narrower than K (MLA's latent: K is [latent | rope key], V its latent part); the output has
+    V's width. `sm_scale` defaults to D ** -0.5.
 
     Slot j of the cache holds the key of position j. Slots beyond a sequence's written length are
     never visible: a query at position p only sees slots <= p, and slots are written in order.
@@ -35,15 +39,15 @@ def causal_attention(
     hkv = k_cache.shape[2]
     group = hq // hkv
     qg = q.reshape(b, t, hkv, group, d).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(jnp.float32)) * (d**-0.5)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(jnp.float32)) * (d**-0.5 if sm_scale is None else sm_scale)
     k_pos = jnp.arange(k_cache.shape[1])
     visible = k_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
     if sliding_window is not None:
         visible &= q_positions[:, :, None] - k_pos[None, None, :] < sliding_window
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32))
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v_cache.astype(jnp.float32))
+    return out.reshape(b, t, hq, v_cache.shape[-1]).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ class _Units(NamedTuple):
     last_pos: jax.Array  # i32[W] position of each item's last token
 
 
-_STATIC = ("sm_scale", "sliding_window", "pages_per_unit", "units_per_iter")
+_STATIC = ("sm_scale", "sliding_window", "pages_per_unit", "units_per_iter", "latent_v_dim")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -185,11 +189,13 @@ def _ragged_paged_attention_jnp(
     sliding_window,
     pages_per_unit: int | None = None,  # tuning overrides; tests use tiny ones to exercise the loop
     units_per_iter: int | None = None,
+    latent_v_dim: int | None = None,  # MLA: pages [P, page, 1, Dk] hold one row per token; V = its first dims
 ):
     n, hq, _ = q.shape
     max_seqs = page_indices.shape[0]
-    if hq % (kv_pages.shape[2] // 2):
-        raise ValueError(f"{hq} query heads is not a multiple of {kv_pages.shape[2] // 2} kv heads")
+    hkv = _kv_heads(kv_pages, latent_v_dim)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads is not a multiple of {hkv} kv heads")
     # Entries past num_seqs may be garbage: those sequences get no tokens.
     q_start = cu_q_lens[:-1]
     q_len = jnp.where(jnp.arange(max_seqs) < num_seqs[0], cu_q_lens[1:] - q_start, 0)
@@ -202,12 +208,14 @@ def _ragged_paged_attention_jnp(
         (1, short, min(n, max_seqs * (_PER_TOKEN_BELOW - 1))),
         (_CHUNK_ROWS, ~short, n // _CHUNK_ROWS + min(max_seqs, n // _PER_TOKEN_BELOW)),
     )
-    out = jnp.zeros(q.shape, q.dtype)  # padding rows stay 0
+    out = jnp.zeros((n, hq, latent_v_dim or q.shape[-1]), q.dtype)  # padding rows stay 0
     for rows, selected, num_items in passes:
         if num_items == 0:
             continue  # e.g. a batch too small to hold a long sequence
         items = _plan_items(q_start, q_len, kv_lens, selected, rows, num_items)
-        values = _attend_items(q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter)
+        values = _attend_items(
+            q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter, latent_v_dim
+        )
         out = _scatter_items(out, items, values)
     return out
 
@@ -253,14 +261,22 @@ def _units_per_iteration(rows: int, keys: int, hq: int, hkv: int, d: int) -> int
     return max(1, _ITER_BYTES // (4 * floats))
 
 
-def _gather_kv(kv_pages, page_indices, seq, page0, pages_per_unit: int):
+def _kv_heads(kv_pages: jax.Array, latent_v_dim: int | None) -> int:
+    return 1 if latent_v_dim else kv_pages.shape[2] // 2
+
+
+def _gather_kv(kv_pages, page_indices, seq, page0, pages_per_unit: int, latent_v_dim: int | None = None):
     """K and V [B, Hkv, keys, D] (float32) of pages page0 .. page0 + G - 1 of each unit's sequence.
 
-    Page-table slots past the end are clamped; their keys lie beyond the item and are masked.
+    Page-table slots past the end are clamped; their keys lie beyond the item and are masked. Latent
+    pages (MLA) hold one row per token: K is the row, V its first `latent_v_dim` dims (one KV head).
     """
     _, page_size, combined, d = kv_pages.shape
     slots = jnp.minimum(page0[:, None] + jnp.arange(pages_per_unit), page_indices.shape[1] - 1)
     kv = jnp.take(kv_pages, page_indices[seq[:, None], slots], axis=0, mode="clip").astype(jnp.float32)
+    if latent_v_dim:
+        k = kv.reshape(page0.shape[0], 1, pages_per_unit * page_size, d)
+        return k, k[..., :latent_v_dim]
     # Heads before keys, so the matmuls are plain batched matmuls (~3x faster on XLA:CPU).
     kv = kv.reshape(page0.shape[0], pages_per_unit * page_size, combined // 2, 2, d).transpose(0, 2, 3, 1, 4)
     return kv[:, :, 0], kv[:, :, 1]
@@ -276,11 +292,13 @@ def _attend_items(
     sliding_window: int | None,
     pages_per_unit: int | None,
     units_per_iter: int | None,
+    latent_v_dim: int | None = None,
 ) -> jax.Array:
-    """Attention output [W, rows, Hq, D] (float32) of every item row; rows past items.rows are junk."""
+    """Attention output [W, rows, Hq, Dv] (float32) of every item row; rows past items.rows are junk."""
     n, hq, d = q.shape
-    _, page_size, combined, _ = kv_pages.shape
-    hkv, pages_per_seq = combined // 2, page_indices.shape[1]
+    _, page_size, _, _ = kv_pages.shape
+    hkv, pages_per_seq = _kv_heads(kv_pages, latent_v_dim), page_indices.shape[1]
+    dv = latent_v_dim or d
     group = hq // hkv
     num_items = items.seq.shape[0]
     pages_per_unit = min(pages_per_seq, pages_per_unit or max(1, _KEYS_PER_UNIT // page_size))
@@ -303,7 +321,7 @@ def _attend_items(
         item = jnp.minimum(_bucket(units.ends, unit), num_items - 1)
         seq, first_page, first_unit, first_pos, last_pos = item_table[:, item]
         page0 = first_page + (unit - first_unit) * pages_per_unit
-        k, v = _gather_kv(kv_pages, page_indices, seq, page0, pages_per_unit)
+        k, v = _gather_kv(kv_pages, page_indices, seq, page0, pages_per_unit, latent_v_dim)
 
         key_pos = page0[:, None] * page_size + jnp.arange(keys)  # [B, keys]
         row_pos = first_pos[:, None] + jnp.arange(rows)  # [B, rows]
@@ -319,12 +337,12 @@ def _attend_items(
         return _fold_units(state, jnp.where(live, item, num_items), s, visible, v)
 
     state_shape = (num_items, hkv, rows * group)
-    init = (jnp.full(state_shape, _MASKED, jnp.float32), jnp.zeros((*state_shape, d + 1), jnp.float32))
+    init = (jnp.full(state_shape, _MASKED, jnp.float32), jnp.zeros((*state_shape, dv + 1), jnp.float32))
     _, acc = jax.lax.fori_loop(0, -(-units.ends[-1] // per_iter), body, init)
-    l = acc[..., d:]
-    out = acc[..., :d] / jnp.where(l == 0.0, 1.0, l)  # rows that saw no key stay 0
-    out = out.reshape(num_items, hkv, rows, group, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(num_items, rows, hq, d)
+    l = acc[..., dv:]
+    out = acc[..., :dv] / jnp.where(l == 0.0, 1.0, l)  # rows that saw no key stay 0
+    out = out.reshape(num_items, hkv, rows, group, dv).transpose(0, 2, 1, 3, 4)
+    return out.reshape(num_items, rows, hq, dv)
 
 
 def _fold_units(state, target, s, visible, v):
@@ -353,3 +371,56 @@ def _scatter_items(out: jax.Array, items: _Items, values: jax.Array) -> jax.Arra
     r = jnp.arange(rows)
     token = jnp.where(r < items.rows[:, None], items.start[:, None] + r, n)
     return out.at[token.reshape(-1)].set(values.reshape(-1, *out.shape[1:]).astype(out.dtype), mode="drop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V3) over a paged latent cache.
+#
+# The cache holds one row per token and layer, [latent (kv_lora_rank) | rope key], shared by all heads:
+# pages [num_pages, page_size, 1, Dk]. Queries come absorbed (the key half of kv_b folded into them), so
+# attention is single-KV-head attention with K = the row and V = its latent part; the value half of kv_b
+# is applied to the output afterwards. A step reads only the latent rows.
+
+_MLA_IMPL_ENV = "MORAY_MLA_IMPL"
+
+
+def mla_attention_impl() -> str:
+    """The one place the MLA attention implementation is chosen. Only the jnp path exists so far; a Pallas
+    TPU kernel (tpu-inference's MLA kernel is the model) plugs in here."""
+    override = os.environ.get(_MLA_IMPL_ENV, "").strip().lower() or "jnp"
+    if override != "jnp":
+        raise ValueError(f"{_MLA_IMPL_ENV}={override!r}: only 'jnp' is implemented (no Pallas MLA kernel yet)")
+    return override
+
+
+def write_latent(latent_pages: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Write new tokens' latent rows [N, Dk] into their slots of pages [P, page_size, 1, Dk]; negative
+    slots (padding tokens) and slots past the cache write nothing."""
+    num_pages, page_size, _, d = latent_pages.shape
+    num_slots = num_pages * page_size
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
+    flat = latent_pages.reshape(num_slots, d).at[slots].set(rows.astype(latent_pages.dtype), mode="drop")
+    return flat.reshape(latent_pages.shape)
+
+
+def ragged_paged_mla(
+    q: jax.Array,  # [N, Hq, Dk], absorbed: [q_nope @ W_uk | q_rope]
+    latent_pages: jax.Array,  # [num_pages, page_size, 1, Dk]
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    v_dim: int,
+    impl: str | None = None,
+) -> jax.Array:
+    """Causal attention of a flat ragged batch against latent pages; returns [N, Hq, v_dim] (the latent
+    part, before the value up-projection). Batch layout and masking as `ragged_paged_attention`."""
+    impl = impl or mla_attention_impl()
+    if impl != "jnp":
+        raise ValueError(f"impl={impl!r}: only 'jnp' is implemented for MLA")
+    if not 0 < v_dim <= latent_pages.shape[-1]:
+        raise ValueError(f"v_dim {v_dim} must be in [1, {latent_pages.shape[-1]}]")
+    args = (q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    return _ragged_paged_attention_jnp(*args, sm_scale=float(sm_scale), sliding_window=None, latent_v_dim=int(v_dim))

@@ -58,6 +58,36 @@ def route_softmax_topk(router_logits: jax.Array, top_k: int, renormalize: bool) 
     return weights, ids.astype(jnp.int32)
 
 
+def route_sigmoid_group_topk(
+    router_logits: jax.Array,  # [T, E]
+    correction_bias: jax.Array | None,  # [E], added for the choice only
+    top_k: int,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's router: sigmoid scores; the experts are chosen on scores + correction bias, only within
+    the `topk_groups` best of `num_groups` equal groups (a group's score is the sum of its two best); the
+    weights are the unbiased scores of the chosen experts, renormalised if asked, times `scaling_factor`."""
+    t, e = router_logits.shape
+    if e % num_groups or not 0 < topk_groups <= num_groups:
+        raise ValueError(f"{e} experts in {num_groups} groups, {topk_groups} kept: not a valid grouping")
+    scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if num_groups > 1:
+        grouped = choice.reshape(t, num_groups, e // num_groups)
+        group_scores = jax.lax.top_k(grouped, min(2, e // num_groups))[0].sum(axis=-1)
+        _, best = jax.lax.top_k(group_scores, topk_groups)
+        keep = jnp.zeros((t, num_groups), bool).at[jnp.arange(t)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // num_groups, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling_factor, ids.astype(jnp.int32)
+
+
 def moe_impl(num_assignments: int, backend: str | None = None, num_experts: int | None = None) -> str:
     """The implementation `routed_experts` uses for `num_assignments` = tokens x top_k.
 

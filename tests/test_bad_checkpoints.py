@@ -90,8 +90,8 @@ def test_unknown_model_type(ckpt, tmp_path):
 
 
 def test_unsupported_rope_scaling(ckpt, tmp_path):
-    rewrite_config(ckpt, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    assert "unsupported rope scaling type 'yarn'" in error_line(run_logits(ckpt, tmp_path))
+    rewrite_config(ckpt, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0})
+    assert "unsupported rope scaling type 'longrope'" in error_line(run_logits(ckpt, tmp_path))
 
 
 def test_corrupt_safetensors_header(ckpt, tmp_path):

@@ -103,6 +103,8 @@ class EngineWorker:
             "handoff_bytes": self.counters.handoff_bytes,
             "handoff_state_bytes": self.counters.handoff_state_bytes,
             "handoff_seconds": self.counters.handoff_seconds,
+            # KV bytes one token takes over all layers (MLA: one latent row per layer, no head axis).
+            "kv_bytes_per_token": self.engine.core.runner.kv_bytes_per_block // self.engine.core.config.block_size,
             "misrouted": self.counters.misrouted,
             "healthy": self.engine.healthy,
             "num_processes": jax.process_count(),  # > 1: one engine over several hosts

@@ -78,7 +78,7 @@ class ModelRunner:
             raise ValueError("the largest token bucket must be >= max_num_batched_tokens")
         if self.page_buckets[-1] < max_pages:
             raise ValueError(f"the largest page bucket must be >= max_model_len / block_size = {max_pages}")
-        page_shape = (num_blocks, config.block_size, 2 * self.cfg.num_kv_heads, self.cfg.head_dim)
+        page_shape = (num_blocks, config.block_size, *self.cfg.kv_page_dims)  # MLA: one latent row per token
         self.kv_pages = self._new_pages(page_shape)
         # Linear-attention layers: conv and recurrent state pools, float32, addressed by slot.
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
@@ -356,7 +356,7 @@ _scatter_state_jit = jax.jit(_scatter_state, donate_argnums=(0,))
 
 def kv_bytes_per_block(model: LoadedModel, block_size: int) -> int:
     cfg = model.cfg
-    return cfg.num_kv_layers * block_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+    return block_size * cfg.kv_elements_per_token * jnp.dtype(model.dtype).itemsize
 
 
 def state_bytes_per_sequence(cfg) -> int:

@@ -6,8 +6,9 @@ One file per family (`qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, the hybrid li
 `forward(weights, cfg, tokens, positions, cache, logits_indices=None, experts=None) -> (logits, cache)`
 (`experts`: an executor replacing `routed_experts`, e.g. `moe_parallel.ExpertParallel` over a mesh).
 Optional: `MODEL_TYPES` (every `model_type` the file serves, default `(MODEL_TYPE,)`) and
-`SKIPPED_PREFIXES` (checkpoint tensors of parts not served, e.g. a vision tower). Adding a family
-(DeepSeek-V3 with MLA) means adding one such file and registering it below.
+`SKIPPED_PREFIXES` (checkpoint tensors of parts not served, e.g. a vision tower) or
+`skipped_prefixes(raw_config)` when they depend on the config (DeepSeek-V3's multi-token-prediction
+layers). Adding a family means adding one such file and registering it below.
 
 The families and the loader import jax, so they load on first use (PEP 562): jax-free submodules such as
 `quantize` (a `moray` subcommand) stay cheap to import.
@@ -22,9 +23,9 @@ _FROM_MODEL = ("LoadedModel", "default_dtype", "load_config", "load_model", "pro
 
 def __getattr__(name: str):
     if name == "FAMILIES":
-        from . import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+        from . import deepseek_v3, mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
-        families = (qwen3_moe, mixtral, qwen2_moe, qwen3_5_moe, qwen3_next)
+        families = (qwen3_moe, mixtral, qwen2_moe, qwen3_5_moe, qwen3_next, deepseek_v3)
         value = {t: m for m in families for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))}
     elif name in _FROM_MODEL:
         value = getattr(import_module(".model", __name__), name)

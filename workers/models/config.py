@@ -18,16 +18,79 @@ class ModelLoadError(ValueError):
     """A checkpoint or config that cannot be served; the message names the offending key or tensor."""
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 class RopeConfig(BaseModel):
+    """RoPE settings, named as transformers names the `rope_parameters` keys; `workers.models.rope` computes them.
+
+    - "linear" divides positions by `factor` (position interpolation).
+    - "dynamic" (dynamic NTK) enlarges the base for sequences past `max_position_embeddings` (the model's
+      top-level key); this engine fixes the frequencies per program, see `rope.rope_inv_freq`.
+    - "yarn" blends interpolated and original frequencies between the dims that turn `beta_fast` and `beta_slow`
+      times over `original_max_position_embeddings`, and scales cos/sin by `attention_factor` (or the one
+      `mscale`/`mscale_all_dim` give).
+    - "llama3" divides the frequencies whose wavelength exceeds `original_max_position_embeddings /
+      low_freq_factor` by `factor`, keeps those below `... / high_freq_factor`, and interpolates in between.
+    """
+
     model_config = ConfigDict(frozen=True)
 
     theta: float = Field(gt=0)
-    # "linear" divides positions by `factor` (position interpolation).
     scaling_type: str = "default"
     factor: float = Field(default=1.0, gt=0)
+    # yarn, llama3: the pre-extension context length.
+    original_max_position_embeddings: int | None = Field(default=None, gt=0)
+    # dynamic: the length past which transformers starts enlarging the base.
+    max_position_embeddings: int | None = Field(default=None, gt=0)
+    # yarn.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True  # floor/ceil the correction range (transformers 5 default; gpt-oss sets false)
+    # llama3.
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+
+    @model_validator(mode="after")
+    def _check_type(self) -> "RopeConfig":
+        if self.scaling_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type '{self.scaling_type}' (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        needed = {
+            "yarn": ("original_max_position_embeddings",),
+            "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+            "dynamic": ("max_position_embeddings",),
+        }.get(self.scaling_type, ())
+        for name in needed:
+            if getattr(self, name) is None:
+                raise ValueError(f"rope scaling type '{self.scaling_type}' needs {name}")
+        return self
+
+
+class MLAConfig(BaseModel):
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds, per token and layer, one row of
+    kv_lora_rank latent + qk_rope_head_dim rope key, shared by all heads."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kv_lora_rank: int = Field(gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0)  # None: a plain q_proj
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    rope_interleave: bool = True  # rope dims in (x0, x1) pairs rather than halves
+    softmax_scale: float = Field(gt=0)  # qk_head_dim ** -0.5, times YaRN's mscale ** 2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached row: latent | rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 class LinearAttentionConfig(BaseModel):
@@ -106,6 +169,11 @@ class ModelConfig(BaseModel):
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
     # RMSNorm weights are offsets from one: norm(x) * (1 + w) (input, post-attention, final, q/k norms).
     zero_centered_norm: bool = False
+    # DeepSeek-V3: multi-head latent attention, and a sigmoid router choosing within the best expert groups.
+    mla: MLAConfig | None = None
+    num_expert_groups: int = Field(default=1, gt=0)
+    topk_expert_groups: int = Field(default=1, gt=0)
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
@@ -118,6 +186,11 @@ class ModelConfig(BaseModel):
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]")
             if self.moe_intermediate_size <= 0:
                 raise ValueError("moe_intermediate_size must be positive for MoE layers")
+            if self.num_experts % self.num_expert_groups or self.topk_expert_groups > self.num_expert_groups:
+                raise ValueError(
+                    f"n_group ({self.num_expert_groups}) must divide the {self.num_experts} experts and topk_group "
+                    f"({self.topk_expert_groups}) must not exceed it"
+                )
         if not all(self.moe_layers) and self.intermediate_size <= 0:
             raise ValueError("intermediate_size must be positive for dense MLP layers")
         if self.rotary_dim % 2:
@@ -132,6 +205,20 @@ class ModelConfig(BaseModel):
             if self.linear is None:
                 raise ValueError("linear attention layers need the linear_* settings")
         return self
+
+    @property
+    def kv_page_dims(self) -> tuple[int, int]:
+        """The last two dims of a KV page [num_pages, page_size, *kv_page_dims]: K and V per KV head
+        interleaved (2 * Hkv, D), or MLA's one latent row per token (1, kv_lora_rank + rope dim)."""
+        if self.mla is not None:
+            return (1, self.mla.latent_dim)
+        return (2 * self.num_kv_heads, self.head_dim)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements of KV cached per token over all layers (times the dtype's size: bytes)."""
+        rows, width = self.kv_page_dims
+        return self.num_kv_layers * rows * width
 
     @property
     def q_size(self) -> int:
@@ -220,26 +307,92 @@ def rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     """Reads RoPE settings from either key style.
 
     transformers 5.x: `rope_parameters: {rope_type, rope_theta, factor, ...}`;
-    4.x: `rope_theta` plus an optional `rope_scaling: {type|rope_type, factor}`.
+    4.x: `rope_theta` plus an optional `rope_scaling: {type|rope_type, factor, ...}`. The scaling keys are
+    transformers' (`original_max_position_embeddings`, `beta_fast`, `low_freq_factor`, ...), with its fallbacks:
+    a top-level `original_max_position_embeddings` overrides the dict's, and both default to the top-level
+    `max_position_embeddings`; a yarn `factor` of null means `max_position_embeddings / original_max_position_embeddings`;
+    unset yarn betas are 32 and 1. `dynamic` takes `max_position_embeddings` from the top level.
     """
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params and "rope_theta" not in params:
         params = params["full_attention"]  # per-attention-type layout of some v5 configs
     scaling = raw.get("rope_scaling")
+    where = "rope_scaling"
     if isinstance(params, dict):
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        scaling = params
+        scaling, where = params, "rope_parameters"
     else:
         theta = raw.get("rope_theta", 10000.0)
-    rope_type, factor = "default", 1.0
-    if isinstance(scaling, dict):
-        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-        factor = float(scaling.get("factor", 1.0) or 1.0)
-    elif scaling is not None:
+    if scaling is None:
+        scaling = {}
+    elif not isinstance(scaling, dict):
         raise ModelLoadError(f"config.json: rope_scaling must be an object, got {scaling!r}")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"config.json: unsupported rope scaling type '{rope_type}' (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    return RopeConfig(theta=float(theta), scaling_type=rope_type, factor=factor)
+
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelLoadError(f"config.json: {where}.{key} must be a number, got {value!r}")
+        return float(value)
+
+    def required(key: str) -> float:
+        if scaling.get(key) is None:
+            raise ModelLoadError(f"config.json: rope scaling type '{rope_type}' needs '{key}' in {where}")
+        return number(key, scaling[key])
+
+    def optional(key: str) -> float | None:
+        return None if scaling.get(key) is None else number(key, scaling[key])
+
+    def top_level_int(key: str) -> int:
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelLoadError(f"config.json: rope scaling type '{rope_type}' needs an integer '{key}', got {value!r}")
+        return value
+
+    fields: dict[str, Any] = dict(theta=theta, scaling_type=rope_type)
+    if rope_type in ("default", "linear"):
+        fields["factor"] = number("factor", scaling.get("factor", 1.0) or 1.0)
+    elif rope_type == "dynamic":
+        fields.update(factor=required("factor"), max_position_embeddings=top_level_int("max_position_embeddings"))
+    else:  # yarn, llama3: the pre-extension length; transformers lets a top-level key win over the dict's
+        for source in (raw, scaling):
+            if source.get("original_max_position_embeddings") is not None:
+                original = source["original_max_position_embeddings"]
+                if isinstance(original, bool) or not isinstance(original, int):
+                    raise ModelLoadError(f"config.json: original_max_position_embeddings must be an integer, got {original!r}")
+                break
+        else:
+            if raw.get("max_position_embeddings") is None:
+                raise ModelLoadError(f"config.json: rope scaling type '{rope_type}' needs 'original_max_position_embeddings' in {where}")
+            original = top_level_int("max_position_embeddings")
+        fields["original_max_position_embeddings"] = original
+        if rope_type == "yarn":
+            if "factor" not in scaling:
+                raise ModelLoadError(f"config.json: rope scaling type 'yarn' needs 'factor' in {where}")
+            factor = optional("factor")
+            if factor is None:  # DeepSeek-style: the ratio of the extended to the original length
+                factor = top_level_int("max_position_embeddings") / original
+            fields.update(
+                factor=factor,
+                beta_fast=optional("beta_fast") or 32.0,  # transformers: `or`, so 0 also means the default
+                beta_slow=optional("beta_slow") or 1.0,
+                mscale=optional("mscale"),
+                mscale_all_dim=optional("mscale_all_dim"),
+                attention_factor=optional("attention_factor"),
+                truncate=bool(scaling.get("truncate", True)),
+            )
+        else:
+            fields.update(
+                factor=required("factor"), low_freq_factor=required("low_freq_factor"), high_freq_factor=required("high_freq_factor")
+            )
+    try:
+        return RopeConfig(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "rope"
+        key = {"theta": "rope_theta", "scaling_type": "rope_type"}.get(field, field)
+        raise ModelLoadError(f"config.json: invalid {where}.{key}: {first['msg']}") from None
 
 
 def eos_ids_from_hf(raw: dict[str, Any]) -> tuple[int, ...]:

@@ -6,6 +6,8 @@ its decoder block; anything a family does differently lives in that family's fil
 
 The cache protocol the model calls (`KVCache` here, the engine's paged caches elsewhere):
 - full-attention layers: `update_and_attend(cfg.kv_layer_index(layer), q, k, v, positions, sliding_window)`;
+- MLA layers (DeepSeek-V3, `deepseek_v3.py`): `update_and_attend_latent(layer, q [B, T, H, Dk], row [B, T, Dk],
+  positions, sm_scale, v_dim) -> [B, T, H, v_dim]`: the row (latent | rope key) is cached, q is absorbed;
 - linear-attention layers (hybrid models, `linear_attention.py`), indexed by `cfg.state_layer_index(layer)`:
   `causal_conv(state_layer, x [B, T, conv_dim], weight [conv_dim, K]) -> silu(conv) [B, T, conv_dim]` and
   `gated_delta(state_layer, q, k, v, g, beta) -> [B, T, Hv, dv]`.
@@ -21,12 +23,13 @@ from typing import TYPE_CHECKING, Callable
 import jax
 import jax.numpy as jnp
 
-from kernels.attention import causal_attention, ragged_paged_attention, write_kv
+from kernels.attention import causal_attention, ragged_paged_attention, ragged_paged_mla, write_kv, write_latent
 from kernels.gated_delta import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
 from kernels.moe import route_softmax_topk, routed_experts
 from kernels.quant import QuantizedWeight, quantized_matmul
 
 from .config import ModelConfig
+from .rope import rope_attention_factor, rope_inv_freq
 
 if TYPE_CHECKING:
     from .linear_attention import LinearAttentionWeights
@@ -58,8 +61,9 @@ class MoEWeights:
     router: Array  # [E, hidden]
     gate_up: Array  # [E, 2 * moe_intermediate, hidden]
     down: Array  # [E, hidden, moe_intermediate]
-    shared: MLPWeights | None = None  # Qwen2-MoE shared expert
+    shared: MLPWeights | None = None  # Qwen2-MoE shared expert; DeepSeek-V3's shared experts (ungated)
     shared_gate: Array | None = None  # [1, hidden]
+    router_bias: Array | None = None  # [E] DeepSeek-V3's e_score_correction_bias (expert choice only)
 
 
 @jax.tree_util.register_dataclass
@@ -100,6 +104,9 @@ class KVCache:
 
     @staticmethod
     def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype, chunk_size: int = 64) -> "KVCache":
+        if cfg.mla is not None:  # one latent row per token in `k`; no V
+            row = jnp.zeros((batch, max_len, 1, cfg.mla.latent_dim), dtype)
+            return KVCache(k=[row] * cfg.num_kv_layers, v=[], chunk_size=chunk_size)
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         conv = recurrent = None
         if cfg.is_hybrid:
@@ -119,6 +126,12 @@ class KVCache:
         self.k[layer] = self.k[layer].at[rows, positions].set(k.astype(self.k[layer].dtype), mode="drop")
         self.v[layer] = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
         return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window)
+
+    def update_and_attend_latent(self, layer, q, row, positions, sm_scale, v_dim):
+        rows = jnp.arange(q.shape[0])[:, None]
+        cache = self.k[layer].at[rows, positions, 0].set(row.astype(self.k[layer].dtype), mode="drop")
+        self.k[layer] = cache
+        return causal_attention(q, cache, cache[..., :v_dim], positions, sm_scale=sm_scale)
 
     def causal_conv(self, layer, x, weight):
         out, state = causal_conv1d(x, weight, self.conv[layer])
@@ -166,6 +179,21 @@ class PagedKVCache:
         )
         return out.reshape(q.shape)
 
+    def update_and_attend_latent(self, layer, q, row, positions, sm_scale, v_dim):
+        b, t, h, d = q.shape
+        self.pages[layer] = write_latent(self.pages[layer], row.reshape(b * t, d), self.slot_mapping)
+        out = ragged_paged_mla(
+            q.reshape(b * t, h, d),
+            self.pages[layer],
+            self.kv_lens,
+            self.page_indices,
+            self.cu_q_lens,
+            self.num_seqs,
+            sm_scale=sm_scale,
+            v_dim=v_dim,
+        )
+        return out.reshape(b, t, h, v_dim)
+
 
 # ---------------------------------------------------------------------------------------------
 # Numerical building blocks.
@@ -200,14 +228,19 @@ def norm(x: Array, weight: Array, cfg: ModelConfig) -> Array:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """cos/sin tables [B, T, rotary_dim] in float32 for the rotate_half convention."""
-    dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    if cfg.rope.scaling_type == "linear":
-        inv_freq = inv_freq / cfg.rope.factor
+    """cos/sin tables [B, T, rotary_dim] in float32 for the rotate_half convention, for any `cfg.rope` type.
+
+    The frequencies are constants of the compiled program (see `rope.rope_inv_freq`, e.g. for dynamic NTK);
+    cos and sin are scaled by the type's attention factor (YaRN's mscale) as transformers does.
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    scale = rope_attention_factor(cfg.rope)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
@@ -295,10 +328,12 @@ def decoder_block(
     cache: "KVCache | PagedKVCache",
     moe_fn: MlpFn,
     linear_mixer: LinearMixerFn | None = None,
+    attention_fn: Callable[..., Array] | None = None,
 ) -> Array:
     """Pre-norm residual block: x + mixer(norm(x)), then h + mlp(norm(h)). Updates `cache` in place.
 
-    The mixer is attention, or `linear_mixer` on the linear-attention layers of a hybrid model.
+    The mixer is attention (`attention_fn`, same arguments as `attention`, e.g. MLA), or `linear_mixer`
+    on the linear-attention layers of a hybrid model.
     """
     normed = norm(x, lw.input_norm, cfg)
     if cfg.is_linear_layer(layer):
@@ -306,7 +341,7 @@ def decoder_block(
             raise ValueError(f"layer {layer} is a linear-attention layer but no linear mixer was given")
         h = x + linear_mixer(normed, lw.attn, cfg, cache, cfg.state_layer_index(layer))
     else:
-        h = x + attention(normed, lw.attn, cfg, rope, positions, cache, layer)
+        h = x + (attention_fn or attention)(normed, lw.attn, cfg, rope, positions, cache, layer)
     normed = norm(h, lw.post_attn_norm, cfg)
     mlp_out = moe_fn(normed, lw.mlp, cfg) if cfg.moe_layers[layer] else swiglu_mlp(normed, lw.mlp)
     return h + mlp_out
@@ -322,6 +357,7 @@ def decoder_forward(
     logits_indices: Array | None = None,
     experts: Callable | None = None,
     linear_mixer: LinearMixerFn | None = None,
+    attention_fn: Callable[..., Array] | None = None,
 ):
     """Returns float32 logits and the updated cache.
 
@@ -337,7 +373,7 @@ def decoder_forward(
     cache = jax.tree.map(lambda a: a, cache)  # a shallow copy whose per-layer lists we may replace
     for layer, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer_{layer}"):
-            x = decoder_block(x, lw, cfg, layer, rope, positions, cache, moe_fn, linear_mixer)
+            x = decoder_block(x, lw, cfg, layer, rope, positions, cache, moe_fn, linear_mixer, attention_fn)
     if logits_indices is not None:
         x = x.reshape(-1, x.shape[-1])[logits_indices]
     x = norm(x, weights.final_norm, cfg)

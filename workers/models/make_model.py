@@ -31,6 +31,7 @@ ARCHS = {
     # model under model.language_model, a minimal vision_config, no vision weights).
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 HYBRID_ARCHS = ("qwen3_5_moe", "qwen3_next")
 
@@ -84,6 +85,76 @@ HYBRID_PRESETS: dict[str, tuple[Preset, LinearPreset]] = {
         LinearPreset(8, 16, 128, 4, 4, 0.25),
     ),
 }
+
+
+@dataclass(frozen=True)
+class MLAPreset:
+    """DeepSeek-V3's attention and routing part of a preset (`Preset.head_dim` and `num_kv_heads` unused)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+
+
+# DeepSeek-V3 presets; `intermediate_size` is the dense layers'. tiny: < 5 MB, 1 dense + 2 MoE layers, 4
+# expert groups. small: ~15 MB, sharded. bench: ~1.3 GB float32, V3's ratios (latent 512 -> 256, rope 64 -> 32),
+# 64 experts top-8 in 8 groups (4 kept).
+DEEPSEEK_PRESETS: dict[str, tuple[Preset, MLAPreset]] = {
+    "tiny": (Preset(512, 64, 3, 4, 4, 0, 8, 2, 32, 96, 0.2, 1 << 30), MLAPreset(32, 32, 16, 8, 16, 4, 2, 1, 1)),
+    "small": (Preset(2048, 128, 4, 8, 8, 0, 16, 4, 64, 256, 0.1, 4 << 20), MLAPreset(64, 64, 32, 16, 32, 4, 2, 1, 1)),
+    "bench": (
+        Preset(16384, 1024, 6, 16, 16, 0, 64, 8, 256, 2048, 0.02, 512 << 20),
+        MLAPreset(384, 256, 64, 32, 64, 8, 4, 1, 1),
+    ),
+}
+
+
+def deepseek_config(p: Preset, mp: MLAPreset, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """config.json of a DeepSeek-V3 model, transformers 5.x key style."""
+    return {
+        "architectures": [ARCHS["deepseek_v3"]],
+        "model_type": "deepseek_v3",
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_heads,
+        "n_shared_experts": mp.n_shared_experts,
+        "n_routed_experts": p.num_experts,
+        "num_experts_per_tok": p.top_k,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": mp.kv_lora_rank,
+        "q_lora_rank": mp.q_lora_rank,
+        "qk_rope_head_dim": mp.qk_rope_head_dim,
+        "qk_nope_head_dim": mp.qk_nope_head_dim,
+        "v_head_dim": mp.v_head_dim,
+        "n_group": mp.n_group,
+        "topk_group": mp.topk_group,
+        "first_k_dense_replace": mp.first_k_dense_replace,
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rope_interleave": True,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": p.initializer_range,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+        "use_cache": True,
+    }
 
 
 def hf_config(arch: str, p: Preset, eos_id: int, pad_id: int) -> dict[str, Any]:
@@ -258,13 +329,20 @@ def make_model(out_dir: str | Path, arch: str, preset: str, seed: int = 0) -> Pa
     p = MIXTRAL_BENCH if (arch, preset) == ("mixtral", "bench") else PRESETS[preset]
     if arch in HYBRID_ARCHS:
         p, linear_preset = HYBRID_PRESETS[preset]
+    if arch == "deepseek_v3":
+        p, mla_preset = DEEPSEEK_PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tok = train_byte_level_bpe(out, vocab_size=min(p.vocab_size, 8192))
     eos = tok.eos_token_ids[0]
     pad = tok.encode("<|endoftext|>", add_special_tokens=False)[0]
-    raw = hybrid_config(arch, p, linear_preset, eos, pad) if arch in HYBRID_ARCHS else hf_config(arch, p, eos, pad)
+    if arch in HYBRID_ARCHS:
+        raw = hybrid_config(arch, p, linear_preset, eos, pad)
+    elif arch == "deepseek_v3":
+        raw = deepseek_config(p, mla_preset, eos, pad)
+    else:
+        raw = hf_config(arch, p, eos, pad)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

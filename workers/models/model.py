@@ -124,9 +124,10 @@ def load_model(
     else:
         reader = CheckpointReader(model_dir)
         ignorable = {k for k in reader.keys() if k.endswith(_IGNORABLE_SUFFIXES)}
-        skipped = {k for k in reader.keys() if k.startswith(getattr(family, "SKIPPED_PREFIXES", ()))}
+        prefixes = family.skipped_prefixes(raw_config) if hasattr(family, "skipped_prefixes") else getattr(family, "SKIPPED_PREFIXES", ())
+        skipped = {k for k in reader.keys() if k.startswith(prefixes)}
         if skipped:
-            parts = sorted({p for p in family.SKIPPED_PREFIXES if any(k.startswith(p) for k in skipped)})
+            parts = sorted({p for p in prefixes if any(k.startswith(p) for k in skipped)})
             log.info("skipping %d checkpoint tensors Moray does not serve (%s*)", len(skipped), "*, ".join(parts))
         ignorable |= skipped
         if cfg.tie_word_embeddings:

@@ -132,9 +132,10 @@ def model_plan(
     mlp_for_layer: Callable[[int, str], MLPWeights | MoEWeights],
     linear_plan: Callable[[str, ModelConfig], LinearAttentionWeights] = linear_attention_plan,
     prefix: str = "model",
+    attention_plan_fn: Callable[[str, ModelConfig], object] = attention_plan,
 ) -> ModelWeights:
-    """The decoder stack under `prefix`; hybrid models' linear-attention layers (`linear_attn`) from
-    `linear_plan`. `lm_head` stays at the top level."""
+    """The decoder stack under `prefix`; attention (`self_attn`) from `attention_plan_fn` (MLA's differs),
+    hybrid models' linear-attention layers (`linear_attn`) from `linear_plan`. `lm_head` stays at the top level."""
     h, zc = cfg.hidden_size, cfg.zero_centered_norm
     layers = []
     for n in range(cfg.num_layers):
@@ -142,7 +143,7 @@ def model_plan(
         if cfg.is_linear_layer(n):
             mixer = linear_plan(f"{p}.linear_attn", cfg)
         else:
-            mixer = attention_plan(f"{p}.self_attn", cfg)
+            mixer = attention_plan_fn(f"{p}.self_attn", cfg)
         layers.append(
             LayerWeights(
                 input_norm=norm_spec(f"{p}.input_layernorm.weight", h, zc),

@@ -1,0 +1,262 @@
+"""DeepSeek-V3 (issue #14): MLA with a paged latent cache, group-limited sigmoid routing, the family's
+loading rules; transformers 5.x in float32 is the reference."""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from kernels.moe import route_sigmoid_group_topk
+from workers.engine import LLM, SamplingParams
+from workers.models import ModelLoadError, load_model
+from workers.models import deepseek_v3 as ds
+from workers.models.layers import KVCache
+from workers.models.make_model import make_model
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    initializer_range=0.05,
+    num_nextn_predict_layers=0,
+    rope_interleave=True,
+    tie_word_embeddings=False,
+)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
+CASES = {
+    "q_lora+default": {},
+    "no_q_lora": {"q_lora_rank": None},
+    "yarn": {"rope_parameters": YARN},
+    "one_group+no_dense": {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 0},
+    "two_shared+halves_rope": {"n_shared_experts": 2, "rope_interleave": False},
+    "no_renorm": {"norm_topk_prob": False, "first_k_dense_replace": 2},
+}
+
+
+def hf_checkpoint(path, seed: int = 0, **overrides):
+    """A random transformers DeepSeek-V3 saved as Hugging Face writes it, with a non-zero correction bias
+    (transformers initialises it to zeros, which would hide a bias used in the wrong place)."""
+    cfg = transformers.DeepseekV3Config(**{**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def reference_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def our_logits(m, ids: np.ndarray, forward=None, max_len: int = 64) -> np.ndarray:
+    b, t = ids.shape
+    cache = KVCache.zeros(m.cfg, b, max_len, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits, _ = (forward or m.family.forward)(m.weights, m.cfg, jnp.asarray(ids), pos, cache)
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    model = hf_checkpoint(tmp_path, seed=len(case), **CASES[case])
+    m = load_model(tmp_path, dtype="float32", show_progress=False)
+    ids = np.random.default_rng(1).integers(0, 256, size=(2, 40))
+    ref = reference_logits(model, ids)
+    ours = our_logits(m, ids)
+    assert np.abs(ours - ref).max() <= 1e-4, (case, np.abs(ours - ref).max())
+    expanded = our_logits(m, ids, ds.forward_expanded)
+    assert np.abs(expanded - ref).max() <= 1e-4
+
+
+def test_yarn_scales_the_softmax_by_mscale_squared():
+    raw = {**BASE, "model_type": "deepseek_v3", "rope_parameters": YARN}
+    cfg = ds.config_from_hf(raw)
+    base = (16 + 8) ** -0.5
+    assert cfg.mla.softmax_scale == pytest.approx(base * (0.1 * np.log(8.0) + 1.0) ** 2)
+    assert ds.config_from_hf({**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}).mla.softmax_scale == base
+
+
+def test_decode_equals_prefill_of_the_extended_sequence_and_absorbed_equals_expanded(tmp_path):
+    hf_checkpoint(tmp_path, seed=3)
+    m = load_model(tmp_path, dtype="float32", show_progress=False)
+    ids = np.random.default_rng(2).integers(0, 256, size=(1, 24))
+    full = our_logits(m, ids)
+    for forward in (m.family.forward, ds.forward_expanded):
+        cache = KVCache.zeros(m.cfg, 1, 64, jnp.float32)
+        prefix, rest = ids[:, :16], ids[:, 16:]
+        _, cache = forward(m.weights, m.cfg, jnp.asarray(prefix), jnp.arange(16)[None], cache)
+        for i in range(rest.shape[1]):  # one token at a time: the decode path
+            logits, cache = forward(m.weights, m.cfg, jnp.asarray(rest[:, i : i + 1]), jnp.array([[16 + i]]), cache)
+            np.testing.assert_allclose(np.asarray(logits)[0, 0], full[0, 16 + i], atol=2e-5, rtol=0)
+
+
+def test_cache_holds_one_latent_row_per_token_and_layer(tmp_path):
+    hf_checkpoint(tmp_path, seed=4)
+    cfg = load_model(tmp_path, dtype="float32", show_progress=False).cfg
+    assert cfg.kv_page_dims == (1, 32 + 8)
+    assert cfg.kv_elements_per_token == 3 * (32 + 8)  # (kv_lora_rank + rope dim) x layers
+    cache = KVCache.zeros(cfg, 2, 16, jnp.float32)
+    assert [a.shape for a in cache.k] == [(2, 16, 1, 40)] * 3 and cache.v == []
+
+
+def test_router_matches_transformers():
+    cfg = transformers.DeepseekV3Config(**{**BASE, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2})
+    router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(50, 64)
+    with torch.no_grad():
+        _, ref_w, ref_ids = router(x)
+    logits = jnp.asarray((x @ router.weight.T).detach().numpy())
+    w, ids = route_sigmoid_group_topk(logits, jnp.asarray(router.e_score_correction_bias.detach().numpy()), 4, 4, 2, True, 2.5)
+    order = lambda i, v: [dict(zip(a, b)) for a, b in zip(np.asarray(i).tolist(), np.asarray(v).tolist())]
+    ours, ref = order(ids, w), order(ref_ids, ref_w)
+    assert [set(a) for a in ours] == [set(a) for a in ref]
+    for a, b in zip(ours, ref):
+        for e in a:
+            assert a[e] == pytest.approx(b[e], abs=1e-6)
+    # The bias changes which experts are chosen, not their weights: with a huge bias on expert 0 it is
+    # always chosen, with its unbiased score as weight.
+    bias = jnp.zeros(16).at[0].set(100.0)
+    w, ids = route_sigmoid_group_topk(logits, bias, 4, 4, 2, False, 1.0)
+    assert bool((ids == 0).any(axis=-1).all())
+    chosen = np.asarray(w)[np.asarray(ids) == 0]
+    np.testing.assert_allclose(chosen, np.asarray(jax.nn.sigmoid(logits[:, 0])), rtol=1e-6)
+
+
+def test_multi_token_prediction_layers_are_skipped_with_one_log_line(tmp_path, caplog):
+    model = hf_checkpoint(tmp_path, seed=5)
+    shard = tmp_path / "model.safetensors"
+    tensors = load_file(shard)
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    raw = (tmp_path / "config.json").read_text().replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
+    (tmp_path / "config.json").write_text(raw)
+    with caplog.at_level(logging.INFO, logger="moray.models"):
+        m = load_model(tmp_path, dtype="float32", show_progress=False)
+    assert [r for r in caplog.records if "model.layers.3.*" in r.getMessage()]
+    ids = np.random.default_rng(3).integers(0, 256, size=(1, 12))
+    assert np.abs(our_logits(m, ids) - reference_logits(model, ids)).max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"n_group": 3}, "n_group"),
+        ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ],
+)
+def test_bad_configs_fail_at_load_naming_the_key(change, words):
+    with pytest.raises(ModelLoadError, match=words):
+        ds.config_from_hf({**BASE, "model_type": "deepseek_v3", **change})
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the engine: the paged latent cache.
+
+ARGS = dict(
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=160,
+    token_buckets=[8, 64],
+    page_buckets=[4, 20],
+    compilation_cache_dir=tempfile.mkdtemp(prefix="moray-mla-xla-"),
+    warmup=False,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("deepseek") / "tiny", "deepseek_v3", "tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny) -> LLM:
+    return LLM(str(tiny), **ARGS)
+
+
+def test_engine_greedy_equals_transformers(tiny, llm):
+    batch = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45, 1, 90, 33], list(range(1, 30))]
+    ours = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    # No EOS for transformers either (min_new_tokens would forbid EOS, which ignore_eos still lets us pick).
+    model.generation_config.eos_token_id = None
+    for prompt, out in zip(batch, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_engine_kv_pages_are_latent_rows(llm):
+    runner = llm.engine.runner
+    cfg = runner.cfg
+    assert all(p.shape[1:] == (8, 1, cfg.mla.latent_dim) for p in runner.kv_pages)
+    assert runner.kv_bytes_per_block == 8 * cfg.num_layers * cfg.mla.latent_dim * 4
+
+
+def test_engine_concurrent_requests_equal_alone(llm):
+    batch = prompts(16, seed=1)
+    together = llm.generate(batch, GREEDY)
+    for prompt, out in zip(batch[:5], together[:5]):
+        assert llm.generate([prompt], GREEDY)[0].token_ids == out.token_ids
+    assert len({tuple(o.token_ids) for o in together}) > 1
+
+
+def test_engine_prefix_hits_give_the_same_tokens(tiny, llm):
+    turn1 = prompts(1, seed=5, lo=40, hi=41)[0]
+    first = llm.generate([turn1], GREEDY)[0]
+    turn2 = turn1 + first.token_ids + [11, 12, 13]
+    again = llm.generate([turn2], GREEDY)[0]
+    assert again.num_cached_tokens >= 40
+    uncached = LLM(str(tiny), **{**ARGS, "enable_prefix_caching": False}).generate([turn2], GREEDY)[0]
+    assert again.token_ids == uncached.token_ids
+
+
+def test_engine_preemption_gives_identical_outputs(tiny, llm):
+    batch = prompts(6, seed=9, lo=30, hi=50)
+    expected = llm.generate(batch, GREEDY)
+    small = LLM(str(tiny), **{**ARGS, "num_kv_blocks": 24, "enable_prefix_caching": False})
+    assert [o.token_ids for o in small.generate(batch, GREEDY)] == [o.token_ids for o in expected]
