@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from workers.models import ModelLoadError, load_model
 from workers.models import deepseek_v3 as ds
 from workers.models.layers import KVCache
 from workers.models.make_model import make_model
+from workers.models.safetensors_io import CheckpointReader
 
 BASE = dict(
     vocab_size=256,
@@ -188,6 +190,32 @@ def test_bad_configs_fail_at_load_naming_the_key(change, words):
 
 
 # ---------------------------------------------------------------------------------------------
+# Expert parallelism and data-parallel attention (8 virtual CPU devices).
+
+
+@pytest.fixture(scope="module")
+def ep_checkpoint(tmp_path_factory):
+    """Hidden 512, so the hierarchical dispatch really splits its gather on 2x4 (hidden % (128 * 4) == 0);
+    initializer_range 0.02 keeps float32 differences between partitionings ~1e-6."""
+    path = tmp_path_factory.mktemp("deepseek-ep")
+    hf_checkpoint(path, seed=8, hidden_size=512, initializer_range=0.02, num_hidden_layers=2)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "flat"])
+def test_expert_parallel_2x4_with_dp_attention_equals_one_device(ep_checkpoint, mode):
+    from workers.engine.config import ParallelConfig
+    from workers.models import prompt_logits
+    from workers.parallel import load_parallel_model
+
+    rows = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94]]
+    want = prompt_logits(load_model(ep_checkpoint, dtype="float32", show_progress=False), rows)
+    model = load_parallel_model(ep_checkpoint, ParallelConfig(mesh="2x4", moe={"dispatch": mode}), dtype="float32", show_progress=False)
+    got = prompt_logits(model, rows)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
 # Through the engine: the paged latent cache.
 
 ARGS = dict(
@@ -260,3 +288,139 @@ def test_engine_preemption_gives_identical_outputs(tiny, llm):
     expected = llm.generate(batch, GREEDY)
     small = LLM(str(tiny), **{**ARGS, "num_kv_blocks": 24, "enable_prefix_caching": False})
     assert [o.token_ids for o in small.generate(batch, GREEDY)] == [o.token_ids for o in expected]
+
+
+def test_engine_data_parallel_attention_keeps_each_ranks_latent_pages(tiny, llm):
+    """Data-parallel attention on 8 virtual devices (dp 2, tp 4, experts over all 8): each rank writes and
+    reads its own latent pages; greedy tokens equal one device's, also with a pool small enough to preempt
+    and a prefix hit on a rank."""
+    from workers.engine.data_parallel import DataParallelRunner
+
+    batch = prompts(8, seed=12, lo=20, hi=50)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(batch, params)]
+    parallel = {"mesh": "2x4", "dp": 2, "tp": 4, "moe": {"dispatch": "hierarchical"}}
+    dp = LLM(str(tiny), parallel=parallel, num_kv_blocks=20, **ARGS)
+    assert isinstance(dp.engine.runner, DataParallelRunner)
+    assert [o.token_ids for o in dp.generate(batch, params)] == expected
+    assert dp.engine.preemptions > 0
+    prompt = prompts(1, seed=13, lo=37, hi=38)[0]
+    first, again = dp.generate([prompt], params)[0], dp.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == first.token_ids
+    assert dp.engine.kv.num_free_blocks == dp.engine.kv.pool.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek's native FP8 checkpoints (quant_method fp8, weight_block_size, weight_scale_inv).
+
+
+def _is_quantised_linear(key: str, shape) -> bool:
+    module = key.removesuffix(".weight")
+    return key.endswith(".weight") and len(shape) == 2 and not module.endswith(("embed_tokens", "lm_head", "mlp.gate"))
+
+
+def script_quantise(dense: Path, out: Path, block: int) -> Path:
+    """The format from its definition, independently of `moray quantize`: per [block x block] tile of every
+    Linear but the routers and lm_head, scale = max |w| / 448 (float32), weight = e4m3(w / scale)."""
+    import json
+    import shutil
+
+    import ml_dtypes
+
+    out.mkdir()
+    tensors = {}
+    reader = CheckpointReader(dense)
+    for key in reader.keys():
+        w = np.asarray(reader.array(key))
+        if not _is_quantised_linear(key, w.shape):
+            tensors[key] = w
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        scale = np.zeros((rows, cols), np.float32)
+        q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+        for i in range(rows):
+            for j in range(cols):
+                tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
+                scale[i, j] = max(np.abs(tile).max() / 448.0, 1e-12)
+                q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+        tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((dense / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    (out / "config.json").write_text(json.dumps(raw))
+    for f in dense.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def dequantised(src: Path, out: Path) -> Path:
+    """The dense checkpoint an FP8 one stands for (w = q * scale per block), for transformers."""
+    import json
+    import shutil
+
+    out.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    block = raw.pop("quantization_config")["weight_block_size"]
+    reader = CheckpointReader(src)
+    tensors = {k: np.asarray(reader.array(k)) for k in reader.keys()}
+    dense = {}
+    for key, value in tensors.items():
+        if key.endswith("weight_scale_inv"):
+            continue
+        scale = tensors.get(key.removesuffix("weight") + "weight_scale_inv")
+        if scale is not None:
+            full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[: value.shape[0], : value.shape[1]]
+            value = value.astype(np.float32) * full
+        dense[key] = np.ascontiguousarray(value.astype(np.float32))
+    save_file(dense, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_dense(tmp_path_factory):
+    """A DeepSeek-V3 whose matrices span several 32-wide blocks (hidden 128) and one 128 block."""
+    return make_model(tmp_path_factory.mktemp("fp8") / "small", "deepseek_v3", "small", seed=3)
+
+
+@pytest.mark.parametrize("how", ["moray-quantize-128", "script-32"])
+def test_native_fp8_checkpoint_matches_transformers_on_the_dequantised_weights(fp8_dense, tmp_path, how):
+    from workers.models.config import read_config_json
+    from workers.models.quant import quantize_plan, quantized_modules
+    from workers.models.quantize import quantize_checkpoint
+
+    if how == "moray-quantize-128":
+        fp8 = quantize_checkpoint(fp8_dense, tmp_path / "fp8", "fp8-block")
+    else:
+        fp8 = script_quantise(fp8_dense, tmp_path / "fp8", block=32)
+    m = load_model(fp8, dtype="float32", show_progress=False)
+    names = set(quantized_modules(quantize_plan(m.family.plan(m.cfg), read_config_json(fp8))))
+    assert "model.layers.1.self_attn.kv_b_proj" in names and "model.layers.1.mlp.experts.0.down_proj" in names
+    assert "model.layers.1.mlp.gate" not in names and "lm_head" not in names
+    attn, moe = m.weights.layers[1].attn, m.weights.layers[1].mlp
+    for w in (attn.q_kv_a, attn.kv_b, attn.o, moe.gate_up, moe.down):  # FP8 stays FP8 in device memory
+        assert w.values.dtype == jnp.float8_e4m3fn, w
+    model = transformers.AutoModelForCausalLM.from_pretrained(dequantised(fp8, tmp_path / "dense"), dtype=torch.float32).eval()
+    ids = np.random.default_rng(4).integers(3, 2000, size=(2, 24))
+    ref = reference_logits(model, ids)
+    ours = our_logits(m, ids)
+    assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max(), np.abs(ours - ref).max()
+
+
+@pytest.mark.parametrize(
+    "q, words",
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt"),
+    ],
+)
+def test_unsupported_native_fp8_variants_fail_at_load(q, words):
+    from workers.models.quant import parse_quantization_config
+
+    with pytest.raises(ModelLoadError, match=words):
+        parse_quantization_config({"quantization_config": q})

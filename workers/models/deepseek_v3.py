@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from kernels.attention import causal_attention
 from kernels.moe import route_sigmoid_group_topk, routed_experts
+from kernels.quant import as_dense
 
 from .config import MLAConfig, ModelConfig, ModelLoadError, RopeConfig, build_config, common_fields, require
 from .layers import KVCache, ModelWeights, MoEWeights, apply_rope, decoder_forward, linear, rms_norm, swiglu_mlp
@@ -186,9 +187,10 @@ def _project(x: Array, w: MLAWeights, cfg: ModelConfig, rope: tuple[Array, Array
 
 
 def _kv_b_halves(w: MLAWeights, cfg: ModelConfig) -> tuple[Array, Array]:
-    """kv_b as W_uk [H, qk_nope, r] and W_uv [H, v, r]."""
+    """kv_b as W_uk [H, qk_nope, r] and W_uv [H, v, r]. A quantised kv_b (FP8 checkpoints) is dequantised
+    here: both halves are used per head, not as one matmul."""
     m = cfg.mla
-    kv_b = w.kv_b.reshape(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    kv_b = as_dense(w.kv_b, w.kv_a_norm.dtype).reshape(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
     return kv_b[:, : m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim :]
 
 

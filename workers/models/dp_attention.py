@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from kernels.attention import ragged_paged_attention, write_kv
+from kernels.attention import ragged_paged_attention, ragged_paged_mla, write_kv, write_latent
 
 from .paged_state import ragged_conv_step, ragged_delta_step
 
@@ -52,6 +52,22 @@ class DataParallelPagedKVCache:
         attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 9, out_specs=(rank, rank), check_vma=False)
         out, self.pages[layer] = attend(
             self.pages[layer], q, k, v, self.slot_mapping, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs
+        )
+        return out
+
+    def update_and_attend_latent(self, layer, q, row, positions, sm_scale, v_dim):
+        """MLA: q [dp, N, Hq, Dk] (absorbed), row [dp, N, Dk] -> [dp, N, Hq, v_dim]; each rank writes and
+        reads its own latent pages."""
+        rank = PartitionSpec(self.axes)
+
+        def per_rank(pages, q, row, slots, kv_lens, page_indices, cu_q_lens, num_seqs):
+            pages = write_latent(pages, row[0], slots[0])
+            out = ragged_paged_mla(q[0], pages, kv_lens[0], page_indices[0], cu_q_lens[0], num_seqs[0], sm_scale=sm_scale, v_dim=v_dim)
+            return out[None], pages
+
+        attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 8, out_specs=(rank, rank), check_vma=False)
+        out, self.pages[layer] = attend(
+            self.pages[layer], q, row, self.slot_mapping, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs
         )
         return out
 

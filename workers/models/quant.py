@@ -51,6 +51,7 @@ SUPPORTED = "W4A16 pack-quantized, FP8 float-quantized, MXFP8 mxfp8-quantized"
 QUANT_PARAMS = {
     "weight_packed",
     "weight_scale",
+    "weight_scale_inv",
     "weight_shape",
     "weight_zero_point",
     "weight_g_idx",
@@ -92,6 +93,9 @@ class Scheme:
     group_size: int = 0  # group strategy: inputs per scale
     block: tuple[int, int] = (0, 0)  # block strategy: (rows, cols) per scale
     activations: ActivationQuant | None = None
+    # The scale tensor's name: compressed-tensors' `weight_scale`, DeepSeek's native `weight_scale_inv`
+    # (despite the name, also the factor that dequantises: w = q * scale).
+    scale_param: str = "weight_scale"
 
     @property
     def label(self) -> str:
@@ -105,7 +109,7 @@ class Scheme:
 
     @property
     def params(self) -> tuple[str, ...]:
-        return ("weight_packed", "weight_scale", "weight_shape") if self.kind == "int4" else ("weight", "weight_scale")
+        return ("weight_packed", "weight_scale", "weight_shape") if self.kind == "int4" else ("weight", self.scale_param)
 
     def inputs_per_scale(self, in_dim: int) -> int:
         """Inputs one stored scale covers along a row (the last group may be partial for blocks)."""
@@ -210,6 +214,7 @@ class QuantConfig:
 
     groups: tuple[tuple[str, tuple[str, ...], dict, str], ...]  # (name, targets, group dict, format)
     ignore: tuple[str, ...]
+    scale_param: str = "weight_scale"
 
     def _matching_group(self, module: str) -> int | None:
         """compressed-tensors' priority: exact name, then `re:` pattern, then the class name `Linear`."""
@@ -235,7 +240,7 @@ class QuantConfig:
             return None
         name, _, group, fmt = self.groups[i]
         try:
-            return scheme_from_group(group, fmt)
+            return dataclasses.replace(scheme_from_group(group, fmt), scale_param=self.scale_param)
         except Unsupported as e:
             raise ModelLoadError(f"quantization_config: layer '{module}' ({name}): {e}") from None
 
@@ -248,8 +253,13 @@ def parse_quantization_config(raw_config: dict[str, Any]) -> QuantConfig | None:
     if not isinstance(q, dict):
         raise ModelLoadError("config.json: quantization_config must be an object")
     method = q.get("quant_method")
+    if method == "fp8":
+        return _native_fp8_config(q)
     if method != "compressed-tensors":
-        raise ModelLoadError(f"quantization_config: quant_method {method!r} is not supported (compressed-tensors only: {SUPPORTED})")
+        raise ModelLoadError(
+            f"quantization_config: quant_method {method!r} is not supported (compressed-tensors: {SUPPORTED}; "
+            "or fp8 with weight_block_size, DeepSeek's native format)"
+        )
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
         raise ModelLoadError(f"quantization_config: quantization_status '{status}' is not supported (expected 'compressed')")
@@ -271,6 +281,34 @@ def parse_quantization_config(raw_config: dict[str, Any]) -> QuantConfig | None:
         fmt = group.get("format") or top_format
         parsed.append((name, tuple(group.get("targets") or ()), group, fmt))
     return QuantConfig(tuple(parsed), tuple(q.get("ignore") or ()))
+
+
+# DeepSeek's native FP8 (transformers' FineGrainedFP8): every nn.Linear but the MoE routers, lm_head and
+# `modules_to_not_convert` holds e4m3 `weight` and a float `weight_scale_inv` per weight block; activations
+# are quantised dynamically per token in groups of a block's width. Read as the equivalent compressed-tensors
+# block scheme, so the same loader, checks and kernels serve it.
+NATIVE_FP8_DEFAULT_IGNORE = ("lm_head", r"re:.*mlp\.gate$")
+
+
+def _native_fp8_config(q: dict) -> QuantConfig:
+    def fail(why: str):
+        raise ModelLoadError(f"quantization_config (quant_method fp8): {why}")
+
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        fail(f"weight_block_size must be two positive integers, got {block!r} (per-tensor FP8 is not supported)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        fail(f"fmt {q.get('fmt')!r} is not supported (e4m3 only)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        fail(f"activation_scheme {q.get('activation_scheme')!r} is not supported (dynamic only)")
+    group = {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": block, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": block[1], "dynamic": True},
+    }
+    # An entry names a module or a dotted part of its path ("lm_head", "model.layers.3.mlp"): that module and
+    # everything under it stay unquantised.
+    ignore = (*NATIVE_FP8_DEFAULT_IGNORE, *(rf"re:(.*\.)?{re.escape(str(m))}(\..*)?$" for m in q.get("modules_to_not_convert") or ()))
+    return QuantConfig((("fp8", ("Linear",), group, "float-quantized"),), ignore, scale_param="weight_scale_inv")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,17 +418,18 @@ def _check_values(reader: CheckpointReader, m: Module, scheme: Scheme, fail) -> 
 
 
 def _check_scale(reader: CheckpointReader, m: Module, scheme: Scheme, fail) -> None:
-    key = f"{m.name}.weight_scale"
+    name = scheme.scale_param
+    key = f"{m.name}.{name}"
     if key not in reader:
         fail(f"missing tensor '{key}'")
     dtype = _dtype_name(reader.tensors[key].dtype)
     if scheme.kind == "mxfp8" and dtype != "U8":
-        fail(f"weight_scale has dtype {dtype}, expected U8 (E8M0 exponents)")
+        fail(f"{name} has dtype {dtype}, expected U8 (E8M0 exponents)")
     if scheme.kind != "mxfp8" and dtype not in ("F64", "F32", "BF16", "F16"):
-        fail(f"weight_scale has dtype {dtype}, expected a float")
+        fail(f"{name} has dtype {dtype}, expected a float")
     want = scheme.scale_shape(m.out_dim, m.in_dim)
     if reader.shape(key) != want:
-        fail(f"weight_scale has shape {list(reader.shape(key))}, expected {list(want)}")
+        fail(f"{name} has shape {list(reader.shape(key))}, expected {list(want)}")
 
 
 def _check_weight_shape(reader: CheckpointReader, m: Module, fail) -> None:
@@ -565,7 +604,7 @@ def _linear_tensors(spec: WeightSpec) -> list[Tensor] | None:
 def _scale_source(t: Tensor, scheme: Scheme):
     out_dim, in_dim = t.shape
     name = _module_name(t)
-    raw = Tensor(f"{name}.weight_scale", scheme.scale_shape(out_dim, in_dim))
+    raw = Tensor(f"{name}.{scheme.scale_param}", scheme.scale_shape(out_dim, in_dim))
     if scheme.strategy == "tensor":
         return BroadcastRows(raw, out_dim)
     if scheme.strategy == "block":

@@ -1,4 +1,5 @@
-"""`moray quantize IN OUT --scheme w4a16|fp8|mxfp8`: an unquantised checkpoint to a compressed-tensors one.
+"""`moray quantize IN OUT --scheme w4a16|fp8|mxfp8|fp8-block`: an unquantised checkpoint to a quantised one
+(compressed-tensors; `fp8-block`: DeepSeek's native FP8 format).
 
 numpy only (no torch, no jax, no accelerator). The output is what compressed-tensors 0.20 writes for the
 same weights, tensor for tensor: the library's scale rule (max |w| of each group, including 0, over the
@@ -10,6 +11,10 @@ the library and `moray` all read it.
 | w4a16  | W4A16          | weight_packed int32 [out, in/8], weight_scale [out, in/group], weight_shape |
 | fp8    | FP8_DYNAMIC    | weight fp8 e4m3 [out, in], weight_scale [out, 1]; dynamic per-token inputs  |
 | mxfp8  | MXFP8          | weight fp8 e4m3 [out, in], weight_scale uint8 E8M0 [out, in/32]             |
+
+`fp8-block` writes DeepSeek-V3's released format instead (`quant_method: fp8`, `weight_block_size: [128,
+128]`): weight fp8 e4m3 [out, in] and weight_scale_inv float32 [ceil(out/128), ceil(in/128)], one scale per
+128x128 block (max |w| of the block / 448; w = q * scale), dynamic activations.
 
 Scales keep the weight's dtype (as the library does) and arithmetic happens in that dtype.
 Linear modules are the 2-D `*.weight` tensors other than the token embedding; MoE experts are already
@@ -42,7 +47,8 @@ from .safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 
 log = logging.getLogger("moray.models")
 
-SCHEMES = ("w4a16", "fp8", "mxfp8")
+SCHEMES = ("w4a16", "fp8", "mxfp8", "fp8-block")
+FP8_BLOCK = 128
 DEFAULT_IGNORE = (
     "lm_head",
     r"re:.*mlp\.gate$",
@@ -142,7 +148,24 @@ def quantize_mxfp8(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"weight": _to_fp8(groups / scale[..., None]).reshape(out_dim, in_dim), "weight_scale": exponents}
 
 
+def quantize_fp8_block(w: np.ndarray, block: int = FP8_BLOCK) -> dict[str, np.ndarray]:
+    """DeepSeek's block quantisation: per block scale = max |w| / 448 (float32), q = w / scale in e4m3;
+    edge blocks are partial."""
+    out_dim, in_dim = w.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    padded = np.zeros((rows * block, cols * block), np.float32)
+    padded[:out_dim, :in_dim] = w
+    blocks = padded.reshape(rows, block, cols, block)
+    amax = np.abs(blocks).max(axis=(1, 3)).astype(np.float32)
+    scale = np.maximum(amax / np.float32(FP8_MAX), np.float32(np.finfo(np.float32).tiny)).astype(np.float32)
+    q = blocks / scale[:, None, :, None]
+    q = _to_fp8(q.reshape(rows * block, cols * block)[:out_dim, :in_dim])
+    return {"weight": q, "weight_scale_inv": scale}
+
+
 def quantize_weight(w: np.ndarray, scheme: str, group_size: int | None) -> dict[str, np.ndarray]:
+    if scheme == "fp8-block":
+        return quantize_fp8_block(w.astype(np.float32))
     if scheme == "w4a16":
         return quantize_int4(w, group_size)
     if scheme == "fp8":
@@ -171,6 +194,14 @@ def _args(num_bits: int, type_: str, strategy: str, group_size: int | None, dyna
 
 
 def quantization_config(scheme: str, group_size: int | None, ignore: list[str]) -> dict:
+    if scheme == "fp8-block":  # DeepSeek's own entries (transformers reads them as FineGrainedFP8Config)
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "modules_to_not_convert": ignore,
+        }
     if scheme == "w4a16":
         strategy = "channel" if group_size is None else "group"
         weights, inputs = _args(4, "int", strategy, group_size, False, False), None
@@ -212,7 +243,7 @@ def is_linear_weight(key: str, shape: tuple[int, ...]) -> bool:
 def _check_layer(module: str, shape: tuple[int, ...], scheme: str, group_size: int | None) -> None:
     """Whole groups (and whole packed int4 words) per row, as the library requires."""
     in_dim = shape[1]
-    need = {"w4a16": math.lcm(8, group_size or 8), "mxfp8": MX_GROUP, "fp8": 1}[scheme]
+    need = {"w4a16": math.lcm(8, group_size or 8), "mxfp8": MX_GROUP, "fp8": 1, "fp8-block": 1}[scheme]
     if in_dim % need:
         raise ValueError(
             f"layer '{module}': input dimension {in_dim} is not a multiple of {need} for {scheme}; "
