@@ -424,3 +424,47 @@ def test_unsupported_native_fp8_variants_fail_at_load(q, words):
 
     with pytest.raises(ModelLoadError, match=words):
         parse_quantization_config({"quantization_config": q})
+
+
+# ---------------------------------------------------------------------------------------------
+# The ragged paged MLA kernel against a naive reference.
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [5, 1, 17], [40, 3], [1, 9, 2, 30]])
+def test_ragged_paged_mla_matches_a_naive_reference(q_lens):
+    from kernels.attention import ragged_paged_mla, write_latent
+
+    rng = np.random.default_rng(sum(q_lens))
+    page, heads, r, rope = 4, 3, 16, 8
+    dk = r + rope
+    ctx = [int(rng.integers(0, 20)) for _ in q_lens]  # tokens already cached per sequence
+    kv_lens = [c + q for c, q in zip(ctx, q_lens)]
+    pages_per_seq = max(-(-k // page) for k in kv_lens)
+    num_pages = len(q_lens) * pages_per_seq + 3
+    order = rng.permutation(num_pages)[: len(q_lens) * pages_per_seq].reshape(len(q_lens), pages_per_seq)
+    pages = jnp.asarray(rng.standard_normal((num_pages, page, 1, dk)), jnp.float32)
+    rows = rng.standard_normal((sum(q_lens), dk)).astype(np.float32)
+    slots = np.concatenate(
+        [order[s][(c + np.arange(q)) // page] * page + (c + np.arange(q)) % page for s, (c, q) in enumerate(zip(ctx, q_lens))]
+    )
+    pages = write_latent(pages, jnp.asarray(rows), jnp.asarray(slots, jnp.int32))
+    q = rng.standard_normal((sum(q_lens), heads, dk)).astype(np.float32)
+    n_pad = 64  # padded batch, as the engine's buckets
+    q_padded = np.zeros((n_pad, heads, dk), np.float32)
+    q_padded[: len(q)] = q
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = ragged_paged_mla(
+        jnp.asarray(q_padded), pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(order, jnp.int32), jnp.asarray(cu),
+        jnp.asarray([len(q_lens)], jnp.int32), sm_scale=0.3, v_dim=r,
+    )  # fmt: skip
+    out = np.asarray(out)
+    flat = np.asarray(pages).reshape(num_pages * page, dk)
+    for s, (c, ql) in enumerate(zip(ctx, q_lens)):
+        seq_rows = flat[(order[s][:, None] * page + np.arange(page)).reshape(-1)][: kv_lens[s]]
+        for j in range(ql):
+            t, p = cu[s] + j, c + j
+            scores = q[t] @ seq_rows[: p + 1].T * 0.3  # [heads, p + 1]
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            np.testing.assert_allclose(out[t], probs @ seq_rows[: p + 1, :r], atol=2e-5, rtol=0)
+    assert not out[cu[-1] :].any()  # padding rows stay zero
