@@ -60,7 +60,51 @@ QWEN3_5_397B_A17B: dict[str, Any] = {
     },
 }
 
-PRESET_CONFIGS: dict[str, dict[str, Any]] = {"qwen3.5-397b": QWEN3_5_397B_A17B}
+# deepseek-ai/DeepSeek-V3 `config.json`, trimmed likewise (its FP8 quantization_config left out: the
+# KV cache is in the engine's dtype). 61 layers of MLA: latent 512 + rope key 64 per token and layer.
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "num_nextn_predict_layers": 1,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {"qwen3.5-397b": QWEN3_5_397B_A17B, "deepseek-v3": DEEPSEEK_V3}
 
 
 def model_config(raw: dict[str, Any]):
@@ -83,8 +127,9 @@ def layer_summary(cfg) -> dict[str, Any]:
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:
-    """K and V of one token in every full-attention layer (linear-attention layers have no KV)."""
-    return cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    """K and V of one token in every full-attention layer (linear-attention layers have no KV); for MLA
+    (DeepSeek-V3) one latent row of kv_lora_rank + rope dim per layer."""
+    return cfg.kv_elements_per_token * itemsize
 
 
 def state_bytes_per_layer(cfg) -> dict[str, int]:

@@ -232,6 +232,13 @@ def test_sizes_only_qwen3_5_397b(capsys, tmp_path):
     assert json.loads((tmp_path / "s.json").read_text()) == again
 
 
+def test_sizes_only_deepseek_v3_counts_one_latent_row_per_layer(capsys):
+    data = sizes_only(capsys, "--preset", "deepseek-v3")
+    # MLA: 61 layers x (kv_lora_rank 512 + rope 64) x 2 B (bf16) = 68.6 KiB per token, no head axis.
+    assert data["kv_bytes_per_token"] == 61 * (512 + 64) * 2 == 70272
+    assert data["state_bytes_per_sequence"] == 0 and data["layers"]["full_attention"] == 61
+
+
 def test_sizes_only_matches_the_bench(capsys, hybrid):
     data, _, model = hybrid
     sizes = sizes_only(capsys, "--model", str(model), "--dtype", "float32")
