@@ -202,15 +202,17 @@ def ep_checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["hierarchical", "flat"])
+@pytest.mark.parametrize("mode", ["flat", "hierarchical", "hierarchical-dispatch", "all-to-all"])
 def test_expert_parallel_2x4_with_dp_attention_equals_one_device(ep_checkpoint, mode):
+    """Every MoE dispatch mode, the group-limited routing computed per token before dispatch."""
     from workers.engine.config import ParallelConfig
     from workers.models import prompt_logits
     from workers.parallel import load_parallel_model
 
     rows = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94]]
     want = prompt_logits(load_model(ep_checkpoint, dtype="float32", show_progress=False), rows)
-    model = load_parallel_model(ep_checkpoint, ParallelConfig(mesh="2x4", moe={"dispatch": mode}), dtype="float32", show_progress=False)
+    moe = {"all_to_all_min_tokens": 1} if mode == "all-to-all" else {"dispatch": mode}  # the padded all-to-all emulation
+    model = load_parallel_model(ep_checkpoint, ParallelConfig(mesh="2x4", moe=moe), dtype="float32", show_progress=False)
     got = prompt_logits(model, rows)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
