@@ -470,3 +470,16 @@ def test_ragged_paged_mla_matches_a_naive_reference(q_lens):
             probs /= probs.sum(-1, keepdims=True)
             np.testing.assert_allclose(out[t], probs @ seq_rows[: p + 1, :r], atol=2e-5, rtol=0)
     assert not out[cu[-1] :].any()  # padding rows stay zero
+
+
+def test_a_native_fp8_layer_without_its_scale_fails_naming_the_layer(fp8_dense, tmp_path):
+    from workers.models.quantize import quantize_checkpoint
+
+    fp8 = quantize_checkpoint(fp8_dense, tmp_path / "fp8", "fp8-block", max_shard_bytes=1 << 40)
+    shard = fp8 / "model.safetensors"
+    reader = CheckpointReader(fp8)
+    tensors = {k: np.asarray(reader.array(k)) for k in reader.keys() if k != "model.layers.2.self_attn.o_proj.weight_scale_inv"}
+    del reader
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layer 'model\.layers\.2\.self_attn\.o_proj'.*weight_scale_inv"):
+        load_model(fp8, dtype="float32", show_progress=False)
