@@ -20,6 +20,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 # report field -> (attribute, metric name (`_total` is added), help, roles it applies to)
 _WORKER_COUNTERS = {
     "prefix_cache_hits": ("prefix_hit_tokens", "moray_prefix_cache_hit_tokens", "prompt tokens a worker found cached", None),
+    "prefix_cache_host_hits": (
+        "prefix_host_hit_tokens",
+        "moray_prefix_cache_host_hit_tokens",
+        "of the prefix hit tokens, those copied back from a worker's host KV tier",
+        None,
+    ),
     "prefix_cache_queries": ("prefix_query_tokens", "moray_prefix_cache_query_tokens", "prompt tokens a worker looked up", None),
     "misrouted": ("misrouted", "moray_misrouted_requests", "requests a worker received although the router chose another", None),
     "handoff_bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),

@@ -94,6 +94,7 @@ class EngineWorker:
             "pending_prefill_tokens": s.num_pending_prefill_tokens,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_host_hits": s.host_hit_tokens,
             "num_held": s.num_held,
             "num_importing": s.num_importing,
             "num_requests": len(self.engine.core.scheduler.requests),

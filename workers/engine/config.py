@@ -99,6 +99,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(default=None, ge=2, description="overrides kv_cache_memory_bytes")
     kv_cache_memory_bytes: int = Field(default=256 << 20, gt=0)
     enable_prefix_caching: bool = True
+    # A host-memory tier below the device cache (workers/engine/host_tier.py): evicted cached blocks are
+    # kept there and copied back on a prefix hit. 0: off. Attention-only, single-rank engines so far.
+    host_kv_blocks: int = Field(default=0, ge=0, description="KV blocks kept in host memory below the device cache; 0: none")
     # Hybrid (linear-attention) models: per-sequence state slots, float32, outside kv_cache_memory_bytes.
     state_snapshots: int | None = Field(
         default=None, ge=0, description="most state snapshots kept for prefix caching (LRU); default 2 x max_num_seqs"

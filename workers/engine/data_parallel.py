@@ -132,6 +132,10 @@ class DataParallelKVCacheManager:
     def update_hashes(self, request: Request) -> None:
         self.ranks[0].update_hashes(request)  # hashes depend on the tokens only
 
+    def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
+        """No host tier under data-parallel attention yet."""
+        return []
+
     def cached_prefix(self, request: Request) -> list[int]:
         with self._on_rank(request) as (manager, offset):
             return _shifted(manager.cached_prefix(request), offset)

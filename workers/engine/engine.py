@@ -22,6 +22,7 @@ from workers.parallel import distributed_settings, init_distributed, load_parall
 from .config import EngineConfig
 from .data_parallel import DataParallelKVCacheManager, DataParallelRunner
 from .detokenizer import IncrementalDetokenizer
+from .host_tier import HostKVTier
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
 from .request import Request, RequestStatus
@@ -74,6 +75,9 @@ class EngineStats:
     num_pending_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
     num_held: int = 0  # finished prefills whose KV awaits export
     num_importing: int = 0  # handoffs whose KV is still arriving
+    host_hit_tokens: int = 0  # of prefix_cache_hits, tokens copied back from the host tier
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
 
 
 @dataclass
@@ -148,8 +152,11 @@ class EngineCore:
             )
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events)
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
+            host = self._host_tier(config)
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events, host)
+        if config.host_kv_blocks and not isinstance(getattr(self.kv, "host", None), HostKVTier):
+            raise ValueError("host_kv_blocks: the host KV tier is not supported yet for hybrid models or data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._states: dict[str, _RequestState] = {}
         self._finished_outside_step: list[RequestOutput] = []
@@ -318,7 +325,37 @@ class EngineCore:
             ),
             num_held=len(self.scheduler.held),
             num_importing=len(self.scheduler.importing),
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict:
+        host = getattr(self.kv, "host", None)
+        if host is None:
+            return {}
+        return {"host_hit_tokens": self.kv.host_hit_tokens, "host_blocks_used": host.num_used, "host_blocks_total": host.num_blocks}
+
+    def _host_tier(self, config: EngineConfig) -> HostKVTier | None:
+        if not config.host_kv_blocks or not config.enable_prefix_caching:
+            return None
+        shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_page_dims)
+        return HostKVTier(config.host_kv_blocks, shape, np.dtype(self.runner.kv_pages[0].dtype))
+
+    def _move_host_blocks(self) -> None:
+        """The host tier's copies for this step, in order: evicted blocks out (before their new owners
+        write them), then reused host blocks in (before the step reads them)."""
+        if getattr(self.kv, "host", None) is None:
+            return
+        saves = self.kv.take_pending_saves()
+        layers = self.cfg.num_kv_layers
+        chunk = self.runner.page_buckets[-1]
+        for i in range(0, len(saves), chunk):
+            part = saves[i : i + chunk]
+            data = self.runner.gather_blocks([b for b, _, _ in part], 0, layers)  # [layers, n, ...]
+            for j, (_, h, parent) in enumerate(part):
+                self.kv.host.put(h, parent, data[:, j])
+        for block_ids, data in self.kv.take_pending_loads():
+            for i in range(0, len(block_ids), chunk):
+                self.runner.scatter_blocks(block_ids[i : i + chunk], 0, np.moveaxis(data[i : i + chunk], 0, 1))
 
     # ---------------------------------------------------------------- the step
 
@@ -327,6 +364,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        self._move_host_blocks()
         self.runner.copy_blocks(sched.block_copies)
         logits = self.runner.run(self.runner.prepare(sched))
         sampling_rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]

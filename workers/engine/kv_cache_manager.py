@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .block_hash import ROOT_PARENT, block_hashes
+from .host_tier import HostKVTier
 from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
 
@@ -40,6 +41,9 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: first is evicted first
         # Told the hash of every cached block evicted (the hybrid cache drops the snapshot ending there).
         self.on_evict: Callable[[int], None] | None = None
+        # Told (block, hash, parent) of every cached block evicted while its pages still hold it (the
+        # host tier saves them before the block's new owner writes).
+        self.on_evict_block: Callable[[int, int, int | None], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -89,6 +93,8 @@ class BlockPool:
             self._emit(KVEventKind.REMOVED, h, self.parent_of[b], self.block_size)
             if self.on_evict is not None:
                 self.on_evict(h)
+            if self.on_evict_block is not None:
+                self.on_evict_block(b, h, self.parent_of[b])
         self.hash_of[b] = self.parent_of[b] = None
 
     def release(self, block_ids: list[int]) -> None:
@@ -129,12 +135,22 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         extra_keys: str = "",
         events: KVEventPublisher | None = None,
+        host: HostKVTier | None = None,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = extra_keys
         self.pool = BlockPool(num_blocks, block_size, events)
         self._num_cached_blocks: dict[str, int] = {}
+        # The host tier: evicted cached blocks wait in `pending_saves` (block, hash, parent) and host blocks
+        # a request reuses in `pending_loads` (device block, host pages) until the engine copies them at
+        # the start of the step.
+        self.host = host if enable_prefix_caching else None
+        self.pending_saves: list[tuple[int, int, int | None]] = []
+        self.pending_loads: list[tuple[int, object]] = []
+        self.host_hit_tokens = 0
+        if self.host is not None:
+            self.pool.on_evict_block = lambda b, h, parent: self.pending_saves.append((b, h, parent))
 
     @property
     def num_free_blocks(self) -> int:
@@ -162,8 +178,17 @@ class KVCacheManager:
         self.update_hashes(request)
         return self.pool.longest_cached_prefix(request.block_hashes)
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks: list[int] = ()) -> list[BlockCopy] | None:
-        """Gives the request blocks for `num_new_tokens` more tokens (after taking `prefix_blocks`).
+    def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
+        """Host-tier slots of the blocks that continue the request's device-cached prefix."""
+        if self.host is None:
+            return []
+        return self.host.lookup(request.block_hashes[num_device_blocks:])
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix_blocks: list[int] = (), host_slots: list[int] = ()
+    ) -> list[BlockCopy] | None:
+        """Gives the request blocks for `num_new_tokens` more tokens (after taking `prefix_blocks`); the
+        first new blocks get the host tier's `host_slots` copied in (`pending_loads`).
 
         Returns the block copies the runner must do first, or None (nothing changed) if the pool is short.
         """
@@ -185,10 +210,24 @@ class KVCacheManager:
             self.pool.release([shared])
             prefix_blocks[-1] = private
             copies.append(BlockCopy(shared, private))
-        request.block_ids += prefix_blocks + self.pool.allocate(needed)
+        new = self.pool.allocate(needed)
+        request.block_ids += prefix_blocks + new
         if prefix_blocks:
             self._num_cached_blocks[request.request_id] = len(prefix_blocks) - cow
+        if host_slots:
+            # Read now: saves of this very step may reuse those host slots before the copy runs.
+            self.pending_loads.append((new[: len(host_slots)], self.host.read(list(host_slots))))
+            self.host.stats.blocks_loaded += len(host_slots)
+            self.host_hit_tokens += len(host_slots) * self.block_size
         return copies
+
+    def take_pending_saves(self) -> list[tuple[int, int, int | None]]:
+        saves, self.pending_saves = self.pending_saves, []
+        return saves
+
+    def take_pending_loads(self) -> list[tuple[list[int], object]]:
+        loads, self.pending_loads = self.pending_loads, []
+        return loads
 
     def shares_pool(self, a: Request, b: Request) -> bool:
         """Whether freeing `a`'s cache can make room for `b`: always, with one pool (the data-parallel
@@ -218,3 +257,6 @@ class KVCacheManager:
 
     def clear_prefix_cache(self) -> None:
         self.pool.clear_cache()
+        self.pending_saves = []
+        if self.host is not None:
+            self.host.clear()

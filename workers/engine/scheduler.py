@@ -152,6 +152,7 @@ class Scheduler:
         for request in scan:
             if budget == 0 or len(self.running) >= self.max_num_seqs or passed_over >= self.max_num_seqs:
                 break
+            host: list[int] = []
             if request.block_ids:  # KV imported from a prefill worker: blocks already allocated
                 prefix = []
             else:
@@ -160,11 +161,13 @@ class Scheduler:
                     self.num_prefix_waits += 1
                     passed_over += 1
                     continue  # next step it is cached
-                hit = len(prefix) * self.kv.block_size
+                # The prefix continues in the host tier (if any): those blocks are copied back, not recomputed.
+                host = self.kv.host_prefix(request, len(prefix))
+                hit = (len(prefix) + len(host)) * self.kv.block_size
                 # The last token is always computed: its logits give the first sampled token.
                 request.num_computed_tokens = min(hit, request.num_tokens - 1)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            copies = self.kv.allocate(request, n, prefix)
+            copies = self.kv.allocate(request, n, prefix, host) if host else self.kv.allocate(request, n, prefix)
             if copies is None:
                 if not request.block_ids:
                     request.num_computed_tokens = 0

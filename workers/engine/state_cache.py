@@ -133,6 +133,10 @@ class HybridCacheManager:
 
     # ---------------------------------------------------------------- the scheduler's interface
 
+    def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
+        """No host tier for hybrid models yet (their state snapshots would have to spill too)."""
+        return []
+
     def cached_prefix(self, request: Request) -> HybridPrefix:
         """The deepest reusable boundary: within the cached attention blocks, with a snapshot, and before
         the last token (which is always computed)."""

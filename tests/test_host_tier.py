@@ -1,0 +1,87 @@
+"""The host-memory KV tier below the device cache (issue #15, engine part): evicted cached blocks are
+saved to host memory and copied back on a later prefix hit, giving exactly the uncached run's tokens."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import numpy as np
+import pytest
+
+from workers.engine import LLM, SamplingParams
+from workers.engine.host_tier import HostKVTier
+from workers.models.make_model import make_model
+
+ARGS = dict(
+    block_size=8,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=160,
+    token_buckets=[8, 64],
+    page_buckets=[4, 20],
+    compilation_cache_dir=tempfile.mkdtemp(prefix="moray-host-tier-xla-"),
+    warmup=False,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("host-tier") / "tiny", "qwen3_moe", "tiny", seed=5)
+
+
+def test_lru_keeps_the_most_recent_blocks():
+    tier = HostKVTier(3, (2, 4), np.float32)
+    for h in range(4):
+        tier.put(h, h - 1 if h else None, np.full((2, 4), h, np.float32))
+    assert 0 not in tier and all(h in tier for h in (1, 2, 3)) and tier.stats.blocks_evicted == 1
+    assert tier.lookup([1, 2, 9, 3]) == [tier.slot_of[1], tier.slot_of[2]]  # a run from the first hash
+    tier.put(4, 3, np.full((2, 4), 4, np.float32))  # 3 was least recently used (1 and 2 were touched)
+    assert 3 not in tier and float(tier.read([tier.slot_of[4]])[0, 0, 0]) == 4.0
+    tier.clear()
+    assert tier.num_used == 0 and tier.lookup([1]) == []
+
+
+def test_a_prefix_evicted_from_the_device_is_reloaded_from_the_host(tiny):
+    # 24 device blocks of 8 tokens: four more 72-token prompts push the first one's blocks out.
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv_blocks=64, **ARGS)
+    first = prompt(1, 72)
+    out = llm.generate([first], GREEDY)[0]
+    for seed in range(2, 6):
+        llm.generate([prompt(seed, 72)], GREEDY)
+    kv = llm.engine.kv
+    assert kv.host.stats.blocks_saved >= 9
+    turn2 = first + out.token_ids + [7, 8, 9]
+    again = llm.generate([turn2], GREEDY)[0]
+    assert kv.host.stats.blocks_loaded >= 9 and again.num_cached_tokens >= 72
+    uncached = LLM(str(tiny), num_kv_blocks=24, enable_prefix_caching=False, **ARGS).generate([turn2], GREEDY)[0]
+    assert again.token_ids == uncached.token_ids
+    without_tier = LLM(str(tiny), num_kv_blocks=24, **ARGS)
+    without_tier.generate([first], GREEDY)
+    for seed in range(2, 6):
+        without_tier.generate([prompt(seed, 72)], GREEDY)
+    assert without_tier.generate([turn2], GREEDY)[0].num_cached_tokens < 72  # the device alone lost it
+
+
+def test_concurrent_requests_with_host_hits_equal_alone(tiny):
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv_blocks=64, **ARGS)
+    prompts = [prompt(10 + i, 40) for i in range(6)]
+    first = llm.generate(prompts, GREEDY)
+    again = llm.generate([p + o.token_ids for p, o in zip(prompts, first)], GREEDY)
+    assert llm.engine.kv.host.stats.blocks_loaded > 0
+    alone = LLM(str(tiny), num_kv_blocks=24, enable_prefix_caching=False, **ARGS)
+    for p, o, a in zip(prompts, first, again):
+        assert alone.generate([p + o.token_ids], GREEDY)[0].token_ids == a.token_ids
+    assert llm.engine.kv.num_free_blocks == 24  # nothing left referenced on the device
+
+
+def test_host_tier_refused_where_it_does_not_work_yet(tmp_path):
+    hybrid = make_model(tmp_path / "qwen35", "qwen3_5_moe", "tiny", seed=1)
+    with pytest.raises(ValueError, match="host_kv_blocks"):
+        LLM(str(hybrid), host_kv_blocks=8, **ARGS)
