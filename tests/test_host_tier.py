@@ -81,7 +81,9 @@ def test_concurrent_requests_with_host_hits_equal_alone(tiny):
     assert llm.engine.kv.num_free_blocks == 24  # nothing left referenced on the device
 
 
-def test_host_tier_refused_where_it_does_not_work_yet(tmp_path):
+def test_host_tier_refused_where_it_does_not_work_yet(tiny, tmp_path):
     hybrid = make_model(tmp_path / "qwen35", "qwen3_5_moe", "tiny", seed=1)
-    with pytest.raises(ValueError, match="host_kv_blocks"):
+    with pytest.raises(ValueError, match="not supported yet for hybrid"):
         LLM(str(hybrid), host_kv_blocks=8, **ARGS)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        LLM(str(tiny), host_kv_blocks=8, enable_prefix_caching=False, **ARGS)

@@ -155,6 +155,8 @@ class EngineCore:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
             host = self._host_tier(config)
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events, host)
+        if config.host_kv_blocks and not config.enable_prefix_caching:
+            raise ValueError("host_kv_blocks needs enable_prefix_caching: the host tier keeps evicted prefix-cache blocks")
         if config.host_kv_blocks and not isinstance(getattr(self.kv, "host", None), HostKVTier):
             raise ValueError("host_kv_blocks: the host KV tier is not supported yet for hybrid models or data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
