@@ -121,7 +121,7 @@ CONFIG_CASES = {
     ),
     "other-method": (
         lambda q, raw: q.update(quant_method="gptq"),
-        "quantization_config: quant_method 'gptq' is not supported (compressed-tensors only",
+        "quantization_config: quant_method 'gptq' is not supported (compressed-tensors: ",
     ),
     "kv-cache-scheme": (
         lambda q, raw: q.update(kv_cache_scheme=dict(num_bits=8, type="float", strategy="tensor", dynamic=False)),
