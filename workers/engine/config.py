@@ -125,6 +125,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
+        if self.host_kv_blocks and not self.enable_prefix_caching:
+            raise ValueError("host_kv_blocks needs enable_prefix_caching: the host tier keeps evicted prefix-cache blocks")
         for name in ("token_buckets", "page_buckets"):
             buckets = getattr(self, name)
             if buckets is not None and (not buckets or sorted(set(buckets)) != buckets or buckets[0] < 1):

@@ -155,8 +155,6 @@ class EngineCore:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
             host = self._host_tier(config)
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events, host)
-        if config.host_kv_blocks and not config.enable_prefix_caching:
-            raise ValueError("host_kv_blocks needs enable_prefix_caching: the host tier keeps evicted prefix-cache blocks")
         if config.host_kv_blocks and not isinstance(getattr(self.kv, "host", None), HostKVTier):
             raise ValueError("host_kv_blocks: the host KV tier is not supported yet for hybrid models or data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -337,7 +335,7 @@ class EngineCore:
         return {"host_hit_tokens": self.kv.host_hit_tokens, "host_blocks_used": host.num_used, "host_blocks_total": host.num_blocks}
 
     def _host_tier(self, config: EngineConfig) -> HostKVTier | None:
-        if not config.host_kv_blocks or not config.enable_prefix_caching:
+        if not config.host_kv_blocks:
             return None
         shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_page_dims)
         return HostKVTier(config.host_kv_blocks, shape, np.dtype(self.runner.kv_pages[0].dtype))

@@ -43,10 +43,6 @@ class HostKVTier:
     def num_used(self) -> int:
         return len(self.slot_of)
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.slot_of
 

@@ -39,11 +39,9 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: first is evicted first
-        # Told the hash of every cached block evicted (the hybrid cache drops the snapshot ending there).
-        self.on_evict: Callable[[int], None] | None = None
-        # Told (block, hash, parent) of every cached block evicted while its pages still hold it (the
-        # host tier saves them before the block's new owner writes).
-        self.on_evict_block: Callable[[int, int, int | None], None] | None = None
+        # Told (block, hash, parent) of every cached block evicted, while its pages still hold it: the
+        # hybrid cache drops the snapshot ending there, the host tier saves it before its new owner writes.
+        self.on_evict: Callable[[int, int, int | None], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -92,9 +90,7 @@ class BlockPool:
             del self.cached[h]
             self._emit(KVEventKind.REMOVED, h, self.parent_of[b], self.block_size)
             if self.on_evict is not None:
-                self.on_evict(h)
-            if self.on_evict_block is not None:
-                self.on_evict_block(b, h, self.parent_of[b])
+                self.on_evict(b, h, self.parent_of[b])
         self.hash_of[b] = self.parent_of[b] = None
 
     def release(self, block_ids: list[int]) -> None:
@@ -145,12 +141,12 @@ class KVCacheManager:
         # The host tier: evicted cached blocks wait in `pending_saves` (block, hash, parent) and host blocks
         # a request reuses in `pending_loads` (device block, host pages) until the engine copies them at
         # the start of the step.
-        self.host = host if enable_prefix_caching else None
+        self.host = host
         self.pending_saves: list[tuple[int, int, int | None]] = []
         self.pending_loads: list[tuple[int, object]] = []
         self.host_hit_tokens = 0
         if self.host is not None:
-            self.pool.on_evict_block = lambda b, h, parent: self.pending_saves.append((b, h, parent))
+            self.pool.on_evict = lambda b, h, parent: self.pending_saves.append((b, h, parent))
 
     @property
     def num_free_blocks(self) -> int:

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention import causal_attention
-from kernels.moe import route_sigmoid_group_topk, routed_experts
+from kernels.moe import route_sigmoid_group_topk
 from kernels.quant import as_dense
 
 from .config import MLAConfig, ModelConfig, ModelLoadError, RopeConfig, build_config, common_fields, require
-from .layers import KVCache, ModelWeights, MoEWeights, apply_rope, decoder_forward, linear, rms_norm, swiglu_mlp
+from .layers import KVCache, ModelWeights, MoEWeights, apply_rope, decoder_forward, linear, moe_block, rms_norm
 from .plans import experts_plan, mlp_plan, model_plan
 from .rope import yarn_get_mscale
 from .weights import Concat, Tensor, WeightSpec, linear_spec, norm_spec
@@ -228,22 +228,13 @@ def mla_attention_expanded(x: Array, w: MLAWeights, cfg: ModelConfig, rope, posi
 def moe_sigmoid_grouped(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callable | None = None) -> Array:
     """Group-limited sigmoid routing (computed per token, before any dispatch) -> routed experts, plus the
     always-on shared experts."""
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    logits = jnp.einsum("th,eh->te", flat.astype(jnp.float32), w.router.astype(jnp.float32))
-    weights, ids = route_sigmoid_group_topk(
-        logits,
-        w.router_bias,
-        cfg.num_experts_per_tok,
-        cfg.num_expert_groups,
-        cfg.topk_expert_groups,
-        cfg.norm_topk_prob,
-        cfg.routed_scaling_factor,
-    )
-    out = (experts or routed_experts)(flat, ids, weights.astype(flat.dtype), w.gate_up, w.down)
-    if w.shared is not None:
-        out = out + swiglu_mlp(flat, w.shared)
-    return out.reshape(shape)
+
+    def route(flat):
+        logits = jnp.einsum("th,eh->te", flat.astype(jnp.float32), w.router.astype(jnp.float32))
+        k, groups, kept = cfg.num_experts_per_tok, cfg.num_expert_groups, cfg.topk_expert_groups
+        return route_sigmoid_group_topk(logits, w.router_bias, k, groups, kept, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+    return moe_block(x, w, route, experts)
 
 
 def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None, attention_fn=None):

@@ -298,14 +298,20 @@ def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callabl
     `experts` replaces `routed_experts` (same arguments), e.g. `moe_parallel.ExpertParallel` to run
     them over a mesh; routing and the shared expert stay per token, so they need no collective.
     """
+    route = lambda flat: route_softmax_topk(linear(flat, w.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return moe_block(x, w, route, experts)
+
+
+def moe_block(x: Array, w: MoEWeights, route: Callable[[Array], tuple[Array, Array]], experts: Callable | None = None) -> Array:
+    """The MoE every family shares once it has routed: `route(tokens [T, hidden]) -> (weights, ids)` per
+    token, then the routed experts, plus the shared expert (gated by sigmoid(shared_gate) when it has one)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    router_logits = linear(flat, w.router)
-    weights, ids = route_softmax_topk(router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    weights, ids = route(flat)
     out = (experts or routed_experts)(flat, ids, weights.astype(flat.dtype), w.gate_up, w.down)
     if w.shared is not None:
-        gate = jax.nn.sigmoid(linear(flat, w.shared_gate))
-        out = out + gate * swiglu_mlp(flat, w.shared)
+        shared = swiglu_mlp(flat, w.shared)
+        out = out + (shared if w.shared_gate is None else jax.nn.sigmoid(linear(flat, w.shared_gate)) * shared)
     return out.reshape(shape)
 
 
