@@ -4,8 +4,6 @@ loading rules; transformers 5.x in float32 is the reference."""
 from __future__ import annotations
 
 import logging
-import random
-import tempfile
 from pathlib import Path
 
 import jax
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from engine_harness import prompts, small_engine_args
 from safetensors.numpy import load_file, save_file
 
 from kernels.moe import route_sigmoid_group_topk
@@ -220,22 +219,8 @@ def test_expert_parallel_2x4_with_dp_attention_equals_one_device(ep_checkpoint, 
 # ---------------------------------------------------------------------------------------------
 # Through the engine: the paged latent cache.
 
-ARGS = dict(
-    block_size=8,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    max_model_len=160,
-    token_buckets=[8, 64],
-    page_buckets=[4, 20],
-    compilation_cache_dir=tempfile.mkdtemp(prefix="moray-mla-xla-"),
-    warmup=False,
-)
+ARGS = small_engine_args("mla")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ never without one), KV events that predict the engine's reuse to the block, and 
 from __future__ import annotations
 
 import random
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 import transformers
+from engine_harness import prompts, small_engine_args
 
 from cluster.router.memory_index import MemoryKVIndex
 from cluster.router.types import WorkerLoad
@@ -20,24 +20,9 @@ from workers.engine.engine import KVImport
 from workers.engine.kv_events import KVEventKind
 from workers.models.make_model import make_model
 
-ARGS = dict(
-    block_size=8,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    max_model_len=160,
-    token_buckets=[8, 64],
-    page_buckets=[4, 20],
-    # One persistent XLA cache for the engines of this module: each engine traces its own step programs,
-    # and the ragged state kernels compile slowly on CPU, so later engines reuse the first one's binaries.
-    compilation_cache_dir=tempfile.mkdtemp(prefix="moray-hybrid-xla-"),
-    warmup=False,  # compile only the programs a test uses (the ragged state kernels compile slowly on CPU)
-)
+# One persistent XLA cache for the engines of this module (the ragged state kernels compile slowly on CPU).
+ARGS = small_engine_args("hybrid")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
