@@ -6,6 +6,13 @@ shared prefixes and lengths are exact whatever the tokenizer.
 
     moray bench serve --url http://127.0.0.1:8000 --workload shared-prefix --concurrency 8 --requests 64 --json out.json
     moray bench serve --model DIR --compare --workload shared-prefix --json out.json   # starts both modes locally
+    moray bench serve --model DIR --tier-compare --json out.json   # host KV tier on/off, multi-turn "tiered" workload
+
+`--tier-compare` (issue #15) starts two colocated apps with one decode worker each, the same small device
+KV pool, one with a host KV tier of `--host-ratio` times that pool; runs the "tiered" workload (64
+conversations x 6 turns, growing histories, think time; a live working set of several device pools)
+through both, and reports per tier the prefix-hit rate (device / host), TTFT p50/p99 (all turns and turns
+>= 3), throughput, the hit rate of an oracle with unlimited cache, and the host tier's copy time.
 """
 
 from __future__ import annotations
@@ -18,13 +25,20 @@ import sys
 import time
 from dataclasses import dataclass
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-in-short-out", "short-in-long-out")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-in-short-out", "short-in-long-out", "tiered")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="with --compare: model directory to serve locally")
     p.add_argument("--compare", action="store_true", help="start disaggregated and colocated apps locally and compare")
+    p.add_argument(
+        "--tier-compare", action="store_true", help="start apps without and with a host KV tier locally and compare (workload: tiered)"
+    )
+    p.add_argument("--device-blocks", type=int, default=640, help="with --tier-compare: device KV blocks per worker")
+    p.add_argument("--host-ratio", type=float, default=8.0, help="with --tier-compare: host tier size / device pool")
+    p.add_argument("--conversations", type=int, default=64, help="tiered workload: conversations (6 turns each)")
+    p.add_argument("--think-s", type=float, default=1.0, help="tiered workload: mean think time between turns (seconds)")
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=64)
@@ -42,6 +56,7 @@ class Item:
     max_tokens: int
     session: str | None = None
     turn: int = 0
+    think_s: float = 0.0  # pause before this turn (the user reading and typing)
 
 
 def make_workload(name: str, n: int, seed: int, vocab: int = 500) -> list[list[Item]]:
@@ -53,6 +68,8 @@ def make_workload(name: str, n: int, seed: int, vocab: int = 500) -> list[list[I
         return [[Item(prefixes[i % len(prefixes)] + tok(24), 16)] for i in range(n)]
     if name == "multi-turn":
         return [conversation(tok, f"s{s}", opening=48, user=24, reply=12, turns=4, max_tokens=12) for s in range(max(1, n // 4))]
+    if name == "tiered":
+        return tiered_workload(rng, tok, conversations=max(1, n // 6))
     if name == "long-in-short-out":
         return [[Item(tok(400), 4)] for _ in range(n)]
     return [[Item(tok(16), 64)] for _ in range(n)]
@@ -70,6 +87,38 @@ def conversation(tok, session: str, *, opening: int, user: int, reply: int, turn
     return items
 
 
+def tiered_workload(rng: random.Random, tok, conversations: int = 64, turns: int = 6, think_s: float = 1.0) -> list[list[Item]]:
+    """Conversations whose histories outgrow the device cache: a 256-token opening, then per turn a 64-token
+    message and a 32-token reply stand-in (832 tokens by turn 6), 16 tokens out, a think time (exponential,
+    mean `think_s`) before every turn after the first."""
+    groups = []
+    for c in range(conversations):
+        items = conversation(tok, f"conv{c}", opening=256, user=64, reply=32, turns=turns, max_tokens=16)
+        for item in items[1:]:
+            item.think_s = rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0
+        groups.append(items)
+    return groups
+
+
+def oracle_hit_tokens(groups: list[list[Item]], block_size: int) -> list[int]:
+    """Per item (in group order), the prompt tokens an unlimited prefix cache would hold when it arrives:
+    full blocks shared with any earlier prompt of its conversation (turns run in order; conversations share
+    nothing). Like the engine, a fully cached prompt still recomputes its last token."""
+    from workers.engine.block_hash import block_hashes
+
+    out = []
+    for group in groups:
+        seen: set[int] = set()
+        for item in group:
+            hashes = block_hashes(item.prompt, block_size)
+            n = 0
+            while n < len(hashes) and hashes[n] in seen:
+                n += 1
+            out.append(min(n * block_size, len(item.prompt) - 1))
+            seen.update(hashes)
+    return out
+
+
 # ------------------------------------------------------------------------------------ client
 
 
@@ -81,6 +130,7 @@ class Result:
     tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    turn: int = 0
     error: str = ""
 
 
@@ -120,6 +170,7 @@ async def one_request(session, url: str, model: str, item: Item, api_key: str | 
                 result.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
     result.e2e = time.perf_counter() - start
     result.ok = True
+    result.turn = item.turn
     return result
 
 
@@ -134,6 +185,8 @@ async def run_workload(url: str, groups: list[list[Item]], concurrency: int, api
 
         async def run_group(group: list[Item]):
             for item in group:
+                if item.think_s:
+                    await asyncio.sleep(item.think_s)
                 async with sem:
                     results.append(await one_request(session, url, model, item, api_key))
 
@@ -148,7 +201,7 @@ def scrape(url: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("moray_kv_handoff") and not line.startswith("#"):
+            if line.startswith(("moray_kv_handoff", "moray_kv_host", "moray_prefix_cache")) and not line.startswith("#"):
                 name = line.split("{")[0].split(" ")[0]
                 totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
@@ -233,7 +286,156 @@ def start_pair(model: str):
     return url, url + "/colo"
 
 
+def start_tier_pair(model: str, device_blocks: int, host_blocks: int, block_size: int = 16):
+    """Two colocated apps on a local Ray, one decode worker each, the same device KV pool: /notier without a
+    host tier, /tier with `host_blocks` of them."""
+    import os
+    import socket
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from cluster.app import build_app
+    from cluster.config import parse_cluster_config
+    from cluster.launch import wait_until_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = {
+        "model": os.path.abspath(model),
+        "block_size": block_size,
+        "num_kv_blocks": device_blocks,
+        "max_model_len": 1024,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "token_buckets": [8, 64, 512],
+        "page_buckets": [8, 64],
+    }
+    base = {"engine": engine, "server": {"http_port": port}, "mode": "colocated"}
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    tiered = {**base, "engine": {**engine, "host_kv": {"blocks": host_blocks}}}
+    serve.run(build_app({**base, "name": "notier"}), name="notier", route_prefix="/notier", blocking=False)
+    serve.run(build_app({**tiered, "name": "tier"}), name="tier", route_prefix="/tier", blocking=False)
+    wait_until_healthy(parse_cluster_config(base))
+    url = f"http://127.0.0.1:{port}"
+    return url + "/notier", url + "/tier"
+
+
+def summarise_tiers(results: list[Result], wall: float, before: dict, after: dict, oracle_tokens: int) -> dict:
+    """`summarise`, plus hits by tier (the workers' counters), TTFT on turns >= 3, and the oracle's share."""
+    out = summarise(results, wall, before, after)
+    grew = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    host_hits = grew("moray_prefix_cache_host_hit_tokens_total")
+    hits = sum(r.cached_tokens for r in ok)
+    late = [r.ttft for r in ok if r.turn >= 2]  # turns 3..6 (counted from 1)
+    out.update(
+        device_hit_rate=(hits - host_hits) / prompt if prompt else 0.0,
+        host_hit_rate=host_hits / prompt if prompt else 0.0,
+        oracle_hit_rate=oracle_tokens / prompt if prompt else 0.0,
+        fraction_of_oracle=hits / oracle_tokens if oracle_tokens else 0.0,
+        ttft_turns_3plus_p50_s=pct(late, 50),
+        ttft_turns_3plus_p99_s=pct(late, 99),
+        host_blocks_saved=grew("moray_kv_host_saved_blocks_total"),
+        host_blocks_loaded=grew("moray_kv_host_loaded_blocks_total"),
+        host_copy_seconds=grew("moray_kv_host_copy_seconds_total"),
+        host_copy_share_of_wall=grew("moray_kv_host_copy_seconds_total") / wall if wall else 0.0,
+    )
+    return out
+
+
+def copy_bandwidth(model: str, block_size: int = 16, blocks: int = 64, repeats: int = 5) -> dict:
+    """Host<->device copy rate of the host tier's own programs (runner gather/scatter of `blocks` blocks),
+    median of `repeats`, in GB/s, measured in this process on this machine's JAX device."""
+    import jax
+    import numpy as np
+
+    from workers.engine import LLM
+
+    llm = LLM(model, block_size=block_size, num_kv_blocks=blocks + 1, page_buckets=[blocks], token_buckets=[8], warmup=False)
+    runner, layers = llm.engine.runner, llm.engine.cfg.num_kv_layers
+    ids = list(range(blocks))
+    data = runner.gather_blocks(ids, 0, layers)
+    runner.scatter_blocks(ids, 0, data)  # compile both
+    jax.block_until_ready(runner.kv_pages)
+    out, back = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        data = runner.gather_blocks(ids, 0, layers)
+        out.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        runner.scatter_blocks(ids, 0, data)
+        jax.block_until_ready(runner.kv_pages)
+        back.append(time.perf_counter() - t)
+    nbytes = data.nbytes
+    return {
+        "blocks": blocks,
+        "bytes": nbytes,
+        "device_to_host_gb_per_s": nbytes / float(np.median(out)) / 1e9,
+        "host_to_device_gb_per_s": nbytes / float(np.median(back)) / 1e9,
+        "device": str(jax.devices()[0].platform),
+    }
+
+
+def run_tier_compare(args: argparse.Namespace) -> dict:
+    if not args.model:
+        raise ValueError("--tier-compare needs --model DIR")
+    block_size = 16
+    groups = tiered_workload(random.Random(args.seed), _tok(args.seed), args.conversations, think_s=args.think_s)
+    oracle = sum(oracle_hit_tokens(groups, block_size))
+    working_set = sum(-(-len(g[-1].prompt) // block_size) for g in groups)
+    host_blocks = int(args.device_blocks * args.host_ratio)
+    notier, tier = start_tier_pair(args.model, args.device_blocks, host_blocks, block_size)
+    print("warming up...", file=sys.stderr)
+    warm = tiered_workload(random.Random(args.seed + 1), _tok(args.seed + 1), 2, turns=2, think_s=0)
+    for url in (notier, tier):
+        asyncio.run(run_workload(url, warm, 2, args.api_key))
+    out = {
+        "workload": "tiered",
+        "conversations": len(groups),
+        "turns": len(groups[0]),
+        "concurrency": args.concurrency,
+        "think_s_mean": args.think_s,
+        "device_blocks": args.device_blocks,
+        "host_blocks": host_blocks,
+        "working_set_blocks": working_set,
+        "working_set_over_device_pool": working_set / args.device_blocks,
+    }
+    for name, url in (("without_tier", notier), ("with_tier", tier)):
+        print(f"running {name}...", file=sys.stderr)
+        before = scrape(url)
+        results, wall = asyncio.run(run_workload(url, groups, args.concurrency, args.api_key))
+        out[name] = summarise_tiers(results, wall, before, scrape(url), oracle)
+    w, wo = out["with_tier"], out["without_tier"]
+    out["ratios_with_over_without"] = {
+        k: (w[k] / wo[k] if wo[k] else None) for k in ("ttft_p50_s", "ttft_turns_3plus_p50_s", "ttft_p99_s", "throughput_tokens_per_s")
+    }
+    out["targets"] = {
+        "hit_rate_fraction_of_oracle_ge_0.9": w["fraction_of_oracle"] >= 0.9,
+        "ttft_turns_3plus_p50_2x_better": bool(w["ttft_turns_3plus_p50_s"])
+        and wo["ttft_turns_3plus_p50_s"] / w["ttft_turns_3plus_p50_s"] >= 2,
+    }
+    out["copy_bandwidth"] = copy_bandwidth(args.model, block_size)
+    return out
+
+
+def _tok(seed: int, vocab: int = 500):
+    rng = random.Random(seed * 7919 + 1)
+    return lambda k: [rng.randrange(3, vocab) for _ in range(k)]
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "tier_compare", False):
+        out = run_tier_compare(args)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(json.dumps(out, indent=2))
+        return 0
     groups = make_workload(args.workload, args.requests, args.seed)
     out = {"workload": args.workload, "concurrency": args.concurrency, "requests": args.requests}
     if args.compare:

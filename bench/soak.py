@@ -265,6 +265,11 @@ def kv_state(metrics_text: str) -> dict:
         ("moray_kv_cache_usage_ratio", "kv_cache_usage_ratio"),
         ("moray_running_requests", "running"),
         ("moray_queue_depth", "waiting"),
+        # The host KV tier, where there is one: how full, and how much it did (no references to wait for).
+        ("moray_kv_host_tier_usage_ratio", "host_kv_usage_ratio"),
+        ("moray_kv_host_saved_blocks_total", "host_blocks_saved"),
+        ("moray_kv_host_loaded_blocks_total", "host_blocks_loaded"),
+        ("moray_kv_evicted_live_session_blocks_total", "evicted_live_session_blocks"),
     ):
         for labels, v in m.get(name, []):
             w = workers.setdefault(labels.get("worker", "?"), {"role": labels.get("role")})

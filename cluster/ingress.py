@@ -172,7 +172,7 @@ class Ingress:
         outcome = "error"
         tokens = 0
         try:
-            async for chunk in self.orchestrator.stream(req.request_id, req.prompt, req.params, req.decision, trace):
+            async for chunk in self.orchestrator.stream(req.request_id, req.prompt, req.params, req.decision, trace, req.session_id):
                 tokens = chunk.completion_tokens
                 if chunk.finished:
                     outcome = chunk.finish_reason or "stop"

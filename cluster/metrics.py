@@ -26,6 +26,26 @@ _WORKER_COUNTERS = {
         "of the prefix hit tokens, those copied back from a worker's host KV tier",
         None,
     ),
+    "host_blocks_saved": (
+        "host_saved_blocks",
+        "moray_kv_host_saved_blocks",
+        "device KV blocks a worker copied to its host tier on eviction",
+        None,
+    ),
+    "host_blocks_loaded": (
+        "host_loaded_blocks",
+        "moray_kv_host_loaded_blocks",
+        "host-tier KV blocks a worker copied back for a prefix hit",
+        None,
+    ),
+    "host_blocks_evicted": ("host_evicted_blocks", "moray_kv_host_evicted_blocks", "KV blocks a worker's host tier dropped for room", None),
+    "host_copy_seconds": ("host_copy_seconds", "moray_kv_host_copy_seconds", "host time a worker spent on its host tier's copies", None),
+    "evicted_live_session_blocks": (
+        "evicted_live_session_blocks",
+        "moray_kv_evicted_live_session_blocks",
+        "cached KV blocks (either tier) evicted while their session was live: the retention order's last resort",
+        None,
+    ),
     "prefix_cache_queries": ("prefix_query_tokens", "moray_prefix_cache_query_tokens", "prompt tokens a worker looked up", None),
     "misrouted": ("misrouted", "moray_misrouted_requests", "requests a worker received although the router chose another", None),
     "handoff_bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),
@@ -74,6 +94,9 @@ class FrontendMetrics:
         self.queue_depth = Gauge("moray_queue_depth", "requests waiting in a worker's scheduler", ["worker", "role"], registry=r)
         self.running = Gauge("moray_running_requests", "requests running in a worker", ["worker", "role"], registry=r)
         self.kv_usage = Gauge("moray_kv_cache_usage_ratio", "fraction of a worker's KV blocks in use", ["worker", "role"], registry=r)
+        self.host_kv_usage = Gauge(
+            "moray_kv_host_tier_usage_ratio", "fraction of a worker's host-tier KV blocks holding a block", ["worker", "role"], registry=r
+        )
         self.kv_bytes_per_token = Gauge(
             "moray_kv_cache_bytes_per_token", "KV bytes one token takes over all layers on a worker", ["worker", "role"], registry=r
         )
@@ -94,6 +117,7 @@ class FrontendMetrics:
         self.queue_depth.labels(w, role).set(load["num_waiting"])
         self.running.labels(w, role).set(load["num_running"])
         self.kv_usage.labels(w, role).set(load["kv_usage"])
+        self.host_kv_usage.labels(w, role).set(load.get("host_kv_usage", 0.0))
         if "kv_bytes_per_token" in load:
             self.kv_bytes_per_token.labels(w, role).set(load["kv_bytes_per_token"])
         totals = self._totals.setdefault(w, {})
@@ -115,7 +139,7 @@ class FrontendMetrics:
         self._totals.pop(worker_id, None)
         if role is None:
             return
-        for gauge in (self.queue_depth, self.running, self.kv_usage, self.kv_bytes_per_token):
+        for gauge in (self.queue_depth, self.running, self.kv_usage, self.host_kv_usage, self.kv_bytes_per_token):
             _remove(gauge, worker_id, role)
         for _, (attr, _, _, only) in _WORKER_COUNTERS.items():
             _remove(getattr(self, attr), *((worker_id,) if only else (worker_id, role)))

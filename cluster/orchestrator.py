@@ -216,8 +216,16 @@ class Orchestrator:
         return asyncio.get_running_loop().time() + budget - (time.perf_counter() - trace.start)
 
     async def stream(
-        self, request_id: str, prompt: list[int], params: SamplingParams, decision: RouteDecision, trace: RequestTrace
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        decision: RouteDecision,
+        trace: RequestTrace,
+        session_id: str | None = None,
     ) -> AsyncIterator[Chunk]:
+        """Runs the request on the decided workers and yields its chunks; `session_id` (the conversation)
+        goes to the workers, whose caches keep a live session's blocks longest."""
         deadline = self._deadline(trace)
         handoff = None  # the remote prefill's result once its first token went out
         sent_decode = 0  # chunks from the decode side that went out (they cannot be taken back)
@@ -233,7 +241,7 @@ class Orchestrator:
                     if handoff is None and decision.prefill_worker is not None:
                         stage = "prefill"
                         trace.remote_prefill = True
-                        result = await self._prefill(request_id, prompt, params, decision, deadline)
+                        result = await self._prefill(request_id, prompt, params, decision, deadline, session_id)
                         trace.first_token = time.perf_counter()
                         self._started(request_id)
                         first_logprobs = [result.first_logprobs] if result.first_logprobs else None
@@ -254,7 +262,7 @@ class Orchestrator:
                         yield last
                     stage = "decode"
                     # aclosing: a client that leaves at a yield below cancels the decode call at once.
-                    async with aclosing(self._decode(request_id, prompt, params, decision, handoff, deadline)) as decoder:
+                    async with aclosing(self._decode(request_id, prompt, params, decision, handoff, deadline, session_id)) as decoder:
                         async for chunk in decoder:
                             if trace.first_token is None:
                                 trace.first_token = time.perf_counter()
@@ -306,9 +314,9 @@ class Orchestrator:
                 # frees the KV it holds now, not at its hold timeout, whatever the decode side got to.
                 self._release_later(request_id, handoff.worker_id)
 
-    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline):
+    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline, session_id=None):
         worker = decision.prefill_worker
-        response = self.prefill.prefill.remote(request_id, prompt, params, target_replica=worker)
+        response = self.prefill.prefill.remote(request_id, prompt, params, target_replica=worker, session_id=session_id)
         try:
             return await _until(_cancellable(response), deadline, "prefill")
         except (asyncio.CancelledError, RequestTimedOut):
@@ -321,12 +329,15 @@ class Orchestrator:
                 raise _Failure(worker, "prefill", e) from e
             raise
 
-    async def _decode(self, request_id, prompt, params, decision: RouteDecision, handoff, deadline) -> AsyncIterator[Chunk]:
+    async def _decode(
+        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None
+    ) -> AsyncIterator[Chunk]:
         worker = decision.decode_worker
+        decode = self.decode.options(stream=True)
         if handoff is not None:
-            gen = self.decode.options(stream=True).generate_from_prefill.remote(request_id, prompt, params, handoff, target_replica=worker)
+            gen = decode.generate_from_prefill.remote(request_id, prompt, params, handoff, target_replica=worker, session_id=session_id)
         else:
-            gen = self.decode.options(stream=True).generate.remote(request_id, prompt, params, target_replica=worker)
+            gen = decode.generate.remote(request_id, prompt, params, target_replica=worker, session_id=session_id)
         finished = False
         try:
             while not finished:

@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "HOST:PORT (its GCS) or ray://HOST:PORT. Default: start a fresh local Ray for this command and stop it on exit; "
         "RAY_ADDRESS and running clusters are never used unless --address says so",
     )
+    p.add_argument(
+        "--host-kv-gib",
+        type=float,
+        help="a host-memory KV tier of this many GiB per worker below the device cache (overrides engine.host_kv; 0: off)",
+    )
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: this machine's); not with --address")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for the --address cluster to answer (default 30)")
     p.add_argument(
@@ -63,6 +68,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("server", {})["host"] = args.host
     if getattr(args, "mode", None):
         data["mode"] = args.mode
+    if getattr(args, "host_kv_gib", None) is not None:
+        data["engine"]["host_kv"] = {"memory_gib": args.host_kv_gib}
     # Workers may run in another directory: pin the model to an absolute path.
     data["engine"]["model"] = str(Path(data["engine"]["model"]).expanduser().resolve())
     return parse_cluster_config(data)

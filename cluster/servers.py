@@ -75,9 +75,11 @@ class _WorkerServer:
         if target_replica and target_replica != self.worker_id:
             self.worker.counters.misrouted += 1
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None):
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None, session_id: str | None = None
+    ):
         self._arrived(target_replica)
-        async for out in self.worker.generate(request_id, prompt, params):
+        async for out in self.worker.generate(request_id, prompt, params, session_id=session_id):
             yield out
 
     def __del__(self):
@@ -96,9 +98,11 @@ class PrefillServer(_WorkerServer):
     def __init__(self, cluster_config: dict):
         self._start(cluster_config, lambda cfg, engine: PrefillWorker(cfg, engine=engine))
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None) -> PrefillResult:
+    async def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None, session_id: str | None = None
+    ) -> PrefillResult:
         self._arrived(target_replica)
-        return await self.worker.prefill(request_id, prompt, params)
+        return await self.worker.prefill(request_id, prompt, params, session_id=session_id)
 
     async def kv_chunk(self, request_id: str, layer_start: int, layer_end: int, target_replica: str | None = None):
         return await self.worker.kv_chunk(request_id, layer_start, layer_end)
@@ -117,7 +121,13 @@ class DecodeServer(_WorkerServer):
         )
 
     async def generate_from_prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, handoff: PrefillResult, target_replica: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        handoff: PrefillResult,
+        target_replica: str | None = None,
+        session_id: str | None = None,
     ):
         self._arrived(target_replica)
         source = handoff.worker_id
@@ -130,5 +140,7 @@ class DecodeServer(_WorkerServer):
             # Serve cancels a cancelled request's child calls (the prefill side would keep the KV).
             return detached(lambda: self.prefill_handle.release.remote(request_id, target_replica=source))
 
-        async for out in self.worker.generate_from_prefill(request_id, prompt, params, handoff, fetch_chunk, release):
+        async for out in self.worker.generate_from_prefill(
+            request_id, prompt, params, handoff, fetch_chunk, release, session_id=session_id
+        ):
             yield out

@@ -384,6 +384,9 @@ def test_demo_config_binds_loopback_and_make_serve_host_switch(tmp_path):
     args = dict(config=ROOT / "cluster/configs/local-demo.yaml", model=tmp_path, http_port=None, grpc_port=None, mode=None)
     assert resolve_config(argparse.Namespace(**args, host=None)).server.host == "127.0.0.1"
     assert resolve_config(argparse.Namespace(**args, host="0.0.0.0")).server.host == "0.0.0.0"
+    tiered = resolve_config(argparse.Namespace(**args, host=None, host_kv_gib=2.5)).engine.host_kv
+    assert tiered.enabled and tiered.memory_gib == 2.5
+    assert not resolve_config(argparse.Namespace(**args, host=None, host_kv_gib=0)).engine.host_kv.enabled
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
 

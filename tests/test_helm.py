@@ -650,6 +650,17 @@ def test_names_fit_kuberay_limits():
     assert len(name) <= 47 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)
 
 
+def test_host_kv_tier_memory_is_added_to_the_worker_pods_request():
+    base = worker_groups(render([CHART / "examples" / "v6e-single-host.yaml"]))
+    docs = render([CHART / "examples" / "v6e-single-host.yaml"], ["--set-json=cluster.engine.host_kv.memory_gib=20.5"])
+    for pool, group in worker_groups(docs).items():
+        (c,) = group["template"]["spec"]["containers"]
+        before = base[pool]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
+        assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == f"{int(before[:-2]) + 21}Gi"
+    err = render_fails(["cluster.engine.host_kv.memory_gib=8", "workers.decode.resources.memory=64G"])
+    assert "workers.decode.resources.memory must be whole Gi" in err
+
+
 def test_colocated_mode_renders_decode_only():
     docs = render([CHART / "examples" / "v6e-single-host.yaml"], ["cluster.mode=colocated"])
     assert list(worker_groups(docs)) == ["decode"]

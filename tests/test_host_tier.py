@@ -50,7 +50,7 @@ def test_lru_keeps_the_most_recent_blocks():
 
 def test_a_prefix_evicted_from_the_device_is_reloaded_from_the_host(tiny):
     # 24 device blocks of 8 tokens: four more 72-token prompts push the first one's blocks out.
-    llm = LLM(str(tiny), num_kv_blocks=24, host_kv_blocks=64, **ARGS)
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 64}, **ARGS)
     first = prompt(1, 72)
     out = llm.generate([first], GREEDY)[0]
     for seed in range(2, 6):
@@ -70,7 +70,7 @@ def test_a_prefix_evicted_from_the_device_is_reloaded_from_the_host(tiny):
 
 
 def test_concurrent_requests_with_host_hits_equal_alone(tiny):
-    llm = LLM(str(tiny), num_kv_blocks=24, host_kv_blocks=64, **ARGS)
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 64}, **ARGS)
     prompts = [prompt(10 + i, 40) for i in range(6)]
     first = llm.generate(prompts, GREEDY)
     again = llm.generate([p + o.token_ids for p, o in zip(prompts, first)], GREEDY)
@@ -84,6 +84,38 @@ def test_concurrent_requests_with_host_hits_equal_alone(tiny):
 def test_host_tier_refused_where_it_does_not_work_yet(tiny, tmp_path):
     hybrid = make_model(tmp_path / "qwen35", "qwen3_5_moe", "tiny", seed=1)
     with pytest.raises(ValueError, match="not supported yet for hybrid"):
-        LLM(str(hybrid), host_kv_blocks=8, **ARGS)
+        LLM(str(hybrid), host_kv={"blocks": 8}, **ARGS)
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        LLM(str(tiny), host_kv_blocks=8, enable_prefix_caching=False, **ARGS)
+        LLM(str(tiny), host_kv={"blocks": 8}, enable_prefix_caching=False, **ARGS)
+
+
+def test_tier_events_tell_the_index_what_moved_to_the_host(tiny):
+    """Evicted blocks are published as stored on the host, host evictions as removed from the host: the
+    router's index then knows the worker holds the first prompt only in its host tier."""
+    from cluster.router import MemoryKVIndex, WorkerLoad
+    from workers.engine.kv_events import KVEventKind
+
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 12}, worker_id="w0", **ARGS)
+    sub = llm.engine.events.subscribe()
+    first = prompt(1, 72)
+    llm.generate([first], GREEDY)
+    for seed in range(2, 6):
+        llm.generate([prompt(seed, 72)], GREEDY)
+    llm.generate([prompt(9, 8)], GREEDY)  # one more step: the last evictions reach the tier
+    events = sub.drain()
+    host = [e for e in events if e.tier == "host"]
+    assert {e.kind for e in host} == {KVEventKind.STORED, KVEventKind.REMOVED}  # 12 slots overflowed
+    assert sum(e.kind == KVEventKind.STORED for e in host) == llm.engine.kv.host.stats.blocks_saved
+    assert sum(e.kind == KVEventKind.REMOVED for e in host) == llm.engine.kv.host.stats.blocks_evicted
+    index = MemoryKVIndex(heartbeat_ttl_s=60)
+    index.heartbeat(WorkerLoad("w0", "both"))
+    index.apply(events)
+    tier = llm.engine.kv.host
+    held = [h for h in tier.slot_of]  # exactly what the host holds now
+    assert held and all(h not in llm.engine.kv.pool.cached for h in held)
+    for h in held:
+        match = index.lookup([h]).matches["w0"]
+        assert match.blocks == 1 and match.offloaded == 1, "a host-only block counts as offloaded"
+    llm.engine.kv.clear_prefix_cache()
+    index.apply(sub.drain())
+    assert index.lookup(held).matches == {}

@@ -142,3 +142,38 @@ def test_worker_counts_a_handoff_whose_release_outlives_the_request(model_dir):
             decode.engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_workers_pass_the_session_hint_to_both_engines(model_dir):
+    """The session hint reaches the engine on both sides of a handoff (and locally), so the blocks a live
+    conversation cached are kept in its retention class (workers/engine/retention.py)."""
+    import asyncio
+
+    from workers.worker import DecodeWorker, PrefillWorker
+
+    def config(worker):
+        return EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)
+
+    def sessions_of_cached_blocks(worker) -> set:
+        pool = worker.engine.core.kv.pool
+        return {pool._free_cached.session_of(b) for b in pool.cached.values()}
+
+    async def scenario():
+        prefill, decode = PrefillWorker(config("p0")), DecodeWorker(config("d0"))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            prompt = prompts(1, seed=26, lo=40, hi=41)[0]
+            result = await prefill.prefill("r", prompt, params, session_id="conv-1")
+            fetch = lambda a, b: prefill.kv_chunk("r", a, b)  # noqa: E731
+            release = lambda: prefill.release("r")  # noqa: E731
+            outs = [o async for o in decode.generate_from_prefill("r", prompt, params, result, fetch, release, session_id="conv-1")]
+            assert outs[-1].finished
+            local = [o async for o in decode.generate("q", prompts(1, seed=27, lo=40, hi=41)[0], params, session_id="conv-2")]
+            assert local[-1].finished
+            assert sessions_of_cached_blocks(prefill) == {"conv-1"}
+            assert sessions_of_cached_blocks(decode) == {"conv-1", "conv-2"}
+        finally:
+            prefill.engine.shutdown()
+            decode.engine.shutdown()
+
+    asyncio.run(scenario())

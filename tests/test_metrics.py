@@ -155,7 +155,7 @@ class ScriptedOrchestrator:
     async def route(self, request_id, prompt, session_id):
         return None
 
-    async def stream(self, request_id, prompt, params, decision, trace):
+    async def stream(self, request_id, prompt, params, decision, trace, session_id=None):
         for item in self.script:
             if isinstance(item, BaseException):
                 raise item

@@ -790,3 +790,45 @@ def test_tls_with_a_private_ca(tmp_path):
             plain.check()
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- a real engine's host KV tier
+
+
+def test_host_tier_events_reach_redis_replicas_started_later_see_both_tiers_and_a_dead_worker_leaves_both(server, client, tmp_path):
+    """A real engine with a host KV tier behind a real sink: blocks it moved to the host are offloaded
+    entries in Redis; a Redis replica and a mirror created afterwards see both tiers; once the worker's
+    heartbeat stops, housekeeping removes its entries of both tiers (and its reverse sets)."""
+    from test_host_tier import ARGS, GREEDY, prompt
+
+    from workers.engine import LLM
+    from workers.models.make_model import make_model
+
+    model = make_model(tmp_path / "tiny", "qwen3_moe", "tiny", seed=5)
+    llm = LLM(str(model), num_kv_blocks=24, host_kv={"blocks": 12}, worker_id="w0", **ARGS)
+    s = sink(server, "w0", heartbeat_ttl_s=1.0).attach(llm.engine.events)
+    s.set_load(WorkerLoad("w0", "decode", ts=time.time()))
+    for seed in range(1, 6):
+        llm.generate([prompt(seed, 72)], GREEDY, session_id=f"chat-{seed}")
+    llm.generate([prompt(9, 8)], GREEDY)  # one more step: the last evictions reach the tier
+    assert s.flush(5)
+    kv = llm.engine.kv
+    host_only = [h for h in kv.host.slot_of if h not in kv.pool.cached]
+    on_device = list(kv.pool.cached)
+    assert host_only and on_device and kv.host.stats.blocks_evicted > 0
+    late = redis_index(server, heartbeat_ttl_s=1.0)
+    copy = MirroredKVIndex(redis_index(server, heartbeat_ttl_s=1.0)).start()
+    try:
+        for index in (late, copy):
+            for h in host_only:
+                assert index.lookup([h]).matches["w0"] == PrefixMatch(1, 1), "held on the host only"
+            for h in on_device:
+                assert index.lookup([h]).matches["w0"] == PrefixMatch(1, 0)
+        s.close()  # the worker dies: no heartbeat from now on
+        wait_for(lambda: "w0" in late.remove_dead_workers(), timeout=5)
+        everything = host_only + on_device
+        assert all(late.lookup([h]).matches == {} for h in everything)
+        assert not list(client.scan_iter(match=f"wblocks:{{{MODEL}}}:w0:*", count=1000))
+        assert not any(client.hexists(f"kv:{{{MODEL}}}:{h}", "w0") for h in everything)
+    finally:
+        copy.close()

@@ -344,7 +344,7 @@ class FakeOrchestrator:
     async def route(self, request_id, prompt, session_id):
         return SimpleNamespace(prefill_worker=None, decode_worker="d")
 
-    async def stream(self, request_id, prompt, params, decision, trace):
+    async def stream(self, request_id, prompt, params, decision, trace, session_id=None):
         self.ids.append(request_id)
         if self.error is not None:
             raise self.error
@@ -456,7 +456,7 @@ class FakeCore:
         self.requests: dict[str, int] = {}
         self.to_finish: list[str] = []
 
-    def add_request(self, request_id, prompt, params, hold_kv=False, kv_import=None):
+    def add_request(self, request_id, prompt, params, hold_kv=False, kv_import=None, session_id=None):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.requests[request_id] = 0

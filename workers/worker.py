@@ -95,6 +95,12 @@ class EngineWorker:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             "prefix_cache_host_hits": s.host_hit_tokens,
+            "host_kv_usage": s.host_blocks_used / s.host_blocks_total if s.host_blocks_total else 0.0,
+            "host_blocks_saved": s.host_blocks_saved,
+            "host_blocks_loaded": s.host_blocks_loaded,
+            "host_blocks_evicted": s.host_blocks_evicted,
+            "host_copy_seconds": s.host_copy_seconds,
+            "evicted_live_session_blocks": s.evicted_live_session_blocks,
             "num_held": s.num_held,
             "num_importing": s.num_importing,
             "num_requests": len(self.engine.core.scheduler.requests),
@@ -132,9 +138,11 @@ class EngineWorker:
         finally:
             await stream.aclose()  # before the end: aborts the request and frees its blocks
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Prefill and decode locally (colocated mode, or a short uncached prompt)."""
-        async for out in self._outputs(request_id, prompt, params):
+        async for out in self._outputs(request_id, prompt, params, session_id=session_id):
             yield out
 
 
@@ -148,11 +156,11 @@ class PrefillWorker(EngineWorker):
         # the KV as soon as the prefill ends instead of holding it for nobody. request -> when (monotonic)
         self._unwanted: dict[str, float] = {}
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> PrefillResult:
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None = None) -> PrefillResult:
         start = time.perf_counter()
         first_only = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1), "stop": ()})
         out = None
-        async for out in self._outputs(request_id, prompt, first_only, hold_kv=True):  # noqa: B007 - the last one
+        async for out in self._outputs(request_id, prompt, first_only, hold_kv=True, session_id=session_id):  # noqa: B007 - the last one
             pass
         token = out.token_ids[0]
         eos = self.engine.core.eos_token_ids
@@ -215,11 +223,12 @@ class DecodeWorker(EngineWorker):
         handoff: PrefillResult,
         fetch_chunk: FetchChunk,
         release: Callable[[], Awaitable[object]] | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Continues a request prefilled elsewhere: imports its KV chunk by chunk, then decodes."""
         kv_import = KVImport(handoff.first_token, handoff.num_cached_tokens, handoff.first_logprobs)
         try:
-            stream = await self._add(request_id, prompt, params, kv_import=kv_import)
+            stream = await self._add(request_id, prompt, params, kv_import=kv_import, session_id=session_id)
         except BaseException:
             # Refused or cancelled before the import began: nobody else will free the prefill side's KV.
             await asyncio.shield(_release_quietly(release))

@@ -102,6 +102,7 @@ class AsyncEngine:
         params: SamplingParams,
         hold_kv: bool = False,
         kv_import: KVImport | None = None,
+        session_id: str | None = None,
     ) -> "RequestStream":
         """Adds a request (ValueError at once for invalid input) and returns its output stream.
 
@@ -112,7 +113,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         try:
-            await self.call(lambda c: c.add_request(request_id, prompt_token_ids, params, hold_kv, kv_import))
+            await self.call(lambda c: c.add_request(request_id, prompt_token_ids, params, hold_kv, kv_import, session_id=session_id))
         except BaseException:
             self._drop_stream(request_id, q)
             raise

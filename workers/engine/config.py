@@ -84,6 +84,62 @@ class ParallelConfig(BaseModel):
         return not self.mesh and not any(s and s > 1 for s in (self.dp, self.tp, self.ep))
 
 
+class HostKVConfig(BaseModel):
+    """A host-memory tier below the device KV cache (workers/engine/host_tier.py): evicted cached blocks
+    are kept there and copied back on a prefix hit. Off unless sized; attention-only single-rank engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=False, description="keep evicted prefix-cache blocks in host memory")
+    blocks: int | None = Field(default=None, ge=0, description="size in KV blocks (wins over memory_gib); 0: off")
+    memory_gib: float | None = Field(default=None, ge=0, description="size in GiB of host memory; 0: off")
+    memory_fraction: float = Field(
+        default=0.2, gt=0, le=0.9, description="size when neither blocks nor memory_gib is set: this share of the host's available memory"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sized_means_enabled(cls, data):
+        """Giving a size turns the tier on (a size of 0 turns it off), so `host_kv: {memory_gib: 8}` is enough."""
+        if isinstance(data, dict) and "enabled" not in data:
+            size = data.get("blocks", data.get("memory_gib"))
+            if size is not None:
+                data = {**data, "enabled": size > 0}
+        return data
+
+    def num_blocks(self, block_nbytes: int, available_bytes: int | None = None) -> int:
+        """How many blocks of `block_nbytes` the tier holds (0: off)."""
+        if not self.enabled:
+            return 0
+        if self.blocks is not None:
+            return self.blocks
+        if self.memory_gib is not None:
+            return int(self.memory_gib * (1 << 30)) // block_nbytes
+        available = available_bytes if available_bytes is not None else available_host_memory()
+        return int(self.memory_fraction * available) // block_nbytes
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to new allocations (MemAvailable; the cgroup limit if lower)."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = open(path).read().strip()
+            usage_path = path.replace("memory.max", "memory.current").replace("limit_in_bytes", "usage_in_bytes")
+            if limit.isdigit():
+                available = min(available, int(limit) - int(open(usage_path).read().strip()))
+        except (OSError, ValueError):
+            continue
+    return max(0, available)
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -99,9 +155,13 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(default=None, ge=2, description="overrides kv_cache_memory_bytes")
     kv_cache_memory_bytes: int = Field(default=256 << 20, gt=0)
     enable_prefix_caching: bool = True
-    # A host-memory tier below the device cache (workers/engine/host_tier.py): evicted cached blocks are
-    # kept there and copied back on a prefix hit. 0: off. Attention-only, single-rank engines so far.
-    host_kv_blocks: int = Field(default=0, ge=0, description="KV blocks kept in host memory below the device cache; 0: none")
+    host_kv: HostKVConfig = Field(default_factory=lambda: HostKVConfig())
+    session_idle_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="a session with no turn for this long has ended: its cached blocks (device and host tier) are "
+        "evicted like sessionless ones; until then after them (workers/engine/retention.py)",
+    )
     # Hybrid (linear-attention) models: per-sequence state slots, float32, outside kv_cache_memory_bytes.
     state_snapshots: int | None = Field(
         default=None, ge=0, description="most state snapshots kept for prefix caching (LRU); default 2 x max_num_seqs"
@@ -125,8 +185,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        if self.host_kv_blocks and not self.enable_prefix_caching:
-            raise ValueError("host_kv_blocks needs enable_prefix_caching: the host tier keeps evicted prefix-cache blocks")
+        if self.host_kv.enabled and not self.enable_prefix_caching:
+            raise ValueError("host_kv needs enable_prefix_caching: the host tier keeps evicted prefix-cache blocks")
         for name in ("token_buckets", "page_buckets"):
             buckets = getattr(self, name)
             if buckets is not None and (not buckets or sorted(set(buckets)) != buckets or buckets[0] < 1):

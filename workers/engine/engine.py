@@ -26,6 +26,7 @@ from .host_tier import HostKVTier
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
 from .request import Request, RequestStatus
+from .retention import SessionAwareLRU
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_logprobs, sample
 from .sampling_params import SamplingParams
@@ -78,6 +79,13 @@ class EngineStats:
     host_hit_tokens: int = 0  # of prefix_cache_hits, tokens copied back from the host tier
     host_blocks_used: int = 0
     host_blocks_total: int = 0
+    host_blocks_saved: int = 0  # device blocks copied to the host tier on eviction (running total)
+    host_blocks_loaded: int = 0  # host blocks copied back for a prefix hit (running total)
+    host_blocks_evicted: int = 0  # host blocks dropped for room (running total)
+    host_copy_seconds: float = 0.0  # host time spent on the tier's copies (running total)
+    # Cached blocks evicted (device and host tier) while the session that last used them was live: the
+    # retention order's last resort (retention.py); growing fast means the tiers are too small.
+    evicted_live_session_blocks: int = 0
 
 
 @dataclass
@@ -153,16 +161,24 @@ class EngineCore:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         else:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
-            host = self._host_tier(config)
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.model_name, self.events, host)
-        if config.host_kv_blocks and not isinstance(getattr(self.kv, "host", None), HostKVTier):
-            raise ValueError("host_kv_blocks: the host KV tier is not supported yet for hybrid models or data-parallel attention")
+            self.kv = KVCacheManager(
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                config.model_name,
+                self.events,
+                self._host_tier(config),
+                config.session_idle_s,
+            )
+        if config.host_kv.enabled and not isinstance(getattr(self.kv, "host", None), HostKVTier):
+            raise ValueError("host_kv: the host KV tier is not supported yet for hybrid models or data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._states: dict[str, _RequestState] = {}
         self._finished_outside_step: list[RequestOutput] = []
         self._step_counter = 0
         self._rng = np.random.default_rng(config.seed)
         self.prefix_queries = self.prefix_hits = 0
+        self.host_copy_seconds = 0.0  # host time spent on the host tier's copies (dispatch and fetch)
         if config.warmup:
             self.warmup(show_progress)
 
@@ -190,15 +206,17 @@ class EngineCore:
         params: SamplingParams | None = None,
         hold_kv: bool = False,
         kv_import: KVImport | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Queues a request. `hold_kv` keeps its blocks after it finishes, for `export_kv`;
-        `kv_import` makes it wait for its prompt's KV via `import_kv` instead of prefilling."""
+        `kv_import` makes it wait for its prompt's KV via `import_kv` instead of prefilling;
+        `session_id` (the conversation it continues) keeps its cached blocks longest while the session is live."""
         params = params or SamplingParams()
         if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         self.validate(prompt, params)
-        request = Request(request_id, prompt, params, hold_kv=hold_kv)
+        request = Request(request_id, prompt, params, hold_kv=hold_kv, session_id=session_id)
         state = self._states[request_id] = _RequestState(
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             [] if params.logprobs is not None else None,
@@ -332,39 +350,65 @@ class EngineCore:
         host = getattr(self.kv, "host", None)
         if host is None:
             return {}
-        return {"host_hit_tokens": self.kv.host_hit_tokens, "host_blocks_used": host.num_used, "host_blocks_total": host.num_blocks}
+        return {
+            "host_hit_tokens": self.kv.host_hit_tokens,
+            "host_blocks_used": host.num_used,
+            "host_blocks_total": host.num_blocks,
+            "host_blocks_saved": host.stats.blocks_saved,
+            "host_blocks_loaded": host.stats.blocks_loaded,
+            "host_blocks_evicted": host.stats.blocks_evicted,
+            "host_copy_seconds": self.host_copy_seconds,
+            "evicted_live_session_blocks": self.kv.pool.evicted_live_session + host.order.evicted_live_session,
+        }
 
     def _host_tier(self, config: EngineConfig) -> HostKVTier | None:
-        if not config.host_kv_blocks:
-            return None
         shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_page_dims)
-        return HostKVTier(config.host_kv_blocks, shape, np.dtype(self.runner.kv_pages[0].dtype))
+        dtype = np.dtype(self.runner.kv_pages[0].dtype)
+        num_blocks = config.host_kv.num_blocks(int(np.prod(shape)) * dtype.itemsize)
+        if not num_blocks:
+            return None
+        log.info("host KV tier: %d blocks (%.2f GiB)", num_blocks, num_blocks * np.prod(shape) * dtype.itemsize / (1 << 30))
+        return HostKVTier(num_blocks, shape, dtype, self.events, SessionAwareLRU(config.session_idle_s))
 
-    def _move_host_blocks(self) -> None:
-        """The host tier's copies for this step, in order: evicted blocks out (before their new owners
-        write them), then reused host blocks in (before the step reads them)."""
+    def _finish_host_saves(self) -> None:
+        """Stores the evicted blocks whose copies the previous step dispatched (done by now: that step's
+        results were read after them), so this step's lookups find them."""
         if getattr(self.kv, "host", None) is None:
             return
+        start = time.perf_counter()
+        for part, data in self.kv.take_inflight_saves():
+            data = np.asarray(data)  # [layers, padded n, ...]
+            for j, (_, h, parent, session) in enumerate(part):
+                self.kv.host.put(h, parent, data[:, j], session)
+        self.host_copy_seconds += time.perf_counter() - start
+
+    def _dispatch_host_copies(self) -> None:
+        """The host tier's copies for this step, in dispatch order: evicted blocks out (read before their new
+        owners write them; fetched by the next step's `_finish_host_saves`), then reused host blocks in
+        (written before the step reads them)."""
+        if getattr(self.kv, "host", None) is None:
+            return
+        start = time.perf_counter()
         saves = self.kv.take_pending_saves()
         layers = self.cfg.num_kv_layers
         chunk = self.runner.page_buckets[-1]
         for i in range(0, len(saves), chunk):
             part = saves[i : i + chunk]
-            data = self.runner.gather_blocks([b for b, _, _ in part], 0, layers)  # [layers, n, ...]
-            for j, (_, h, parent) in enumerate(part):
-                self.kv.host.put(h, parent, data[:, j])
+            self.kv.inflight_saves.append((part, self.runner.gather_blocks_async([b for b, *_ in part], 0, layers)))
         for block_ids, data in self.kv.take_pending_loads():
             for i in range(0, len(block_ids), chunk):
                 self.runner.scatter_blocks(block_ids[i : i + chunk], 0, np.moveaxis(data[i : i + chunk], 0, 1))
+        self.host_copy_seconds += time.perf_counter() - start
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
         outputs, self._finished_outside_step = self._finished_outside_step, []
+        self._finish_host_saves()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        self._move_host_blocks()
+        self._dispatch_host_copies()
         self.runner.copy_blocks(sched.block_copies)
         logits = self.runner.run(self.runner.prepare(sched))
         sampling_rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]

@@ -1,4 +1,4 @@
-"""A host-memory tier below the device KV cache (issue #15, first part: attention-only engines).
+"""A host-memory tier below the device KV cache (issue #15; attention-only, single-rank engines).
 
 A cached device block chosen for eviction is copied here instead of being dropped; a request whose
 prefix continues past the device cache finds the following blocks here and gets them copied back into
@@ -6,17 +6,22 @@ fresh device blocks before its first step, instead of recomputing them. Blocks a
 hash (`block_hash`), so a block is reusable exactly when the device cache would have reused it.
 
 Storage is one numpy array [num_blocks, layers, block_size, *kv_page_dims] in the model's dtype,
-allocated up front; eviction is least recently used. The copies go through the runner's gather/scatter
-(the same programs as the KV handoff) at the start of the step that needs them: a save reads the device
-block before its new owner writes it, a load writes before the step reads it (dispatch order).
+allocated up front (untouched pages cost no RSS). Eviction follows the same session-aware order as the
+device cache (`retention.py`): sessionless and ended conversations first, then live sessions.
+Every block kept or dropped here is published as a KV event with `tier="host"`, so the router's index
+knows which worker holds which prefix in which tier; a CLEARED event covers both tiers.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from .kv_events import KVEventKind, KVEventPublisher
+from .retention import SessionAwareLRU
+
+HOST_TIER = "host"
 
 
 @dataclass
@@ -27,15 +32,24 @@ class HostTierStats:
 
 
 class HostKVTier:
-    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_shape: tuple[int, ...],
+        dtype,
+        events: KVEventPublisher | None = None,
+        retention: SessionAwareLRU | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError("a host KV tier needs at least one block")
         self.num_blocks = num_blocks
+        self.block_size = block_shape[1]
         self.data = np.zeros((num_blocks, *block_shape), dtype)
+        self.events = events
         self.slot_of: dict[int, int] = {}  # block hash -> slot
         self.hash_of: list[int | None] = [None] * num_blocks
         self.parent_of: list[int | None] = [None] * num_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()  # slots holding a block; first is evicted first
+        self.order = retention if retention is not None else SessionAwareLRU()  # every occupied slot, in eviction order
         self._free = list(range(num_blocks - 1, -1, -1))
         self.stats = HostTierStats()
 
@@ -43,17 +57,23 @@ class HostKVTier:
     def num_used(self) -> int:
         return len(self.slot_of)
 
+    @property
+    def block_nbytes(self) -> int:
+        return self.data[0].nbytes
+
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.slot_of
 
-    def lookup(self, hashes: list[int]) -> list[int]:
-        """Slots of the longest run of `hashes` held here (from the first); each found one is touched."""
+    def lookup(self, hashes: list[int], session: str | None = None) -> list[int]:
+        """Slots of the longest run of `hashes` held here (from the first); each found one is touched
+        (most recently used, now belonging to `session`)."""
+        self.order.touch(session)
         slots = []
         for h in hashes:
             s = self.slot_of.get(h)
             if s is None:
                 break
-            self._lru.move_to_end(s)
+            self.order.add(s, session)
             slots.append(s)
         return slots
 
@@ -61,27 +81,39 @@ class HostKVTier:
         """A copy of those blocks [n, layers, ...]: later saves may reuse the slots before it is loaded."""
         return self.data[slots].copy()
 
-    def put(self, block_hash: int, parent: int | None, block: np.ndarray) -> None:
+    def put(self, block_hash: int, parent: int | None, block: np.ndarray, session: str | None = None) -> None:
         """Keeps one block (a copy of its device pages [layers, ...]); the same hash twice keeps the first."""
-        if block_hash in self.slot_of:
-            self._lru.move_to_end(self.slot_of[block_hash])
+        self.order.touch(session)
+        s = self.slot_of.get(block_hash)
+        if s is not None:
+            self.order.add(s, session)
             return
         if not self._free:
-            victim, _ = self._lru.popitem(last=False)
-            del self.slot_of[self.hash_of[victim]]
-            self.hash_of[victim] = self.parent_of[victim] = None
-            self._free.append(victim)
-            self.stats.blocks_evicted += 1
+            self._drop(self.order.pop()[0])
         s = self._free.pop()
         self.data[s] = block
         self.slot_of[block_hash] = s
         self.hash_of[s], self.parent_of[s] = block_hash, parent
-        self._lru[s] = None
+        self.order.add(s, session)
         self.stats.blocks_saved += 1
+        self._emit(KVEventKind.STORED, block_hash, parent)
+
+    def _drop(self, slot: int) -> None:
+        h, parent = self.hash_of[slot], self.parent_of[slot]
+        del self.slot_of[h]
+        self.hash_of[slot] = self.parent_of[slot] = None
+        self._free.append(slot)
+        self.stats.blocks_evicted += 1
+        self._emit(KVEventKind.REMOVED, h, parent)
+
+    def _emit(self, kind: KVEventKind, block_hash: int, parent: int | None) -> None:
+        if self.events is not None:
+            self.events.emit(kind, block_hash, parent, self.block_size, tier=HOST_TIER)
 
     def clear(self) -> None:
+        """Forgets every block without events (the caller publishes one CLEARED for all tiers)."""
         self.slot_of.clear()
-        self._lru.clear()
+        self.order.clear()
         self.hash_of = [None] * self.num_blocks
         self.parent_of = [None] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))

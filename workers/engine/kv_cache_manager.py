@@ -10,7 +10,7 @@ a prompt that is entirely cached, is resolved by copying its last block (copy-on
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +18,7 @@ from .block_hash import ROOT_PARENT, block_hashes
 from .host_tier import HostKVTier
 from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
+from .retention import SessionAwareLRU
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class BlockCopy:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, events: KVEventPublisher | None = None):
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventPublisher | None = None, retention: SessionAwareLRU | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -38,14 +39,22 @@ class BlockPool:
         self.parent_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
         self._free_uncached: deque[int] = deque(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: first is evicted first
-        # Told (block, hash, parent) of every cached block evicted, while its pages still hold it: the
-        # hybrid cache drops the snapshot ending there, the host tier saves it before its new owner writes.
-        self.on_evict: Callable[[int, int, int | None], None] | None = None
+        # Idle cached blocks in eviction order (sessionless/ended first, then live sessions; see retention.py).
+        self._free_cached = retention if retention is not None else SessionAwareLRU()
+        # Told (block, hash, parent, session) of every cached block evicted, while its pages still hold it:
+        # the hybrid cache drops the snapshot ending there, the host tier saves it before its new owner writes.
+        self.on_evict: Callable[[int, int, int | None, str | None], None] | None = None
 
     @property
     def num_free(self) -> int:
         return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def evicted_live_session(self) -> int:
+        return self._free_cached.evicted_live_session
+
+    def touch_session(self, session: str | None) -> None:
+        self._free_cached.touch(session)
 
     def _emit(self, kind, block_hash=None, parent=None, num_tokens=0):
         if self.events is not None:
@@ -67,7 +76,7 @@ class BlockPool:
         """Adds a reference to cached blocks (a prefix hit), pulling them off the free list if idle."""
         for b in block_ids:
             if self.ref_cnt[b] == 0:
-                del self._free_cached[b]
+                self._free_cached.discard(b)
             self.ref_cnt[b] += 1
 
     def allocate(self, n: int) -> list[int]:
@@ -78,24 +87,26 @@ class BlockPool:
             if self._free_uncached:
                 b = self._free_uncached.popleft()
             else:
-                b, _ = self._free_cached.popitem(last=False)
-                self._evict(b)
+                b, session = self._free_cached.pop()
+                self._evict(b, session)
             self.ref_cnt[b] = 1
             out.append(b)
         return out
 
-    def _evict(self, b: int) -> None:
+    def _evict(self, b: int, session: str | None) -> None:
         h = self.hash_of[b]
         if h is not None and self.cached.get(h) == b:
             del self.cached[h]
             self._emit(KVEventKind.REMOVED, h, self.parent_of[b], self.block_size)
             if self.on_evict is not None:
-                self.on_evict(b, h, self.parent_of[b])
+                self.on_evict(b, h, self.parent_of[b], session)
         self.hash_of[b] = self.parent_of[b] = None
 
-    def release(self, block_ids: list[int]) -> None:
+    def release(self, block_ids: list[int], session: str | None = None) -> None:
         """Drops one reference from each block; the tail of a sequence is released first so that
-        shared prefixes outlive the blocks that only this request used."""
+        shared prefixes outlive the blocks that only this request used. `session`: the releasing
+        request's session hint, which decides the block's eviction class."""
+        self._free_cached.touch(session)
         for b in reversed(block_ids):
             self.ref_cnt[b] -= 1
             assert self.ref_cnt[b] >= 0, f"block {b} released twice"
@@ -103,7 +114,7 @@ class BlockPool:
                 if self.hash_of[b] is None:
                     self._free_uncached.append(b)
                 else:
-                    self._free_cached[b] = None
+                    self._free_cached.add(b, session)
 
     def cache_block(self, b: int, block_hash: int, parent: int) -> None:
         if block_hash in self.cached or self.hash_of[b] is not None:
@@ -132,21 +143,23 @@ class KVCacheManager:
         extra_keys: str = "",
         events: KVEventPublisher | None = None,
         host: HostKVTier | None = None,
+        session_idle_s: float = 600.0,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = extra_keys
-        self.pool = BlockPool(num_blocks, block_size, events)
+        self.pool = BlockPool(num_blocks, block_size, events, SessionAwareLRU(session_idle_s))
         self._num_cached_blocks: dict[str, int] = {}
-        # The host tier: evicted cached blocks wait in `pending_saves` (block, hash, parent) and host blocks
-        # a request reuses in `pending_loads` (device block, host pages) until the engine copies them at
-        # the start of the step.
+        # The host tier: evicted cached blocks wait in `pending_saves` (block, hash, parent, session) and host
+        # blocks a request reuses in `pending_loads` (device blocks, host pages) until the engine copies
+        # them at the start of the step.
         self.host = host
-        self.pending_saves: list[tuple[int, int, int | None]] = []
-        self.pending_loads: list[tuple[int, object]] = []
+        self.pending_saves: list[tuple[int, int, int | None, str | None]] = []
+        self.pending_loads: list[tuple[list[int], object]] = []
+        self.inflight_saves: list[tuple[list, object]] = []  # (saves, device copy) dispatched, not yet stored
         self.host_hit_tokens = 0
         if self.host is not None:
-            self.pool.on_evict = lambda b, h, parent: self.pending_saves.append((b, h, parent))
+            self.pool.on_evict = lambda b, h, parent, session: self.pending_saves.append((b, h, parent, session))
 
     @property
     def num_free_blocks(self) -> int:
@@ -171,6 +184,7 @@ class KVCacheManager:
         """Blocks of the longest cached prefix of the request's tokens (none without prefix caching)."""
         if not self.enable_prefix_caching:
             return []
+        self.pool.touch_session(request.session_id)
         self.update_hashes(request)
         return self.pool.longest_cached_prefix(request.block_hashes)
 
@@ -178,7 +192,7 @@ class KVCacheManager:
         """Host-tier slots of the blocks that continue the request's device-cached prefix."""
         if self.host is None:
             return []
-        return self.host.lookup(request.block_hashes[num_device_blocks:])
+        return self.host.lookup(request.block_hashes[num_device_blocks:], request.session_id)
 
     def allocate(
         self, request: Request, num_new_tokens: int, prefix_blocks: list[int] = (), host_slots: list[int] = ()
@@ -217,8 +231,12 @@ class KVCacheManager:
             self.host_hit_tokens += len(host_slots) * self.block_size
         return copies
 
-    def take_pending_saves(self) -> list[tuple[int, int, int | None]]:
+    def take_pending_saves(self) -> list[tuple[int, int, int | None, str | None]]:
         saves, self.pending_saves = self.pending_saves, []
+        return saves
+
+    def take_inflight_saves(self) -> list[tuple[list, object]]:
+        saves, self.inflight_saves = self.inflight_saves, []
         return saves
 
     def take_pending_loads(self) -> list[tuple[list[int], object]]:
@@ -247,12 +265,12 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = max(done, full)
 
     def free(self, request: Request) -> None:
-        self.pool.release(request.block_ids)
+        self.pool.release(request.block_ids, request.session_id)
         request.block_ids = []
         self._num_cached_blocks.pop(request.request_id, None)
 
     def clear_prefix_cache(self) -> None:
         self.pool.clear_cache()
-        self.pending_saves = []
+        self.pending_saves, self.inflight_saves = [], []
         if self.host is not None:
             self.host.clear()

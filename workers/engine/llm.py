@@ -32,8 +32,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion (continuous batching); outputs in prompt order."""
+        """Runs every prompt to completion (continuous batching); outputs in prompt order. `session_id`: the
+        conversation these prompts continue (its cached blocks are evicted last while it is live)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -45,7 +47,7 @@ class LLM:
         for token_ids, params in zip(token_lists, sampling_params):
             self.engine.validate(token_ids, params)
         for rid, token_ids, params in zip(ids, token_lists, sampling_params):
-            self.engine.add_request(rid, token_ids, params)
+            self.engine.add_request(rid, token_ids, params, session_id=session_id)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.engine.step():

@@ -43,7 +43,9 @@ class Request:
     # Decode side of a handoff: layers of the prompt's KV still to import (None when not importing).
     pending_kv_layers: set[int] | None = None
     kv_import_from_block: int = 0
-    # Per-request generator position for seeded sampling: how many tokens were sampled.
+    # The conversation this request continues (the router's session hint): its cached blocks are
+    # evicted after sessionless ones while the session is live (retention.py).
+    session_id: str | None = None
     first_token_time: float | None = None
 
     @property

@@ -232,9 +232,13 @@ class ModelRunner:
 
     def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> np.ndarray:
         """KV of `block_ids` for layers [start, end) on the host: [layers, blocks, page, 2*Hkv, D]."""
-        ids = self._padded_ids(block_ids, 0)
-        out = _gather_jit(self.kv_pages[layer_start:layer_end], ids)
-        return np.asarray(out)[:, : len(block_ids)]
+        return np.asarray(self.gather_blocks_async(block_ids, layer_start, layer_end))[:, : len(block_ids)]
+
+    def gather_blocks_async(self, block_ids: list[int], layer_start: int, layer_end: int) -> jax.Array:
+        """Dispatches the copy of `block_ids` into a fresh device array (padded to a page bucket) and returns
+        at once: the copy reads the pages before any later step writes them (dispatch order), and the
+        host fetches the array when it needs it."""
+        return _gather_jit(self.kv_pages[layer_start:layer_end], self._padded_ids(block_ids, 0))
 
     def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray) -> None:
         """Writes host KV [layers, blocks, ...] into `block_ids` for layers starting at `layer_start`."""

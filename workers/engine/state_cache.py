@@ -254,7 +254,7 @@ class HybridCacheManager:
         self.slots.give_back(slot)
         self._emit(KVEventKind.REMOVED, h)
 
-    def _attention_block_evicted(self, block: int, h: int, parent: int | None) -> None:
+    def _attention_block_evicted(self, block: int, h: int, parent: int | None, session: str | None) -> None:
         """The KV of the block ending at a snapshot is gone: that prefix is no longer reusable."""
         if h in self.slots.snapshots:
             self._evict_snapshot(h)
