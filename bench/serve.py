@@ -320,7 +320,8 @@ def start_tier_pair(model: str, device_blocks: int, host_blocks: int, block_size
     tiered = {**base, "engine": {**engine, "host_kv": {"blocks": host_blocks}}}
     serve.run(build_app({**base, "name": "notier"}), name="notier", route_prefix="/notier", blocking=False)
     serve.run(build_app({**tiered, "name": "tier"}), name="tier", route_prefix="/tier", blocking=False)
-    wait_until_healthy(parse_cluster_config(base))
+    for prefix in ("/notier", "/tier"):
+        wait_until_healthy(parse_cluster_config(base), route_prefix=prefix)
     url = f"http://127.0.0.1:{port}"
     return url + "/notier", url + "/tier"
 
@@ -357,7 +358,16 @@ def copy_bandwidth(model: str, block_size: int = 16, blocks: int = 64, repeats: 
 
     from workers.engine import LLM
 
-    llm = LLM(model, block_size=block_size, num_kv_blocks=blocks + 1, page_buckets=[blocks], token_buckets=[8], warmup=False)
+    llm = LLM(
+        model,
+        block_size=block_size,
+        num_kv_blocks=blocks + 1,
+        max_model_len=blocks * block_size,
+        max_num_batched_tokens=8,
+        page_buckets=[blocks],
+        token_buckets=[8],
+        warmup=False,
+    )
     runner, layers = llm.engine.runner, llm.engine.cfg.num_kv_layers
     ids = list(range(blocks))
     data = runner.gather_blocks(ids, 0, layers)

@@ -40,10 +40,10 @@ def start_serve(cfg: ClusterConfig, detached: bool) -> None:
     )
 
 
-def wait_until_healthy(cfg: ClusterConfig, timeout_s: float = 1800.0, quiet: bool = False) -> None:
-    """Polls /health until the workers have registered; model load and compile can take minutes."""
+def wait_until_healthy(cfg: ClusterConfig, timeout_s: float = 1800.0, quiet: bool = False, route_prefix: str = "") -> None:
+    """Polls /health (under `route_prefix`) until the workers have registered; model load and compile can take minutes."""
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
-    url = f"http://{host}:{cfg.server.http_port}/health"
+    url = f"http://{host}:{cfg.server.http_port}{route_prefix}/health"
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
@@ -52,7 +52,10 @@ def wait_until_healthy(cfg: ClusterConfig, timeout_s: float = 1800.0, quiet: boo
                 if r.status == 200:
                     return
         except urllib.error.HTTPError as e:
-            status = json.loads(e.read() or b"{}")
+            try:
+                status = json.loads(e.read() or b"{}")
+            except ValueError:  # not our answer (nothing routed there yet): keep waiting
+                status = {}
             msg = f"waiting for workers: {status.get('decode_workers', 0)} decode, {status.get('prefill_workers', 0)} prefill"
             if msg != last and not quiet:
                 print(msg, file=sys.stderr, flush=True)

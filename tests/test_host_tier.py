@@ -119,3 +119,56 @@ def test_tier_events_tell_the_index_what_moved_to_the_host(tiny):
     llm.engine.kv.clear_prefix_cache()
     index.apply(sub.drain())
     assert index.lookup(held).matches == {}
+
+
+def _evict_into_host(llm, first):
+    """Runs `first`, then enough other prompts that its blocks leave the device for the host tier."""
+    out = llm.generate([first], GREEDY)[0]
+    for seed in range(2, 6):
+        llm.generate([prompt(seed, 72)], GREEDY)
+    llm.generate([prompt(9, 8)], GREEDY)
+    return out
+
+
+def test_a_host_reload_makes_the_request_wait_not_the_batch(tiny):
+    """The step that starts a request's copy back from the host still runs the other requests; the
+    request itself joins at the next step, with exactly the uncached run's tokens."""
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 64}, **ARGS)
+    core = llm.engine
+    first = prompt(1, 72)
+    out = _evict_into_host(llm, first)
+    core.add_request("busy", prompt(20, 8), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    core.step()  # "busy" prefills
+    turn2 = first + out.token_ids + [7, 8, 9]
+    core.add_request("again", turn2, GREEDY)
+    outputs = core.step()
+    assert "again" in core.scheduler.loading and [o.request_id for o in outputs] == ["busy"]
+    core.step()
+    assert not core.scheduler.loading and core.scheduler.requests["again"] in core.scheduler.running
+    final = {}
+    while core.has_unfinished():
+        for o in core.step():
+            if o.finished:
+                final[o.request_id] = o
+    alone = LLM(str(tiny), num_kv_blocks=24, enable_prefix_caching=False, **ARGS).generate([turn2], GREEDY)[0]
+    assert final["again"].token_ids == alone.token_ids and final["again"].num_cached_tokens >= 72
+
+
+def test_aborting_a_request_while_its_blocks_come_back_frees_them(tiny):
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 64}, **ARGS)
+    core = llm.engine
+    first = prompt(1, 72)
+    out = _evict_into_host(llm, first)
+    core.add_request("again", first + out.token_ids + [7], GREEDY)
+    core.step()
+    assert "again" in core.scheduler.loading
+    core.abort("again")
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    assert [o.finish_reason for o in outputs if o.request_id == "again"] == ["abort"]
+    assert not core.scheduler.loading and not core._staged_loads
+    assert core.kv.num_free_blocks == 24
+    # The engine goes on serving, the host copy intact: the same turn now hits it again.
+    again = llm.generate([first + out.token_ids + [7]], GREEDY)[0]
+    assert again.num_cached_tokens >= 72

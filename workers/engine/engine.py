@@ -179,6 +179,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         self.prefix_queries = self.prefix_hits = 0
         self.host_copy_seconds = 0.0  # host time spent on the host tier's copies (dispatch and fetch)
+        self._staged_loads: dict[str, list] = {}  # request -> its host-tier blocks on their way to the device
         if config.warmup:
             self.warmup(show_progress)
 
@@ -331,7 +332,7 @@ class EngineCore:
         running = self.scheduler.running
         return EngineStats(
             num_running=len(running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.pool.num_blocks,
             kv_usage=self.kv.usage,
@@ -395,9 +396,22 @@ class EngineCore:
         for i in range(0, len(saves), chunk):
             part = saves[i : i + chunk]
             self.kv.inflight_saves.append((part, self.runner.gather_blocks_async([b for b, *_ in part], 0, layers)))
-        for block_ids, data in self.kv.take_pending_loads():
-            for i in range(0, len(block_ids), chunk):
-                self.runner.scatter_blocks(block_ids[i : i + chunk], 0, np.moveaxis(data[i : i + chunk], 0, 1))
+        for request_id, block_ids, data in self.kv.take_pending_loads():
+            self._staged_loads[request_id] = self.runner.stage_blocks(block_ids, data)
+        self.host_copy_seconds += time.perf_counter() - start
+
+    def _admit_loaded(self) -> None:
+        """Requests whose host-tier blocks were staged on the device last step: written into their blocks
+        now (a device-local copy, ahead of this step's program) and scheduled from this step on. A request
+        that ended meanwhile (aborted) has its staging dropped: its blocks may belong to another by now."""
+        if not self._staged_loads:
+            return
+        start = time.perf_counter()
+        staged, self._staged_loads = self._staged_loads, {}
+        live = [rid for rid in staged if rid in self.scheduler.loading]
+        for rid in live:
+            self.runner.write_staged(staged[rid])
+        self.scheduler.admit_loaded(live)
         self.host_copy_seconds += time.perf_counter() - start
 
     # ---------------------------------------------------------------- the step
@@ -405,10 +419,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         outputs, self._finished_outside_step = self._finished_outside_step, []
         self._finish_host_saves()
+        self._admit_loaded()
         sched = self.scheduler.schedule()
+        self._dispatch_host_copies()  # evicted blocks out and reused ones in, even when only loads started
         if not sched.scheduled:
             return outputs
-        self._dispatch_host_copies()
         self.runner.copy_blocks(sched.block_copies)
         logits = self.runner.run(self.runner.prepare(sched))
         sampling_rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]

@@ -155,7 +155,7 @@ class KVCacheManager:
         # them at the start of the step.
         self.host = host
         self.pending_saves: list[tuple[int, int, int | None, str | None]] = []
-        self.pending_loads: list[tuple[list[int], object]] = []
+        self.pending_loads: list[tuple[str, list[int], object]] = []  # (request, device blocks, host pages)
         self.inflight_saves: list[tuple[list, object]] = []  # (saves, device copy) dispatched, not yet stored
         self.host_hit_tokens = 0
         if self.host is not None:
@@ -226,7 +226,7 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(prefix_blocks) - cow
         if host_slots:
             # Read now: saves of this very step may reuse those host slots before the copy runs.
-            self.pending_loads.append((new[: len(host_slots)], self.host.read(list(host_slots))))
+            self.pending_loads.append((request.request_id, new[: len(host_slots)], self.host.read(list(host_slots))))
             self.host.stats.blocks_loaded += len(host_slots)
             self.host_hit_tokens += len(host_slots) * self.block_size
         return copies
@@ -239,7 +239,7 @@ class KVCacheManager:
         saves, self.inflight_saves = self.inflight_saves, []
         return saves
 
-    def take_pending_loads(self) -> list[tuple[list[int], object]]:
+    def take_pending_loads(self) -> list[tuple[str, list[int], object]]:
         loads, self.pending_loads = self.pending_loads, []
         return loads
 

@@ -242,11 +242,30 @@ class ModelRunner:
 
     def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray) -> None:
         """Writes host KV [layers, blocks, ...] into `block_ids` for layers starting at `layer_start`."""
-        ids = self._padded_ids(block_ids, self.num_blocks)
-        padded = np.zeros((data.shape[0], len(ids), *data.shape[2:]), data.dtype)
-        padded[:, : len(block_ids)] = data
+        ids, padded = self._padded_blocks(block_ids, data)
         end = layer_start + data.shape[0]
         self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
+
+    def _padded_blocks(self, block_ids: list[int], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._padded_ids(block_ids, self.num_blocks)  # padding ids point past the pool: dropped
+        padded = np.zeros((data.shape[0], len(ids), *data.shape[2:]), data.dtype)
+        padded[:, : len(block_ids)] = data
+        return ids, padded
+
+    def stage_blocks(self, block_ids: list[int], data: np.ndarray) -> list[tuple[np.ndarray, jax.Array]]:
+        """Starts the host->device copy of every layer's KV of `block_ids` (host [blocks, layers, ...]) into
+        staging arrays, in page-bucket chunks, without touching the cache pages (a step may run meanwhile);
+        `write_staged` later moves them into place on the device."""
+        chunk = self.page_buckets[-1]
+        staged = []
+        for i in range(0, len(block_ids), chunk):
+            ids, padded = self._padded_blocks(block_ids[i : i + chunk], np.moveaxis(data[i : i + chunk], 0, 1))
+            staged.append((ids, jax.device_put(padded)))
+        return staged
+
+    def write_staged(self, staged: list[tuple[np.ndarray, jax.Array]]) -> None:
+        for ids, data in staged:
+            self.kv_pages[:] = _scatter_jit(self.kv_pages, ids, data)
 
     def init_state_slots(self, inits: list[tuple[int, int]]) -> None:
         """Zeroes or copies into the working slots of sequences that start now ((slot, source) pairs with

@@ -61,13 +61,16 @@ class Scheduler:
         # whose blocks are allocated but whose KV is still arriving.
         self.held: dict[str, Request] = {}
         self.importing: dict[str, Request] = {}
+        # Requests whose prefix is being copied back from the host KV tier: blocks allocated, the copy
+        # started this step; they run from the next one (the request waits, the batch does not).
+        self.loading: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request (stop, length or abort) and returns its blocks to the pool at once."""
@@ -78,6 +81,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.importing.pop(request.request_id, None)
+        self.loading.pop(request.request_id, None)
         request.status = status
         self.requests.pop(request.request_id, None)
         if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
@@ -102,6 +106,14 @@ class Scheduler:
         request.pending_kv_layers = None
         self.kv.cache_full_blocks(request)
         self.waiting.appendleft(request)
+
+    def admit_loaded(self, request_ids: list[str]) -> None:
+        """Their host-tier blocks are on the device now: they run next, ahead of new prompts."""
+        for rid in reversed(request_ids):
+            request = self.loading.pop(rid, None)
+            if request is not None:
+                self.kv.cache_full_blocks(request)
+                self.waiting.appendleft(request)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -175,6 +187,9 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+            if host:  # its blocks come back from the host during this step; it runs from the next
+                self.loading[request.request_id] = request
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, n))
