@@ -172,3 +172,29 @@ def test_aborting_a_request_while_its_blocks_come_back_frees_them(tiny):
     # The engine goes on serving, the host copy intact: the same turn now hits it again.
     again = llm.generate([first + out.token_ids + [7]], GREEDY)[0]
     assert again.num_cached_tokens >= 72
+
+
+def test_blocks_evicted_for_a_kv_import_reach_the_host_before_the_import_overwrites_them(tiny):
+    """A handoff's import allocates outside a step and writes its blocks at once: the evicted blocks it
+    reuses must be copied to the host first, or the host would keep the import's KV under their hashes."""
+    from workers.engine.engine import KVImport
+
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 64}, **ARGS)
+    core = llm.engine
+    first = prompt(1, 72)
+    llm.generate([first], GREEDY)
+    cached = dict(core.kv.pool.cached)  # hash -> device block, idle now
+    before = {h: core.runner.gather_blocks([b], 0, core.cfg.num_kv_layers)[:, 0] for h, b in cached.items()}
+    other = prompt(2, 159)
+    core.add_request("imp", other, GREEDY, kv_import=KVImport(first_token=5))
+    evicted = [h for h in cached if h not in core.kv.pool.cached]
+    assert evicted, "the import should have taken some of the idle cached blocks"
+    n = core.kv.blocks_needed(len(other))
+    data = np.full((core.cfg.num_kv_layers, n, 8, *core.cfg.kv_page_dims), 7.0, np.float32)
+    assert core.import_kv("imp", 0, data)
+    while core.has_unfinished():
+        core.step()
+    core.step()  # idle: stores what the last step copied out
+    for h in evicted:
+        (slot,) = core.kv.host.lookup([h])
+        np.testing.assert_array_equal(core.kv.host.read([slot])[0], before[h])

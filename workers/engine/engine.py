@@ -245,6 +245,8 @@ class EngineCore:
             request.num_computed_tokens = 0  # no room now: recompute locally instead, losing nothing
             self.scheduler.add(request)
             return
+        if getattr(self.kv, "host", None) is not None:
+            self._dispatch_host_saves()  # the imported KV is written at once, into blocks this may have evicted
         request.kv_import_from_block = len(prefix)
         request.pending_kv_layers = set(range(self.num_handoff_layers))
         self.scheduler.add_importing(request)
@@ -390,15 +392,18 @@ class EngineCore:
         if getattr(self.kv, "host", None) is None:
             return
         start = time.perf_counter()
-        saves = self.kv.take_pending_saves()
-        layers = self.cfg.num_kv_layers
-        chunk = self.runner.page_buckets[-1]
-        for i in range(0, len(saves), chunk):
-            part = saves[i : i + chunk]
-            self.kv.inflight_saves.append((part, self.runner.gather_blocks_async([b for b, *_ in part], 0, layers)))
+        self._dispatch_host_saves()
         for request_id, block_ids, data in self.kv.take_pending_loads():
             self._staged_loads[request_id] = self.runner.stage_blocks(block_ids, data)
         self.host_copy_seconds += time.perf_counter() - start
+
+    def _dispatch_host_saves(self) -> None:
+        """Starts copying the blocks evicted since the last call: before anything writes them again."""
+        saves = self.kv.take_pending_saves()
+        chunk = self.runner.page_buckets[-1]
+        for i in range(0, len(saves), chunk):
+            part = saves[i : i + chunk]
+            self.kv.inflight_saves.append((part, self.runner.gather_blocks_async([b for b, *_ in part], 0, self.cfg.num_kv_layers)))
 
     def _admit_loaded(self) -> None:
         """Requests whose host-tier blocks were staged on the device last step: written into their blocks
