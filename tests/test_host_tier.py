@@ -81,12 +81,42 @@ def test_concurrent_requests_with_host_hits_equal_alone(tiny):
     assert llm.engine.kv.num_free_blocks == 24  # nothing left referenced on the device
 
 
-def test_host_tier_refused_where_it_does_not_work_yet(tiny, tmp_path):
-    hybrid = make_model(tmp_path / "qwen35", "qwen3_5_moe", "tiny", seed=1)
-    with pytest.raises(ValueError, match="not supported yet for hybrid"):
-        LLM(str(hybrid), host_kv={"blocks": 8}, **ARGS)
+def test_host_tier_refused_where_it_does_not_work_yet(tiny):
+    with pytest.raises(ValueError, match="not supported yet with data-parallel attention"):
+        LLM(str(tiny), host_kv={"blocks": 8}, parallel={"mesh": "8"}, **ARGS)
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLM(str(tiny), host_kv={"blocks": 8}, enable_prefix_caching=False, **ARGS)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("host-tier-hybrid") / "qwen35", "qwen3_5_moe", "tiny", seed=1)
+
+
+def test_a_hybrid_prefix_reloaded_from_the_host_equals_the_uncached_run(hybrid):
+    """Qwen3.5 (Gated DeltaNet + gated attention): the evicted attention blocks and the state snapshot at
+    their end both come back from the host; the next turn resumes there with the uncached run's tokens."""
+    args = {**ARGS, "max_num_seqs": 4, "state_snapshots": 4}
+    llm = LLM(str(hybrid), num_kv_blocks=24, host_kv={"blocks": 64}, **args)
+    kv = llm.engine.kv
+    first = prompt(1, 72)
+    out = _evict_into_host(llm, first)
+    assert kv.host.stats.blocks_saved >= 9 and kv.host_states.stats.blocks_saved >= 1
+    turn2 = first + out.token_ids + [7, 8, 9]
+    again = llm.generate([turn2], GREEDY)[0]
+    assert kv.host.stats.blocks_loaded >= 9 and again.num_cached_tokens >= 72
+    assert kv.host_states.stats.blocks_loaded == 1, "the state at the boundary came from the host"
+    uncached = LLM(str(hybrid), num_kv_blocks=24, enable_prefix_caching=False, **args).generate([turn2], GREEDY)[0]
+    assert again.token_ids == uncached.token_ids
+    # The boundaries went to the host as events of their own (the attention tier publishes nothing).
+    sub = llm.engine.events.subscribe()
+    for seed in range(30, 34):
+        llm.generate([prompt(seed, 72)], GREEDY)
+    llm.generate([prompt(9, 8)], GREEDY)
+    host_events = [e for e in sub.drain() if e.tier == "host"]
+    assert host_events and {e.block_hash for e in host_events} <= set(kv.host_states.slot_of) | {
+        e.block_hash for e in host_events if e.kind.value == "removed"
+    }
 
 
 def test_tier_events_tell_the_index_what_moved_to_the_host(tiny):

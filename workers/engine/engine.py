@@ -149,6 +149,8 @@ class EngineCore:
             )
             self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         elif self.cfg.is_hybrid:
+            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
+            host, host_states = self._hybrid_host_tiers(config, num_blocks)
             self.kv = HybridCacheManager(
                 num_blocks,
                 config.block_size,
@@ -157,8 +159,10 @@ class EngineCore:
                 config.enable_prefix_caching,
                 config.model_name,
                 self.events,
+                host,
+                host_states,
+                config.session_idle_s,
             )
-            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         else:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
             self.kv = KVCacheManager(
@@ -171,7 +175,7 @@ class EngineCore:
                 config.session_idle_s,
             )
         if config.host_kv.enabled and not isinstance(getattr(self.kv, "host", None), HostKVTier):
-            raise ValueError("host_kv: the host KV tier is not supported yet for hybrid models or data-parallel attention")
+            raise ValueError("host_kv: the host KV tier is not supported yet with data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._states: dict[str, _RequestState] = {}
         self._finished_outside_step: list[RequestOutput] = []
@@ -364,14 +368,32 @@ class EngineCore:
             "evicted_live_session_blocks": self.kv.pool.evicted_live_session + host.order.evicted_live_session,
         }
 
-    def _host_tier(self, config: EngineConfig) -> HostKVTier | None:
+    def _host_tier(self, config: EngineConfig, extra_bytes_per_block: float = 0.0, events=True) -> HostKVTier | None:
+        """The host tier of attention KV blocks (None when off); `extra_bytes_per_block`: what else the
+        tier's memory budget pays per block (a hybrid model's state snapshots)."""
         shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_page_dims)
         dtype = np.dtype(self.runner.kv_pages[0].dtype)
-        num_blocks = config.host_kv.num_blocks(int(np.prod(shape)) * dtype.itemsize)
+        block_nbytes = int(np.prod(shape)) * dtype.itemsize
+        num_blocks = config.host_kv.num_blocks(int(block_nbytes + extra_bytes_per_block))
         if not num_blocks:
             return None
-        log.info("host KV tier: %d blocks (%.2f GiB)", num_blocks, num_blocks * np.prod(shape) * dtype.itemsize / (1 << 30))
-        return HostKVTier(num_blocks, shape, dtype, self.events, SessionAwareLRU(config.session_idle_s))
+        log.info("host KV tier: %d blocks (%.2f GiB)", num_blocks, num_blocks * block_nbytes / (1 << 30))
+        return HostKVTier(num_blocks, shape, dtype, self.events if events else None, SessionAwareLRU(config.session_idle_s))
+
+    def _hybrid_host_tiers(self, config: EngineConfig, num_blocks: int) -> tuple[HostKVTier | None, HostKVTier | None]:
+        """A hybrid model's host tiers: attention blocks (publishing nothing: the model's events are its
+        boundaries) and state snapshots, as many per block as the device keeps, from one budget."""
+        per_block = config.max_state_snapshots / num_blocks
+        state_nbytes = self.runner.state_bytes_per_slot
+        host = self._host_tier(config, per_block * state_nbytes, events=False)
+        if host is None or not config.max_state_snapshots:
+            return None, None
+        num_states = max(1, int(np.ceil(host.num_blocks * per_block)))
+        log.info("host state tier: %d snapshots (%.2f GiB)", num_states, num_states * state_nbytes / (1 << 30))
+        states = HostKVTier(
+            num_states, (state_nbytes // 4,), np.float32, self.events, SessionAwareLRU(config.session_idle_s), config.block_size
+        )
+        return host, states
 
     def _finish_host_saves(self) -> None:
         """Stores the evicted blocks whose copies the previous step dispatched (done by now: that step's
@@ -383,6 +405,9 @@ class EngineCore:
             data = np.asarray(data)  # [layers, padded n, ...]
             for j, (_, h, parent, session) in enumerate(part):
                 self.kv.host.put(h, parent, data[:, j], session)
+        if getattr(self.kv, "host_states", None) is not None:
+            for (h, parent, session), state in self.kv.take_inflight_state_saves():
+                self.kv.host_states.put(h, parent, self.runner.pack_state(state), session)
         self.host_copy_seconds += time.perf_counter() - start
 
     def _dispatch_host_copies(self) -> None:
@@ -395,6 +420,12 @@ class EngineCore:
         self._dispatch_host_saves()
         for request_id, block_ids, data in self.kv.take_pending_loads():
             self._staged_loads[request_id] = self.runner.stage_blocks(block_ids, data)
+        if getattr(self.kv, "host_states", None) is not None:
+            loads, copies = self.kv.take_pending_state_loads()
+            for slot, state in loads:  # into working slots nothing else uses: ahead of the step that reads them
+                self.runner.scatter_state(slot, state)
+            if copies:
+                self.runner.init_state_slots(copies)
         self.host_copy_seconds += time.perf_counter() - start
 
     def _dispatch_host_saves(self) -> None:
@@ -404,6 +435,9 @@ class EngineCore:
         for i in range(0, len(saves), chunk):
             part = saves[i : i + chunk]
             self.kv.inflight_saves.append((part, self.runner.gather_blocks_async([b for b, *_ in part], 0, self.cfg.num_kv_layers)))
+        if getattr(self.kv, "host_states", None) is not None:
+            for slot, h, parent, session in self.kv.take_pending_state_saves():
+                self.kv.inflight_state_saves.append(((h, parent, session), self.runner.gather_state_async(slot)))
 
     def _admit_loaded(self) -> None:
         """Requests whose host-tier blocks were staged on the device last step: written into their blocks

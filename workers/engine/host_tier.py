@@ -1,4 +1,4 @@
-"""A host-memory tier below the device KV cache (issue #15; attention-only, single-rank engines).
+"""A host-memory tier below the device KV cache (issue #15; single-rank engines).
 
 A cached device block chosen for eviction is copied here instead of being dropped; a request whose
 prefix continues past the device cache finds the following blocks here and gets them copied back into
@@ -10,6 +10,8 @@ allocated up front (untouched pages cost no RSS). Eviction follows the same sess
 device cache (`retention.py`): sessionless and ended conversations first, then live sessions.
 Every block kept or dropped here is published as a KV event with `tier="host"`, so the router's index
 knows which worker holds which prefix in which tier; a CLEARED event covers both tiers.
+Hybrid models keep a second instance for their linear-attention state snapshots (one packed float32
+state per block boundary, `state_cache.py`); it publishes the boundaries, their attention tier nothing.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ class HostKVTier:
         dtype,
         events: KVEventPublisher | None = None,
         retention: SessionAwareLRU | None = None,
+        block_size: int | None = None,
     ):
         if num_blocks < 1:
             raise ValueError("a host KV tier needs at least one block")
         self.num_blocks = num_blocks
-        self.block_size = block_shape[1]
+        self.block_size = block_size if block_size is not None else block_shape[1]  # tokens an event covers
         self.data = np.zeros((num_blocks, *block_shape), dtype)
         self.events = events
         self.slot_of: dict[int, int] = {}  # block hash -> slot

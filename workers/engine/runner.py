@@ -283,7 +283,15 @@ class ModelRunner:
     def gather_state(self, slot: int) -> np.ndarray:
         """One sequence's linear-attention state, packed flat (float32): every layer's conv state, then
         every layer's recurrent state (the handoff's state chunk)."""
-        conv, rec = _gather_state_jit(self.state_pools, jnp.int32(slot))
+        return self.pack_state(self.gather_state_async(slot))
+
+    def gather_state_async(self, slot: int):
+        """Dispatches the copy of one slot's state into fresh device arrays and returns them at once."""
+        return _gather_state_jit(self.state_pools, jnp.int32(slot))
+
+    @staticmethod
+    def pack_state(state) -> np.ndarray:
+        conv, rec = state
         return np.concatenate([np.asarray(a).ravel() for a in (*conv, *rec)])
 
     def scatter_state(self, slot: int, packed: np.ndarray) -> None:

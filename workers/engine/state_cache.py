@@ -22,6 +22,13 @@ KV events: a hybrid engine publishes a block as STORED only when the prefix thro
 (attention blocks cached and a snapshot at its end) and REMOVED when that stops being true, so the
 router's prediction (the deepest published block along a request's chain) equals what the engine
 reuses, to the block. The attention pool's own per-block events are not published for these models.
+
+Host tier (`host_tier.py`): evicted attention blocks go to a host KV tier as for attention-only models,
+and every evicted snapshot (its block evicted, or pushed out of the snapshot LRU) to a host state tier
+keyed by the same boundary hash, which publishes the boundary as `stored`/`removed` on the host. A prefix
+then continues to the deepest boundary whose snapshot is on the device or the host and whose attention
+blocks are on the device or the host: the host blocks are copied back (the request waits a step), the
+host snapshot is written into the request's working slot before it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .block_hash import ROOT_PARENT
+from .host_tier import HostKVTier
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
@@ -49,10 +57,11 @@ class StateStep:
 
 
 class HybridPrefix(list):
-    """The attention blocks of a prefix hit (a list, as the scheduler sees every cache's prefix) plus the
-    snapshot slot holding the state at its end."""
+    """The attention blocks of a prefix hit (a list, as the scheduler sees every cache's prefix) plus where
+    the state at its end is: a device snapshot slot, or a host state-tier slot."""
 
     snapshot_slot: int | None = None
+    host_state: int | None = None
 
 
 class StateSlotPool:
@@ -95,14 +104,28 @@ class HybridCacheManager:
         enable_prefix_caching: bool = True,
         extra_keys: str = "",
         events: KVEventPublisher | None = None,
+        host: HostKVTier | None = None,
+        host_states: HostKVTier | None = None,
+        session_idle_s: float = 600.0,
     ):
-        self.attn = KVCacheManager(num_blocks, block_size, enable_prefix_caching, extra_keys, events=None)
+        self.attn = KVCacheManager(num_blocks, block_size, enable_prefix_caching, extra_keys, None, host, session_idle_s)
         self.attn.pool.on_evict = self._attention_block_evicted
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
         self.slots = StateSlotPool(num_state_slots, max_snapshots if enable_prefix_caching else 0)
         self._init: dict[str, int] = {}  # request -> how its working slot starts (ZERO or a snapshot)
+        self._snap_parent: dict[int, int] = {}  # snapshot hash -> its parent hash (for host-tier events)
+        # The host state tier: evicted snapshots wait in `pending_state_saves` (slot, hash, parent, session)
+        # until the engine starts their copy (before the slot is written again), then in
+        # `inflight_state_saves`; host snapshots a request reuses wait in `pending_state_loads`
+        # (working slot, packed state) until the engine writes them.
+        self.host_states = host_states
+        self.pending_state_saves: list[tuple[int, int, int | None, str | None]] = []
+        self.inflight_state_saves: list[tuple[tuple[int, int | None, str | None], object]] = []
+        self.pending_state_loads: list[tuple[int, object]] = []
+        self.pending_state_copies: list[tuple[int, int]] = []  # (working slot, device snapshot slot)
+        self._host_plan: dict[str, list[int]] = {}  # request -> host attention slots its prefix continues into
 
     # ---------------------------------------------------------------- totals (EngineStats)
 
@@ -122,6 +145,43 @@ class HybridCacheManager:
     def num_snapshots(self) -> int:
         return len(self.slots.snapshots)
 
+    # ---------------------------------------------------------------- the host tier (the engine's copies)
+
+    @property
+    def host(self) -> HostKVTier | None:
+        return self.attn.host
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.attn.host_hit_tokens
+
+    @property
+    def inflight_saves(self) -> list:
+        return self.attn.inflight_saves
+
+    def take_pending_saves(self) -> list:
+        return self.attn.take_pending_saves()
+
+    def take_inflight_saves(self) -> list:
+        return self.attn.take_inflight_saves()
+
+    def take_pending_loads(self) -> list:
+        return self.attn.take_pending_loads()
+
+    def take_pending_state_saves(self) -> list[tuple[int, int, int | None, str | None]]:
+        saves, self.pending_state_saves = self.pending_state_saves, []
+        return saves
+
+    def take_inflight_state_saves(self) -> list:
+        saves, self.inflight_state_saves = self.inflight_state_saves, []
+        return saves
+
+    def take_pending_state_loads(self) -> tuple[list[tuple[int, object]], list[tuple[int, int]]]:
+        """(host states to write into working slots, device snapshots to copy into working slots)."""
+        loads, self.pending_state_loads = self.pending_state_loads, []
+        copies, self.pending_state_copies = self.pending_state_copies, []
+        return loads, copies
+
     def blocks_needed(self, num_tokens: int) -> int:
         return self.attn.blocks_needed(num_tokens)
 
@@ -134,35 +194,54 @@ class HybridCacheManager:
     # ---------------------------------------------------------------- the scheduler's interface
 
     def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
-        """No host tier for hybrid models yet (their state snapshots would have to spill too)."""
-        return []
+        """Host attention slots the prefix `cached_prefix` just chose continues into (the request waits
+        for them a step)."""
+        return self._host_plan.pop(request.request_id, [])
 
     def cached_prefix(self, request: Request) -> HybridPrefix:
-        """The deepest reusable boundary: within the cached attention blocks, with a snapshot, and before
-        the last token (which is always computed)."""
+        """The deepest reusable boundary: within the cached attention blocks (device, then host), with a
+        snapshot (device or host), and before the last token (which is always computed)."""
         prefix = HybridPrefix()
+        self._host_plan.pop(request.request_id, None)
         blocks = self.attn.cached_prefix(request)
-        limit = min(len(blocks), (request.num_tokens - 1) // self.block_size)
+        host_slots = self.attn.host_prefix(request, len(blocks)) if self.host_states is not None else []
+        limit = min(len(blocks) + len(host_slots), (request.num_tokens - 1) // self.block_size)
         for i in range(limit, 0, -1):
-            slot = self.slots.snapshots.get(request.block_hashes[i - 1])
+            h = request.block_hashes[i - 1]
+            slot = self.slots.snapshots.get(h)
             if slot is not None:
-                prefix.extend(blocks[:i])
                 prefix.snapshot_slot = slot
-                self.slots.snapshots.move_to_end(request.block_hashes[i - 1])
-                break
+                self.slots.snapshots.move_to_end(h)
+            elif self.host_states is not None and h in self.host_states:
+                (prefix.host_state,) = self.host_states.lookup([h], request.session_id)
+            else:
+                continue
+            prefix.extend(blocks[:i])
+            if i > len(blocks):
+                self._host_plan[request.request_id] = host_slots[: i - len(blocks)]
+            break
         return prefix
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=()) -> list[BlockCopy] | None:
+    def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=(), host_slots=()) -> list[BlockCopy] | None:
         rid = request.request_id
         needs_slot = rid not in self.slots.working
         if needs_slot and self.slots.num_free - self._protected(prefix_blocks) < 1:
             return None
-        copies = self.attn.allocate(request, num_new_tokens, list(prefix_blocks))
+        copies = self.attn.allocate(request, num_new_tokens, list(prefix_blocks), host_slots)
         if copies is None or not needs_slot:
             return copies
         self.slots.working[rid] = self.slots.take(self._evict_snapshot)
         snapshot = getattr(prefix_blocks, "snapshot_slot", None)
-        self._init[rid] = ZERO if snapshot is None or not prefix_blocks else snapshot
+        host_state = getattr(prefix_blocks, "host_state", None)
+        working = self.slots.working[rid]
+        if host_state is not None:  # the state comes back from the host, before the request runs (KEEP)
+            self.pending_state_loads.append((working, self.host_states.read([host_state])[0]))
+            self.host_states.stats.blocks_loaded += 1
+        elif snapshot is not None and host_slots:
+            # It runs a step later (its blocks come back first), when the snapshot may be gone: copy now.
+            self.pending_state_copies.append((working, snapshot))
+        else:
+            self._init[rid] = ZERO if snapshot is None or not (prefix_blocks or host_slots) else snapshot
         return copies
 
     def state_written(self, request_id: str) -> None:
@@ -228,12 +307,14 @@ class HybridCacheManager:
             self.slots.give_back(slot)
             return
         self.slots.snapshots[h] = slot
+        self._snap_parent[h] = parent
         self._emit(KVEventKind.STORED, h, parent)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
         self.attn.free(request)
         self._init.pop(rid, None)
+        self._host_plan.pop(rid, None)
         pending = self.slots.pending.pop(rid, None)
         if pending is not None:
             self.slots.give_back(pending[2])
@@ -244,20 +325,30 @@ class HybridCacheManager:
     def clear_prefix_cache(self) -> None:
         for h in list(self.slots.snapshots):
             self.slots.give_back(self.slots.snapshots.pop(h))
+        self._snap_parent.clear()
         self.attn.clear_prefix_cache()
+        self.pending_state_saves, self.inflight_state_saves = [], []
+        if self.host_states is not None:
+            self.host_states.clear()
         self._emit(KVEventKind.CLEARED)
 
     # ---------------------------------------------------------------- snapshots leaving
 
-    def _evict_snapshot(self, h: int) -> None:
+    def _evict_snapshot(self, h: int, session: str | None = None) -> None:
         slot = self.slots.snapshots.pop(h)
+        parent = self._snap_parent.pop(h, None)
+        if self.host_states is not None:  # copied out before the slot is written again (the engine)
+            self.pending_state_saves.append((slot, h, parent, session))
         self.slots.give_back(slot)
-        self._emit(KVEventKind.REMOVED, h)
+        self._emit(KVEventKind.REMOVED, h, parent)
 
     def _attention_block_evicted(self, block: int, h: int, parent: int | None, session: str | None) -> None:
-        """The KV of the block ending at a snapshot is gone: that prefix is no longer reusable."""
+        """The KV of the block ending at a snapshot is gone from the device: that prefix is no longer
+        reusable there (with a host tier, block and snapshot both go to the host)."""
+        if self.attn.host is not None:
+            self.attn.pending_saves.append((block, h, parent, session))
         if h in self.slots.snapshots:
-            self._evict_snapshot(h)
+            self._evict_snapshot(h, session)
 
     def _emit(self, kind: KVEventKind, h: int | None = None, parent: int | None = None) -> None:
         if self.events is not None:
