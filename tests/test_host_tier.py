@@ -189,6 +189,8 @@ def test_aborting_a_request_while_its_blocks_come_back_frees_them(tiny):
     core = llm.engine
     first = prompt(1, 72)
     out = _evict_into_host(llm, first)
+    core.add_request("busy", prompt(20, 8), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    core.step()
     core.add_request("again", first + out.token_ids + [7], GREEDY)
     core.step()
     assert "again" in core.scheduler.loading
@@ -228,3 +230,19 @@ def test_blocks_evicted_for_a_kv_import_reach_the_host_before_the_import_overwri
     for h in evicted:
         (slot,) = core.kv.host.lookup([h])
         np.testing.assert_array_equal(core.kv.host.read([slot])[0], before[h])
+
+
+def test_a_host_reload_alone_in_its_step_runs_at_once(tiny):
+    llm = LLM(str(tiny), num_kv_blocks=24, host_kv={"blocks": 64}, **ARGS)
+    core = llm.engine
+    first = prompt(1, 72)
+    out = _evict_into_host(llm, first)
+    turn2 = first + out.token_ids + [7, 8, 9]
+    core.add_request("again", turn2, GREEDY)
+    outputs = core.step()  # no other request to protect: loaded and run in the same step
+    assert not core.scheduler.loading and [o.request_id for o in outputs] == ["again"]
+    assert outputs[0].num_cached_tokens >= 72
+    while core.has_unfinished():
+        outputs += core.step()
+    alone = LLM(str(tiny), num_kv_blocks=24, enable_prefix_caching=False, **ARGS).generate([turn2], GREEDY)[0]
+    assert outputs[-1].token_ids == alone.token_ids

@@ -419,7 +419,11 @@ class EngineCore:
         start = time.perf_counter()
         self._dispatch_host_saves()
         for request_id, block_ids, data in self.kv.take_pending_loads():
-            self._staged_loads[request_id] = self.runner.stage_blocks(block_ids, data)
+            staged = self.runner.stage_blocks(block_ids, data)
+            if request_id in self.scheduler.loading:
+                self._staged_loads[request_id] = staged
+            else:  # scheduled in this very step (nothing else to run): written before the step reads it
+                self.runner.write_staged(staged)
         if getattr(self.kv, "host_states", None) is not None:
             loads, copies = self.kv.take_pending_state_loads()
             for slot, state in loads:  # into working slots nothing else uses: ahead of the step that reads them

@@ -187,7 +187,9 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
-            if host:  # its blocks come back from the host during this step; it runs from the next
+            if host and out.scheduled:
+                # Its blocks come back from the host while this step runs the others; it runs from the
+                # next. (Alone in the step, it runs now: waiting would only add a step.)
                 self.loading[request.request_id] = request
                 continue
             request.status = RequestStatus.RUNNING
