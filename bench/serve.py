@@ -311,7 +311,9 @@ def start_tier_pair(model: str, device_blocks: int, host_blocks: int, block_size
         "max_model_len": 1024,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
-        "token_buckets": [8, 64, 512],
+        # Fine enough that a turn's new ~100 tokens run in a 128-token program, not a 512-token one
+        # (on CPU a padded token costs as much as a real one), few enough to compile in minutes.
+        "token_buckets": [8, 32, 128, 512],
         "page_buckets": [8, 64],
     }
     base = {"engine": engine, "server": {"http_port": port}, "mode": "colocated"}
