@@ -357,17 +357,15 @@ class Orchestrator:
                         finished = True
                         raise _Failure(worker, "decode", e) from e
                     raise
-                finished = out.finished
-                new = len(out.new_token_ids)
-                logprobs = out.logprobs[-new:] if (out.logprobs and new) else None
+                finished = out.finished  # a `StreamUpdate`
                 yield Chunk(
-                    list(out.new_token_ids),
+                    out.new_token_ids,
                     out.delta_text,
                     out.finished,
                     out.finish_reason,
                     out.num_cached_tokens,
-                    len(out.token_ids),
-                    logprobs,
+                    out.num_tokens,
+                    out.new_logprobs,
                 )
         finally:
             if not finished:

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable, TypeVar
 from ray import serve
 
 from workers.engine.sampling_params import SamplingParams
-from workers.worker import DecodeWorker, EngineWorker, PrefillResult, PrefillWorker
+from workers.worker import DecodeWorker, EngineWorker, PrefillResult, PrefillWorker, StreamUpdate
 
 from .config import ClusterConfig, parse_cluster_config
 from .reporting import WorkerReporter
@@ -80,7 +80,7 @@ class _WorkerServer:
     ):
         self._arrived(target_replica)
         async for out in self.worker.generate(request_id, prompt, params, session_id=session_id):
-            yield out
+            yield StreamUpdate.of(out)
 
     def __del__(self):
         try:
@@ -143,4 +143,4 @@ class DecodeServer(_WorkerServer):
         async for out in self.worker.generate_from_prefill(
             request_id, prompt, params, handoff, fetch_chunk, release, session_id=session_id
         ):
-            yield out
+            yield StreamUpdate.of(out)

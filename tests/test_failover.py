@@ -27,6 +27,7 @@ from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_h
 
 from cluster import openai_api as oa  # noqa: E402
 from protos.moray.v1 import moray_pb2  # noqa: E402
+from workers.worker import StreamUpdate  # noqa: E402
 
 # ============================================================================ fake Serve handles
 
@@ -121,15 +122,7 @@ class FakeWorker:
                 await self._alive_wait(asyncio.sleep(self.delay))
                 tokens.append(100 + i)
                 done = i == params.max_tokens - 1
-                yield SimpleNamespace(
-                    new_token_ids=[100 + i],
-                    delta_text=f"t{i} ",
-                    finished=done,
-                    finish_reason="length" if done else None,
-                    num_cached_tokens=0,
-                    token_ids=list(tokens),
-                    logprobs=None,
-                )
+                yield StreamUpdate([100 + i], f"t{i} ", done, "length" if done else None, 0, len(tokens))
         finally:
             if acquired:
                 self.slots.release()
@@ -182,7 +175,7 @@ class FakeHandle:
 
         class Method:
             @staticmethod
-            def remote(*args, target_replica=None):
+            def remote(*args, target_replica=None, session_id=None):
                 return getattr(handle.workers[target_replica], method)(*args)
 
         return Method()

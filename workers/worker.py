@@ -47,6 +47,34 @@ class PrefillResult:
 
 
 @dataclass
+class StreamUpdate:
+    """What a worker streams to the front end per engine output: only what changed, so an update costs
+    the same to send at the 1st token as at the 1000th, whatever the prompt's length (a `RequestOutput`
+    carries the prompt and everything produced so far)."""
+
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    num_tokens: int  # output tokens so far
+    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
+
+    @staticmethod
+    def of(out: RequestOutput) -> "StreamUpdate":
+        new = len(out.new_token_ids)
+        return StreamUpdate(
+            list(out.new_token_ids),
+            out.delta_text,
+            out.finished,
+            out.finish_reason,
+            out.num_cached_tokens,
+            len(out.token_ids),
+            out.logprobs[-new:] if (out.logprobs and new) else None,
+        )
+
+
+@dataclass
 class HandoffStats:
     bytes: int = 0  # everything moved: attention KV plus linear-attention state
     seconds: float = 0.0

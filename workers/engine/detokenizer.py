@@ -1,4 +1,13 @@
-"""Incremental detokenisation for streaming: text deltas that never split a UTF-8 character."""
+"""Incremental detokenisation for streaming: text deltas that never split a UTF-8 character, at a cost per
+token independent of the output's length.
+
+Decoding a token alone is not enough (byte-level BPE can end a token in the middle of a multi-byte
+character, and some tokenizers render a token differently after a neighbour), and decoding the whole
+output every token costs O(n) per token. So, like vLLM's and TGI's incremental detokenisers, each token
+decodes a short window: the tokens from `prefix_offset` (a few tokens of context already emitted) to the
+end, and emits what that text adds to the window's already-emitted part (`prefix_offset:read_offset`).
+A window ending in an incomplete character (U+FFFD) is held back until a later token completes it.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +15,25 @@ from workers.models.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    """Decodes the growing output and emits only the new, complete text.
-
-    Byte-level BPE can end a token in the middle of a multi-byte character; decoding then yields U+FFFD.
-    We hold such a tail back until the next token completes it.
-    """
-
     def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""  # text emitted so far
+        self.prefix_offset = 0  # the window's first token (context whose text is already emitted)
+        self.read_offset = 0  # tokens whose text has been emitted
 
     def update(self, output_ids: list[int], final: bool = False) -> str:
+        """The new text of `output_ids` (the whole output so far; only its tail is decoded)."""
         if self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(output_ids, skip_special_tokens=self.skip_special_tokens)
-        if not final:
-            full = full.rstrip("\ufffd")
-        if not full.startswith(self.text):
-            return ""  # decoding changed earlier text (rare merge effects); wait for a stable prefix
-        delta = full[len(self.text) :]
-        self.text = full
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix_text = decode(output_ids[self.prefix_offset : self.read_offset])
+        new_text = decode(output_ids[self.prefix_offset :])
+        if not final and (new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text)):
+            return ""  # an incomplete character, or nothing visible yet: wait for the next token
+        if not new_text.startswith(prefix_text):
+            return ""  # decoding changed the window's earlier text (rare merge effects); wait
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+        self.text += delta
         return delta

@@ -47,10 +47,19 @@ class Request:
     # evicted after sessionless ones while the session is live (retention.py).
     session_id: str | None = None
     first_token_time: float | None = None
+    _all_tokens: list[int] = field(default_factory=list, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: one list extended in place as outputs arrive, so a call costs the new
+        tokens, not the whole sequence (the scheduler, the block hashes and the runner read it every step).
+        Read-only for callers."""
+        have = len(self._all_tokens) - len(self.prompt_token_ids)
+        if have < 0:
+            self._all_tokens, have = list(self.prompt_token_ids), 0
+        if have < len(self.output_token_ids):
+            self._all_tokens += self.output_token_ids[have:]
+        return self._all_tokens
 
     @property
     def num_tokens(self) -> int:
