@@ -250,10 +250,18 @@ def bench_url(url: str, args, groups) -> dict:
     return summarise(results, wall, before, scrape(url))
 
 
-def start_pair(model: str):
-    """Disaggregated app at /, colocated at /colo, on a local Ray (same machine, same engine settings)."""
-    import os
+def _free_port() -> int:
     import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_apps(port: int, apps: dict[str, dict]) -> str:
+    """Runs each cluster config (route prefix -> config naming its app) as a Serve app on a local Ray whose
+    HTTP proxy listens on `port`; returns the base URL once every app is healthy."""
+    import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import ray
@@ -264,9 +272,20 @@ def start_pair(model: str):
     from cluster.config import parse_cluster_config
     from cluster.launch import wait_until_healthy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    for prefix, cfg in apps.items():
+        serve.run(build_app(cfg), name=cfg["name"], route_prefix=prefix, blocking=False)
+    for prefix, cfg in apps.items():
+        wait_until_healthy(parse_cluster_config(cfg), route_prefix="" if prefix == "/" else prefix)
+    return f"http://127.0.0.1:{port}"
+
+
+def start_pair(model: str):
+    """Disaggregated app at /, colocated at /colo, on a local Ray (same machine, same engine settings)."""
+    import os
+
+    port = _free_port()
     engine = {
         "model": os.path.abspath(model),
         "max_model_len": 1024,
@@ -276,13 +295,7 @@ def start_pair(model: str):
         "page_buckets": [4, 16, 64],
     }
     base = {"engine": engine, "server": {"http_port": port}, "router": {"remote_prefill_min_tokens": 32}}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-    serve.run(build_app({**base, "name": "disagg"}), name="disagg", route_prefix="/", blocking=False)
-    serve.run(build_app({**base, "name": "colo", "mode": "colocated"}), name="colo", route_prefix="/colo", blocking=False)
-    cfg = parse_cluster_config(base)
-    wait_until_healthy(cfg)
-    url = f"http://127.0.0.1:{port}"
+    url = _serve_apps(port, {"/": {**base, "name": "disagg"}, "/colo": {**base, "name": "colo", "mode": "colocated"}})
     return url, url + "/colo"
 
 
@@ -290,20 +303,8 @@ def start_tier_pair(model: str, device_blocks: int, host_blocks: int, block_size
     """Two colocated apps on a local Ray, one decode worker each, the same device KV pool: /notier without a
     host tier, /tier with `host_blocks` of them."""
     import os
-    import socket
 
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-
-    from cluster.app import build_app
-    from cluster.config import parse_cluster_config
-    from cluster.launch import wait_until_healthy
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     engine = {
         "model": os.path.abspath(model),
         "block_size": block_size,
@@ -317,14 +318,8 @@ def start_tier_pair(model: str, device_blocks: int, host_blocks: int, block_size
         "page_buckets": [8, 64],
     }
     base = {"engine": engine, "server": {"http_port": port}, "mode": "colocated"}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-    tiered = {**base, "engine": {**engine, "host_kv": {"blocks": host_blocks}}}
-    serve.run(build_app({**base, "name": "notier"}), name="notier", route_prefix="/notier", blocking=False)
-    serve.run(build_app({**tiered, "name": "tier"}), name="tier", route_prefix="/tier", blocking=False)
-    for prefix in ("/notier", "/tier"):
-        wait_until_healthy(parse_cluster_config(base), route_prefix=prefix)
-    url = f"http://127.0.0.1:{port}"
+    tiered = {**base, "name": "tier", "engine": {**engine, "host_kv": {"blocks": host_blocks}}}
+    url = _serve_apps(port, {"/notier": {**base, "name": "notier"}, "/tier": tiered})
     return url + "/notier", url + "/tier"
 
 

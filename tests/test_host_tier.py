@@ -4,25 +4,16 @@ saved to host memory and copied back on a later prefix hit, giving exactly the u
 from __future__ import annotations
 
 import random
-import tempfile
 
 import numpy as np
 import pytest
+from engine_harness import small_engine_args
 
 from workers.engine import LLM, SamplingParams
 from workers.engine.host_tier import HostKVTier
 from workers.models.make_model import make_model
 
-ARGS = dict(
-    block_size=8,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    max_model_len=160,
-    token_buckets=[8, 64],
-    page_buckets=[4, 20],
-    compilation_cache_dir=tempfile.mkdtemp(prefix="moray-host-tier-xla-"),
-    warmup=False,
-)
+ARGS = {**small_engine_args("host-tier"), "max_num_seqs": 4}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
