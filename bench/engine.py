@@ -48,6 +48,9 @@ TRANSFORMERS_TARGETS = {1: 2.0, 16: 2.5}
 _BANDWIDTH_ROWS = 64
 
 
+_FILL_STEPS = 8  # at most this many untimed steps fill the asynchronous pipeline before a timed decode run
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = sorted({int(t) for t in text.split(",") if t.strip()})
@@ -76,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model and KV dtype (default float32; with --sizes-only the KV dtype, default bfloat16)",
     )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    p.add_argument(
+        "--overhead-batches", type=_ints, default=[1, 16, 64], help="batches whose host time per step is measured (default 1,16,64)"
+    )
+    p.add_argument(
+        "--startup",
+        action="store_true",
+        help="also time engine start-up (default config) in fresh processes: cold (empty compilation cache) and warm",
+    )
     p.add_argument("--seed", type=int, default=0)
     sizes = p.add_argument_group("sizes only (no weights loaded, nothing timed)")
     sizes.add_argument(
@@ -158,12 +169,13 @@ class _Bench:
         self.np = np
         self.jax = jax
         self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        max_batch = max(args.batches)
+        max_batch = max(args.batches + args.overhead_batches)
         max_tokens = max(args.prefill_len, max_batch)
         block_size = 16
         # A decode run's sequences grow by the timed steps plus the steps its prefill took (see ours_decode).
         prefill_steps = -(-max_batch * args.prompt_len // max_tokens)
-        max_len = max(args.prefill_len, args.prompt_len + args.decode_steps + prefill_steps + 3) + block_size
+        # (+ the untimed steps that fill the asynchronous pipeline, see ours_decode)
+        max_len = max(args.prefill_len, args.prompt_len + args.decode_steps + prefill_steps + 3 + _FILL_STEPS) + block_size
         config = EngineConfig(
             model=str(args.model),
             dtype=args.dtype,
@@ -172,7 +184,7 @@ class _Bench:
             max_num_batched_tokens=max_tokens,
             max_model_len=max_len,
             # One bucket per decode batch plus the prefill step; pages use the default powers of two.
-            token_buckets=sorted(set(args.batches) | {max_tokens}),
+            token_buckets=sorted(set(args.batches) | set(args.overhead_batches) | {max_tokens}),
             # Pages for every sequence of the largest batch plus one prefill, with headroom.
             num_kv_blocks=(max_batch + 2) * -(-max_len // block_size) + 8,
             warmup=False,  # programs compile on first use: the untimed first round reports that time
@@ -222,7 +234,7 @@ class _Bench:
 
         budget = self.engine.config.max_num_batched_tokens
         prefill_steps = -(-sum(len(p) for p in prompts) // budget)
-        params = SamplingParams(temperature=0.0, max_tokens=steps + prefill_steps + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + prefill_steps + 2 + _FILL_STEPS, ignore_eos=True)
         ids = []
         for p in prompts:
             self._ids += 1
@@ -234,11 +246,20 @@ class _Bench:
         while any(not toks for toks in outputs.values()):
             for out in self.engine.step():
                 outputs[out.request_id].extend(out.new_token_ids)
+        # With asynchronous scheduling a step's tokens come back from the next call: step until one call
+        # returns a token for every request (the pipeline full), so that each timed step is a whole batch.
+        for _ in range(_FILL_STEPS):
+            outs = self.engine.step()
+            for out in outs:
+                outputs[out.request_id].extend(out.new_token_ids)
+            if sum(len(o.new_token_ids) for o in outs) == len(prompts):
+                break
         step_s, positions, keys = [], [], []
         for _ in range(steps):
-            # Each request feeds its newest token (position num_tokens - 1) and attends over num_tokens keys.
-            positions.append([r.num_tokens - 1 for r in requests])
-            keys.append(sum(r.num_tokens for r in requests))
+            # Each request feeds its newest token (position num_tokens - 1) and attends over num_tokens keys
+            # (counting the token a step in flight is sampling, with asynchronous scheduling).
+            positions.append([r.num_scheduled_tokens - 1 for r in requests])
+            keys.append(sum(r.num_scheduled_tokens for r in requests))
             start = time.perf_counter()
             outs = self.engine.step()
             step_s.append(time.perf_counter() - start)
@@ -247,7 +268,9 @@ class _Bench:
                 outputs[out.request_id].extend(out.new_token_ids)
                 new += len(out.new_token_ids)
             if new != len(prompts):
-                raise RuntimeError(f"a timed decode step produced {new} tokens for a batch of {len(prompts)}")
+                raise RuntimeError(
+                    f"a timed decode step produced {new} tokens for a batch of {len(prompts)} (preemptions {self.engine.preemptions}, running {len(self.engine.scheduler.running)}, waiting {len(self.engine.scheduler.waiting)}, free {self.engine.kv.num_free_blocks})"
+                )
         for rid in ids:
             self.engine.abort(rid)
         while self.engine.has_unfinished():
@@ -272,8 +295,10 @@ class _Bench:
         return len(prompt) / (time.perf_counter() - start)
 
     def step_split(self, batch: int) -> dict:
-        """One extra decode run with the device step timed separately: device vs host time per step."""
-        runner = self.engine.runner
+        """Host time per decode step: the step with asynchronous scheduling (the default), the step waiting
+        for each device step (sync), and the device step alone (timed to completion in the sync run).
+        host_ms: the host's whole work per step; host_not_hidden_ms: what of it the async step still adds."""
+        runner, config = self.engine.runner, self.engine.config
         original = runner.run
         device_s = []
 
@@ -283,14 +308,53 @@ class _Bench:
             device_s.append(time.perf_counter() - start)
             return logits
 
-        runner.run = timed_run
+        asynchronous = self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
+        runner.run, config.async_scheduling = timed_run, False
         try:
-            res = self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
+            sync = self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
         finally:
-            runner.run = original
+            runner.run, config.async_scheduling = original, True
         device_ms = 1e3 * _median(device_s[-self.args.decode_steps :])
-        step_ms = _median(res["step_ms_samples"])
-        return {"step_ms": round(step_ms, 3), "device_ms": round(device_ms, 3), "host_ms": round(step_ms - device_ms, 3)}
+        step_ms, async_ms = _median(sync["step_ms_samples"]), _median(asynchronous["step_ms_samples"])
+        return {
+            "step_ms": round(async_ms, 3),
+            "sync_step_ms": round(step_ms, 3),
+            "device_ms": round(device_ms, 3),
+            "host_ms": round(step_ms - device_ms, 3),
+            "host_not_hidden_ms": round(max(0.0, async_ms - device_ms), 3),
+        }
+
+    def startup(self) -> dict:
+        """Seconds from a fresh process to an engine ready to serve (the default warm-up: the smallest step
+        program, the rest in the background) and to every program compiled: cold (empty compilation
+        cache), then warm (the cache the cold run filled)."""
+        import subprocess
+        import sys
+        import tempfile
+
+        script = (
+            "import json, sys, time; t0 = time.perf_counter()\n"
+            "from workers.engine import EngineConfig, EngineCore\n"
+            "core = EngineCore(EngineConfig(model=sys.argv[1], dtype=sys.argv[2], compilation_cache_dir=sys.argv[3]), show_progress=False)\n"
+            "ready = time.perf_counter() - t0; core.runner.wait_compiled()\n"
+            "print(json.dumps({'ready_s': round(ready, 2), 'all_compiled_s': round(time.perf_counter() - t0, 2), "
+            "'programs': len(core.runner.step_shapes())}))\n"
+        )
+        out = {}
+        with tempfile.TemporaryDirectory(prefix="moray-startup-") as cache:
+            for kind in ("cold", "warm"):
+                _log(f"start-up ({kind})")
+                proc = subprocess.run(
+                    [sys.executable, "-c", script, str(self.args.model), self.args.dtype, cache],
+                    capture_output=True,
+                    text=True,
+                    cwd=Path(__file__).resolve().parent.parent,
+                )
+                if proc.returncode:
+                    raise RuntimeError(f"start-up run failed: {proc.stderr[-2000:]}")
+                out[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+                _log(f"start-up ({kind}): {out[kind]}")
+        return out
 
     # ------------------------------------------------------------------ bandwidth
 
@@ -461,11 +525,14 @@ class _Bench:
             _log(f"run {r + 1}/{args.runs} prefill {args.prefill_len} tokens: {prefill[-1]:.1f} tok/s")
 
         split = {}
-        for b in args.roofline_batches:
+        for b in sorted(set(args.roofline_batches) | set(args.overhead_batches)):
             split[b] = self.step_split(b)
             _log(f"B={b} step split: {split[b]}")
 
         result = self._result(decode, hf_decode, hf_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
+        result["host_overhead"] = {str(b): split[b] for b in sorted(split)}
+        if args.startup:
+            result["startup"] = self.startup()
         result["load_average"] = {"start": load_start, "end": _loadavg()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
@@ -590,6 +657,11 @@ def _summary(result: dict) -> str:
     parts.append("roofline " + ", ".join(f"B={b}: {v['ratio']:.2f}" for b, v in result["roofline"].items()))
     if "ratio" in result["transformers"]:
         parts.append("vs transformers " + ", ".join(f"B={b}: {v:.2f}x" for b, v in result["transformers"]["ratio"].items()))
+    if result.get("host_overhead"):
+        parts.append(
+            "host not hidden ms/step "
+            + ", ".join(f"B={b}: {v['host_not_hidden_ms']:.2f} (of {v['host_ms']:.2f})" for b, v in result["host_overhead"].items())
+        )
     parts.append(f"bandwidth {result['bandwidth']['gb_per_s']:.1f} GB/s")
     parts.append(f"KV {result['kv_bytes_per_token']} B/token")
     if result["state_bytes_per_sequence"]:

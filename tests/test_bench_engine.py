@@ -66,6 +66,8 @@ def run_bench(tmp: Path, arch: str) -> tuple[dict, str, Path]:
             batches,
             "--compare-batches",
             batches,
+            "--overhead-batches",
+            batches,
             "--bandwidth-mib",
             "8",
         ],
@@ -132,7 +134,10 @@ def test_bandwidth_and_roofline(result):
         kv_per_token = preset.num_layers * 2 * preset.num_kv_heads * preset.head_dim * 4
         assert nbytes["kv"] >= b * PROMPT * kv_per_token
         split = roof["step_split"]
-        assert positive(split["step_ms"]) and positive(split["device_ms"])
+        assert positive(split["step_ms"]) and positive(split["device_ms"]) and positive(split["sync_step_ms"])
+        assert split["host_ms"] == pytest.approx(split["sync_step_ms"] - split["device_ms"], abs=2e-3)
+        assert 0 <= split["host_not_hidden_ms"] <= split["step_ms"]
+        assert data["host_overhead"][str(b)] == split
     assert data["kv_bytes_per_token"] == preset.num_layers * 2 * preset.num_kv_heads * preset.head_dim * 4
     assert data["state_bytes_per_sequence"] == 0 and data["kv_dtype"] == "float32"
     assert data["layers"] == {

@@ -3,6 +3,7 @@ preemption, aborts that never leak blocks, seeded sampling, compile counting, an
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -190,15 +191,59 @@ def test_logprobs_and_stop_strings(llm):
         assert out.text.startswith(stopped.text)
 
 
+def _mixed_run(engine) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts(12, seed=11, lo=1, hi=100)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=10))
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+    return out
+
+
 def test_no_recompilation_after_warmup(tiny):
-    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, **ENGINE_ARGS), show_progress=False)
+    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **ENGINE_ARGS), show_progress=False)
     traced = engine.runner.num_traces
     assert traced == 4  # 2 token buckets x 2 page buckets
-    for i, prompt in enumerate(prompts(12, seed=11, lo=1, hi=100)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0 if i % 2 else 0.7, max_tokens=10))
-    while engine.has_unfinished():
-        engine.step()
+    _mixed_run(engine)
     assert engine.runner.num_traces == traced
+
+
+def test_background_compilation_serves_first_and_ends_with_every_program(tiny):
+    """Only the smallest program is compiled before serving; steps needing others compile them (or wait
+    for the background thread's); once it is done nothing compiles again, and the tokens are the same."""
+    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=True, **ENGINE_ARGS), show_progress=False)
+    assert (8, 4, False) in engine.runner._programs  # the smallest, compiled before the constructor returned
+    first = _mixed_run(engine)
+    assert engine.runner.wait_compiled(timeout=600)
+    assert engine.runner.num_traces == 4
+    foreground = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **ENGINE_ARGS), show_progress=False)
+    assert first == _mixed_run(foreground)
+    _mixed_run(engine)
+    assert engine.runner.num_traces == 4
+
+
+def test_a_shape_locked_by_another_engine_is_left_for_later(tiny, tmp_path):
+    """Engines on one host share compilations: a shape whose lock another holds is skipped by the
+    background pass (compiled later, from the persistent cache), and compiled once the lock is free."""
+    import fcntl
+    import hashlib
+
+    engine = EngineCore(
+        EngineConfig(model=str(tiny), **{**ENGINE_ARGS, "warmup": False, "compilation_cache_dir": str(tmp_path)}), show_progress=False
+    )
+    runner, shape = engine.runner, (64, 16, False)
+    key = hashlib.sha256(f"{runner._model_key}|{shape}".encode()).hexdigest()[:24]
+    (tmp_path / "moray-locks").mkdir(exist_ok=True)
+    fd = os.open(tmp_path / "moray-locks" / key, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert not runner._claim_and_compile(shape, wait=False)
+        assert shape not in runner._programs
+    finally:
+        os.close(fd)
+    assert runner._claim_and_compile(shape, wait=False) and shape in runner._programs
 
 
 def test_kv_events_describe_the_cache(tiny):

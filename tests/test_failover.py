@@ -542,6 +542,9 @@ def cluster(model_dir):
         name=APP,
         decode={"replicas": 2},
         router={"policy": "round-robin", "remote_prefill_min_tokens": REMOTE_PREFILL_MIN_TOKENS},
+        # The queueing test needs its long streams to outlast the waiting requests' arrival; with
+        # asynchronous scheduling the tiny model decodes them faster than the model length allows for.
+        engine={"async_scheduling": False},
     )
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg["server"]["http_port"]))
     serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)

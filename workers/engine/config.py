@@ -170,6 +170,11 @@ class EngineConfig(BaseModel):
         default=None, ge=1, description="state slots: one per live request plus snapshots; default 2 x max_num_seqs + state_snapshots"
     )
 
+    async_scheduling: bool = Field(
+        default_factory=lambda: os.environ.get("MORAY_ASYNC_SCHEDULING", "1") != "0",
+        description="prepare the next step and process the last one's outputs while the device runs this one "
+        "(default on; MORAY_ASYNC_SCHEDULING=0 turns it off for a whole process tree, e.g. a test run)",
+    )
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     max_model_len: int | None = Field(default=None, ge=2, description="default: the model's, capped at 4096")
@@ -178,6 +183,11 @@ class EngineConfig(BaseModel):
     token_buckets: list[int] | None = None
     page_buckets: list[int] | None = None
     warmup: bool = True
+    background_compile: bool = Field(
+        default=True,
+        description="with warmup: compile the smallest step program before serving and the rest on a background "
+        "thread (a step needing one not compiled yet compiles it first); off: all before serving",
+    )
     compilation_cache_dir: str | None = DEFAULT_COMPILE_CACHE
 
     worker_id: str = "worker-0"

@@ -132,6 +132,9 @@ class DataParallelKVCacheManager:
     def update_hashes(self, request: Request) -> None:
         self.ranks[0].update_hashes(request)  # hashes depend on the tokens only
 
+    def plan_needs_pending_token(self, request: Request) -> bool:
+        return self.ranks[0].plan_needs_pending_token(request)  # depends on the position only
+
     def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
         """No host tier under data-parallel attention yet."""
         return []
@@ -188,6 +191,7 @@ class DataParallelRunner(ModelRunner):
         self.slots_per_rank = slots_per_rank
         self.rank_sharding = NamedSharding(model.mesh, PartitionSpec(model.data_axes))
         super().__init__(model, config, blocks_per_rank * self.dp, max_model_len, slots_per_rank * self.dp)
+        self.token_sharding = self.rank_sharding
         replicated = NamedSharding(model.mesh, PartitionSpec())
         pages = [self.rank_sharding] * self.cfg.num_kv_layers
         pools = None
@@ -239,7 +243,7 @@ class DataParallelRunner(ModelRunner):
     def rank_of(self, block_ids: list[int]) -> int:
         return block_ids[0] // self.blocks_per_rank
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, prev_tokens: jax.Array | None = None) -> StepInputs:
         """Per-rank rows padded to one token bucket; logits rows in the scheduler's order."""
         ranks = [self.rank_of(item.request.block_ids) for item in out.scheduled]
         tokens_per_rank = np.bincount(ranks, [item.num_new_tokens for item in out.scheduled], minlength=self.dp)
@@ -257,7 +261,10 @@ class DataParallelRunner(ModelRunner):
             i, o = seq[r], offset[r]
             pos = np.arange(start, start + k, dtype=np.int32)
             blocks = np.asarray(req.block_ids, np.int32) - r * self.blocks_per_rank
-            inputs.tokens[r, o : o + k] = req.all_token_ids[start : start + k]
+            known = req.all_token_ids
+            inputs.tokens[r, o : o + max(0, min(k, len(known) - start))] = known[start : start + k]
+            if start + k > len(known):  # its last input token is still being sampled on the device
+                inputs.take_pending_token((r, o + k - 1), req.pending_row, prev_tokens)
             inputs.positions[r, o : o + k] = pos
             inputs.slot_mapping[r, o : o + k] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             inputs.kv_lens[r, i] = start + k
@@ -296,12 +303,11 @@ class DataParallelRunner(ModelRunner):
             inputs.decode_only = decode_only
         return inputs
 
-    def run(self, inputs: StepInputs) -> jax.Array:
-        """Places each rank's rows on its devices, then runs the step."""
-        per_rank = ["tokens", "positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
+    def _step_args(self, inputs: StepInputs) -> tuple:
+        """Each rank's rows placed on its devices."""
+        per_rank = ["positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
         if self.num_state_slots:
             per_rank += ["state_slots", "snap_slots", "snap_lens"]
         placed = {name: jax.device_put(getattr(inputs, name), self.rank_sharding) for name in per_rank}
-        return super().run(
-            StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only, state_inits=inputs.state_inits)
-        )
+        placed["tokens"] = self.input_tokens(inputs)  # placed by the base (token_sharding)
+        return super()._step_args(StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import numpy as np
@@ -30,7 +30,7 @@ from .retention import SessionAwareLRU
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_logprobs, sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .state_cache import HybridCacheManager
 
 log = logging.getLogger("moray.engine")
@@ -39,18 +39,50 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
+class GrowingPrefix(Sequence):
+    """The first `n` items of a list that is only ever appended to: an O(1) snapshot of a request's
+    outputs so far (copying the whole list into every per-token update made streaming O(length))."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._items[i] for i in range(self._n)[index]]
+        return self._items[range(self._n)[index]]
+
+    def __iter__(self):
+        return (self._items[i] for i in range(self._n))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, GrowingPrefix)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):  # crosses processes as a plain list
+        return (list, (list(self),))
+
+
 @dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
+    token_ids: Sequence[int]  # every output token so far (a read-only view)
     new_token_ids: list[int]  # the tokens this update adds
     text: str  # the whole output text so far (empty without a tokenizer)
     delta_text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_cached_tokens: int
-    logprobs: list[dict[int, float]] | None = None  # per output token: {token id: logprob}, top-N + chosen
+    logprobs: Sequence[dict[int, float]] | None = None  # per output token: {token id: logprob}, top-N + chosen
     prompt_logprobs: list | None = None  # per prompt position (None at 0): {token id: Logprob}
 
 
@@ -86,6 +118,15 @@ class EngineStats:
     # Cached blocks evicted (device and host tier) while the session that last used them was live: the
     # retention order's last resort (retention.py); growing fast means the tiers are too small.
     evicted_live_session_blocks: int = 0
+
+
+@dataclass
+class _InFlight:
+    """A launched step: the requests it samples a token for (row j = requests[j]) and the sampled arrays,
+    still on the device."""
+
+    requests: list[Request]
+    sampled: dict
 
 
 @dataclass
@@ -176,10 +217,14 @@ class EngineCore:
             )
         if config.host_kv.enabled and not isinstance(getattr(self.kv, "host", None), HostKVTier):
             raise ValueError("host_kv: the host KV tier is not supported yet with data-parallel attention")
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
         self._finished_outside_step: list[RequestOutput] = []
         self._step_counter = 0
+        self._inflight: _InFlight | None = None  # the step launched last, whose outputs are not read yet
+        # One engine over several processes runs every step in lockstep on all of them: kept synchronous
+        # (and compiled before serving) until asynchronous steps are checked for lockstep there.
+        self.single_process = jax.process_count() == 1
         self._rng = np.random.default_rng(config.seed)
         self.prefix_queries = self.prefix_hits = 0
         self.host_copy_seconds = 0.0  # host time spent on the host tier's copies (dispatch and fetch)
@@ -332,7 +377,8 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """Work the step loop can make progress on (importing requests wait for `import_kv`)."""
-        return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
+        inflight = self._inflight is not None and any(not r.status.finished for r in self._inflight.requests)
+        return self.scheduler.has_unfinished() or bool(self._finished_outside_step) or inflight
 
     def stats(self) -> EngineStats:
         running = self.scheduler.running
@@ -460,24 +506,67 @@ class EngineCore:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. With asynchronous scheduling (the default) it launches this step's program and
+        then, while the device runs it, reads the previous step's sampled tokens and turns them into
+        outputs: the host's work (schedule, prepare, detokenise, stop checks) overlaps the device's, and a
+        step's outputs come back from the next call. Without it, each call waits for its own step."""
         outputs, self._finished_outside_step = self._finished_outside_step, []
+        if self._inflight is not None and self._needs_pending_tokens():
+            outputs += self._process(self._take_inflight())
         self._finish_host_saves()
         self._admit_loaded()
         sched = self.scheduler.schedule()
         self._dispatch_host_copies()  # evicted blocks out and reused ones in, even when only loads started
-        if not sched.scheduled:
-            return outputs
+        launched = self._launch(sched) if sched.scheduled else None
+        if self._inflight is not None:
+            outputs += self._process(self._take_inflight())
+        self._inflight = launched
+        if launched is not None and not (self.config.async_scheduling and self.single_process):
+            outputs += self._process(self._take_inflight())
+        return outputs
+
+    def _needs_pending_tokens(self) -> bool:
+        """Whether planning the next step needs tokens the step in flight is still sampling: penalties count
+        every output token, and a hybrid model names the snapshot at a block's end by the block's tokens."""
+        return any(
+            r.num_pending_outputs and (r.sampling_params.uses_penalties or self.kv.plan_needs_pending_token(r))
+            for r in self.scheduler.running
+        )
+
+    def _take_inflight(self) -> _InFlight:
+        inflight, self._inflight = self._inflight, None
+        return inflight
+
+    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+        """Dispatches the step's program and its sampling, and returns without waiting for either."""
         self.runner.copy_blocks(sched.block_copies)
-        logits = self.runner.run(self.runner.prepare(sched))
-        sampling_rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]
-        sampled = self._sample(logits, [sched.scheduled[i].request for i in sampling_rows], sampling_rows) if sampling_rows else None
+        prev = self._inflight.sampled.get("token_ids") if self._inflight is not None else None
+        logits = self.runner.run(self.runner.prepare(sched, prev))
+        rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]
+        requests = [sched.scheduled[i].request for i in rows]
+        sampled = self._sample(logits, requests, rows) if rows else {}
         for item in sched.scheduled:
             self.scheduler.advance(item)
-        for j, i in enumerate(sampling_rows):
-            out = self._append_token(sched.scheduled[i].request, sampled, j)
+        for j, request in enumerate(requests):
+            request.num_pending_outputs += 1
+            request.pending_row = j
+        self._step_counter += 1
+        return _InFlight(requests, sampled)
+
+    def _process(self, inflight: _InFlight) -> list[RequestOutput]:
+        """The step's sampled tokens on the host, appended to their requests (skipping requests that ended
+        meanwhile: aborted, or stopped by the token before, whose step ran ahead of knowing it)."""
+        if not inflight.requests:
+            return []
+        sampled = jax.device_get(inflight.sampled)
+        outputs = []
+        for j, request in enumerate(inflight.requests):
+            request.num_pending_outputs -= 1
+            if request.status.finished or request.request_id not in self._states:
+                continue
+            out = self._append_token(request, sampled, j)
             if out is not None:
                 outputs.append(out)
-        self._step_counter += 1
         return outputs
 
     def _sample(self, logits: jax.Array, requests: list[Request], rows: list[int]) -> dict:
@@ -488,7 +577,7 @@ class EngineCore:
         uses_penalties = any(p.uses_penalties for p in params)
         batch = build_sampling_batch(
             params,
-            [len(r.output_token_ids) for r in requests],
+            [len(r.output_token_ids) + r.num_pending_outputs for r in requests],
             bucket,
             logits.shape[1],
             prompt_token_ids_list=[r.prompt_token_ids for r in requests] if uses_penalties else None,
@@ -499,9 +588,11 @@ class EngineCore:
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
         out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
         # Only what the step reads comes back to the host: the tokens, plus logprobs if a request asks.
-        if all(p.logprobs is None for p in params):
-            return {"token_ids": np.asarray(out.token_ids)}
-        return jax.device_get(out._asdict())
+        # Left on the device here; the copies start now and are read when the step's outputs are made.
+        wanted = {"token_ids": out.token_ids} if all(p.logprobs is None for p in params) else out._asdict()
+        for array in wanted.values():
+            array.copy_to_host_async()
+        return wanted
 
     def _append_token(self, request: Request, sampled: dict, j: int) -> RequestOutput | None:
         state = self._states[request.request_id]
@@ -539,18 +630,20 @@ class EngineCore:
         return out
 
     def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
+        """O(new tokens) while streaming (views of the lists so far); plain lists in the final output."""
         state = self._states.get(request.request_id)
+        finished = request.status.finished
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            new_token_ids=list(new_tokens),
+            token_ids=list(request.output_token_ids) if finished else GrowingPrefix(request.output_token_ids),
+            new_token_ids=new_tokens,
             text=state.detokenizer.text if state else "",
             delta_text=delta,
-            finished=request.status.finished,
-            finish_reason=request.status.value if request.status.finished else None,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            logprobs=list(state.logprobs) if state and state.logprobs is not None else None,
+            logprobs=None if not state or state.logprobs is None else list(state.logprobs) if finished else GrowingPrefix(state.logprobs),
             prompt_logprobs=state.prompt_logprobs if state else None,
         )
 
@@ -572,7 +665,7 @@ class EngineCore:
                 batch = build_sampling_batch([p], [0], logits.shape[0], logits.shape[1], step_seed=0, eos_token_ids=self.eos_token_ids)
                 sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32))
 
-        return self.runner.warmup(sample_variants, show_progress)
+        return self.runner.warmup(sample_variants, show_progress, background=self.config.background_compile and self.single_process)
 
 
 def load_engine_model(config: EngineConfig, show_progress: bool = True) -> LoadedModel:

@@ -248,6 +248,11 @@ class KVCacheManager:
         manager answers per rank)."""
         return True
 
+    def plan_needs_pending_token(self, request: Request) -> bool:
+        """Asynchronous scheduling: whether planning the request's next step needs the token a step in
+        flight is still sampling. Never for attention-only models (block tables need no token ids)."""
+        return False
+
     def plan_step(self, request: Request, start: int, num_new_tokens: int) -> None:
         """Nothing beyond the block table: attention-only models need no per-step cache directions."""
         return None

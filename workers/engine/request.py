@@ -47,6 +47,11 @@ class Request:
     # evicted after sessionless ones while the session is live (retention.py).
     session_id: str | None = None
     first_token_time: float | None = None
+    # Asynchronous scheduling: tokens sampled by a step still in flight (0 or 1), not yet in
+    # `output_token_ids`, and the row of that step's sampled tokens holding it (the next step's input
+    # reads it there, on the device).
+    num_pending_outputs: int = 0
+    pending_row: int = -1
     _all_tokens: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -64,6 +69,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the scheduler plans with: the known ones plus those a step in flight is sampling."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_outputs
 
     @property
     def num_prompt_tokens(self) -> int:

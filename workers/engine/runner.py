@@ -8,8 +8,13 @@ The KV pages are donated to each step, so XLA updates them in place.
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
+import hashlib
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,6 +61,16 @@ class StepInputs:
     snap_slots: np.ndarray | None = None  # i32[S]
     snap_lens: np.ndarray | None = None  # i32[S]
     decode_only: bool = False  # every sequence has exactly one token (a hybrid model's decode program)
+    # Asynchronous scheduling: where an input token is one the previous step sampled and the host has not
+    # seen yet, its row in that step's sampled tokens (`prev_tokens`, on the device); -1 elsewhere.
+    token_sources: np.ndarray | None = None  # i32, the shape of `tokens`
+    prev_tokens: jax.Array | None = None
+
+    def take_pending_token(self, index: tuple, row: int, prev_tokens: jax.Array) -> None:
+        if self.token_sources is None:
+            self.token_sources = np.full(self.tokens.shape, -1, np.int32)
+            self.prev_tokens = prev_tokens
+        self.token_sources[index] = row
 
     def states(self) -> tuple | None:
         if self.state_slots is None:
@@ -83,8 +98,24 @@ class ModelRunner:
         # Linear-attention layers: conv and recurrent state pools, float32, addressed by slot.
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
+        # Input tokens are placed explicitly, merged with the device's sampled tokens or not, so that both
+        # kinds of step reach the same compiled program (jit keys its cache on the arguments' placement).
+        self.token_sharding = NamedSharding(self.model.mesh, PartitionSpec())
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnames=("decode_only",))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        # Step programs compiled ahead of time, by shape (token bucket, page bucket, decode-only); a shape
+        # missing when a step needs it is compiled then, by whichever thread gets to it first.
+        self._programs: dict[tuple[int, int, bool], object] = {}
+        self._compiling: dict[tuple[int, int, bool], concurrent.futures.Future] = {}
+        self._compile_lock = threading.Lock()
+        self._background: threading.Thread | None = None
+        self.lock_dir = (
+            None if not config.compilation_cache_dir else os.path.join(os.path.expanduser(config.compilation_cache_dir), "moray-locks")
+        )
+        self._model_key = f"{config.model}|{config.dtype}|{self.num_blocks}|{self.num_state_slots}|{self.max_num_seqs}"
+        # Shapes and placements of the weights, KV pages and state pools, fixed for the runner's life (taken
+        # now: the live pages are donated to every step).
+        self._cache_specs = jax.tree.map(_spec, (self.model.weights, self.kv_pages, self.state_pools))
 
     def _replicated(self, make) -> jax.Array:
         # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
@@ -148,7 +179,9 @@ class ModelRunner:
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, prev_tokens: jax.Array | None = None) -> StepInputs:
+        """`prev_tokens`: the previous step's sampled tokens on the device, read for the input tokens the
+        host does not have yet (asynchronous scheduling)."""
         num_tokens = out.num_tokens
         n = pick_bucket(self.token_buckets, num_tokens)
         s = self.seqs_for(n)
@@ -161,21 +194,29 @@ class ModelRunner:
         cu = np.zeros((s + 1,), np.int32)
         logits_idx = np.zeros((s,), np.int32)
         offset = 0
+        inputs = StepInputs(tokens, positions, slots, kv_lens, pages, cu, np.array([len(out.scheduled)], np.int32), logits_idx)
+        bs = self.block_size
         for i, item in enumerate(out.scheduled):
             req, k, start = item.request, item.num_new_tokens, item.start
-            pos = np.arange(start, start + k, dtype=np.int32)
-            tokens[0, offset : offset + k] = req.all_token_ids[start : start + k]
-            positions[0, offset : offset + k] = pos
-            blocks = np.asarray(req.block_ids, np.int32)
-            slots[offset : offset + k] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            known = req.all_token_ids
+            if start + k > len(known):  # its last input token is still being sampled on the device
+                inputs.take_pending_token((0, offset + k - 1), req.pending_row, prev_tokens)
+            if k == 1:  # decode: scalar writes, no temporary arrays
+                if start < len(known):
+                    tokens[0, offset] = known[start]
+                positions[0, offset] = start
+                slots[offset] = req.block_ids[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + k, dtype=np.int32)
+                tokens[0, offset : offset + min(k, len(known) - start)] = known[start : start + k]
+                positions[0, offset : offset + k] = pos
+                slots[offset : offset + k] = np.asarray(req.block_ids, np.int32)[pos // bs] * bs + pos % bs
             kv_lens[i] = start + k
-            pages[i, : len(blocks)] = blocks
+            pages[i, : len(req.block_ids)] = req.block_ids
             offset += k
             cu[i + 1] = offset
             logits_idx[i] = offset - 1
         cu[len(out.scheduled) + 1 :] = offset
-        num_seqs = np.array([len(out.scheduled)], np.int32)
-        inputs = StepInputs(tokens, positions, slots, kv_lens, pages, cu, num_seqs, logits_idx)
         if self.num_state_slots:
             self._prepare_states(inputs, out)
         return inputs
@@ -201,11 +242,14 @@ class ModelRunner:
         """Runs one step; returns float32 logits [S_bucket, vocab] on device (row i = scheduled request i)."""
         if inputs.state_inits:
             self.init_state_slots(inputs.state_inits)
-        logits, self.kv_pages, self.state_pools = self._step(
-            self.model.weights,
-            self.kv_pages,
-            self.state_pools,
-            inputs.tokens,
+        program = self.program(self.shape_of(inputs))
+        logits, self.kv_pages, self.state_pools = program(self.model.weights, self.kv_pages, self.state_pools, *self._step_args(inputs))
+        return logits
+
+    def _step_args(self, inputs: StepInputs) -> tuple:
+        """The step program's per-step arguments (after the weights and the cache)."""
+        return (
+            jax.device_put(self.input_tokens(inputs), self.token_sharding),
             inputs.positions,
             inputs.slot_mapping,
             inputs.kv_lens,
@@ -214,9 +258,128 @@ class ModelRunner:
             inputs.num_seqs,
             inputs.logits_indices,
             inputs.states(),
-            decode_only=inputs.decode_only,
         )
-        return logits
+
+    @staticmethod
+    def shape_of(inputs: StepInputs) -> tuple[int, int, bool]:
+        return inputs.tokens.shape[-1], inputs.page_indices.shape[-1], inputs.decode_only
+
+    # ---------------------------------------------------------------- step programs
+
+    def program(self, shape: tuple[int, int, bool]):
+        """The compiled step program of `shape`: compiled now if nothing has compiled it yet, awaited if
+        another thread is compiling it."""
+        program = self._programs.get(shape)
+        if program is not None:
+            return program
+        with self._compile_lock:
+            future = self._compiling.get(shape)
+            mine = future is None
+            if mine:
+                future = self._compiling[shape] = concurrent.futures.Future()
+        if mine:
+            self._compile(shape, future, wait_for_others=True)
+        return future.result()
+
+    def _compile(self, shape: tuple[int, int, bool], future: concurrent.futures.Future, wait_for_others: bool) -> bool:
+        """Compiles one step program (ahead of time: from shapes, touching no live array). Other engines on
+        this host sharing the compilation cache compile each shape once between them: a file lock per
+        shape, whose holder compiles while the others wait (or, in the background, move on) and then load
+        its binary from the persistent cache. Returns False when it moved on."""
+        with self._shape_lock(shape, wait_for_others) as held:
+            if not held:
+                return False
+            try:
+                n, p, decode_only = shape
+                specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only)))
+                program = self._step.lower(*self._cache_specs, *specs, decode_only=decode_only).compile()
+            except BaseException as e:
+                future.set_exception(e)
+                raise
+        self._programs[shape] = program
+        future.set_result(program)
+        return True
+
+    def _shape_lock(self, shape, wait: bool):
+        runner = self
+
+        class _Lock:
+            def __enter__(self):
+                self.fd = None
+                if runner.lock_dir is None:
+                    return True
+                os.makedirs(runner.lock_dir, exist_ok=True)
+                key = hashlib.sha256(f"{runner._model_key}|{shape}".encode()).hexdigest()[:24]
+                self.fd = os.open(os.path.join(runner.lock_dir, key), os.O_CREAT | os.O_RDWR, 0o644)
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    os.close(self.fd)
+                    self.fd = None
+                    return False
+                return True
+
+            def __exit__(self, *exc):
+                if self.fd is not None:
+                    os.close(self.fd)  # releases the lock
+
+        return _Lock()
+
+    def compile_in_background(self, shapes: list[tuple[int, int, bool]], sample_fn=None) -> None:
+        """Compiles `shapes` (smallest first) on a background thread while the engine serves; a step that
+        needs one first compiles it itself. Shapes another engine holds the lock of are left for a second
+        pass, by when their binaries are in the persistent cache."""
+
+        def work():
+            start = time.perf_counter()
+            later = []
+            for shape in shapes:
+                if not self._claim_and_compile(shape, wait=False):
+                    later.append(shape)
+            for shape in later:
+                self._claim_and_compile(shape, wait=True)
+            if sample_fn is not None:
+                for shape in shapes:
+                    sample_fn(self._dummy_logits(shape))
+            log.info("background compilation of %d step programs done in %.1fs", len(shapes), time.perf_counter() - start)
+
+        self._background = threading.Thread(target=work, name="moray-compile", daemon=True)
+        self._background.start()
+
+    def _claim_and_compile(self, shape, wait: bool) -> bool:
+        with self._compile_lock:
+            if shape in self._compiling:
+                return True  # done or under way elsewhere
+            future = self._compiling[shape] = concurrent.futures.Future()
+        try:
+            done = self._compile(shape, future, wait_for_others=wait)
+        except Exception:  # noqa: BLE001 - the step that needs it compiles it again and reports the error
+            log.exception("background compilation of step program %s failed", shape)
+            with self._compile_lock:
+                self._compiling.pop(shape, None)
+            return True
+        if not done:
+            with self._compile_lock:
+                self._compiling.pop(shape, None)
+        return done
+
+    def _dummy_logits(self, shape) -> jax.Array:
+        info = self.program(shape).out_info[0]
+        return jax.device_put(np.zeros(info.shape, info.dtype), info.sharding)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits for the background compilation (if any); True when every step program is compiled."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return all(shape in self._programs for shape in self.step_shapes())
+
+    @staticmethod
+    def input_tokens(inputs: StepInputs):
+        """The step's input tokens: the host's, with the previous step's sampled tokens merged in on the
+        device where the host does not have them yet."""
+        if inputs.token_sources is None:
+            return inputs.tokens
+        return _merge_tokens_jit(inputs.tokens, inputs.prev_tokens, inputs.token_sources)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         if copies:
@@ -332,16 +495,17 @@ class ModelRunner:
             shapes += [(n, p, True) for n in self.token_buckets if n <= largest_decode for p in self.page_buckets]
         return shapes
 
-    def warmup(self, sample_fn=None, show_progress: bool = True) -> float:
-        """Compiles every step program (`step_shapes`), and the sampler per sequence bucket."""
+    def warmup(self, sample_fn=None, show_progress: bool = True, background: bool = False) -> float:
+        """Compiles every step program (`step_shapes`), and the sampler per sequence bucket. `background`:
+        only the smallest program now (the engine can serve), the rest on a background thread."""
         start = time.perf_counter()
-        shapes = self.step_shapes()
-        progress = Progress(len(shapes), "compiling step buckets", enabled=show_progress)
-        for n, p, decode_only in shapes:
-            logits = self.run(self.dummy_inputs(n, p, decode_only))
+        shapes = sorted(self.step_shapes(), key=lambda s: (s[0] * s[1], s))
+        now, later = (shapes[:1], shapes[1:]) if background else (shapes, [])
+        progress = Progress(len(now), "compiling step buckets", enabled=show_progress)
+        for shape in now:
+            self.program(shape)
             if sample_fn is not None:
-                sample_fn(logits)
-            jax.block_until_ready(logits)
+                sample_fn(self._dummy_logits(shape))
             progress(1)
         if self.num_state_slots:  # the slot set-up programs (nothing real: every destination is padding)
             for n in self.init_buckets:
@@ -349,8 +513,19 @@ class ModelRunner:
                     self.state_pools, np.full((n,), self.num_state_slots, np.int32), np.zeros((n,), np.int32)
                 )
         elapsed = time.perf_counter() - start
-        log.info("warm-up compiled %d step programs in %.1fs", len(shapes), elapsed)
+        log.info(
+            "warm-up compiled %d step programs in %.1fs%s", len(now), elapsed, f"; {len(later)} more in the background" if later else ""
+        )
+        if later:
+            self.compile_in_background(later, sample_fn)
         return elapsed
+
+
+def _spec(x):
+    """An argument's shape, dtype and (for device arrays) placement: what ahead-of-time compilation needs."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
 
 
 def _gather_blocks(kv_pages, ids):
@@ -366,6 +541,11 @@ def _copy_pages(kv_pages, src, dst):
     return [pages.at[dst].set(pages[src]) for pages in kv_pages]
 
 
+def _merge_tokens(tokens, prev_tokens, sources):
+    return jnp.where(sources >= 0, prev_tokens[jnp.maximum(sources, 0)], tokens)
+
+
+_merge_tokens_jit = jax.jit(_merge_tokens)
 _gather_jit = jax.jit(_gather_blocks)
 _scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
 

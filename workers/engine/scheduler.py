@@ -33,7 +33,7 @@ class ScheduledRequest:
     @property
     def completes_known_tokens(self) -> bool:
         """True when this step reaches the end of the request's tokens, so it yields a sampled token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens == self.request.num_scheduled_tokens
 
 
 @dataclass
@@ -48,8 +48,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None):
         self.kv = kv
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -140,7 +141,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted while making room for an earlier request
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_pending_token(request):
+                continue  # the token a step in flight samples is its last: nothing more to compute
+            n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
             while True:
                 copies = self.kv.allocate(request, n)
                 if copies is not None:
@@ -164,6 +167,8 @@ class Scheduler:
         for request in scan:
             if budget == 0 or len(self.running) >= self.max_num_seqs or passed_over >= self.max_num_seqs:
                 break
+            if request.num_pending_outputs:
+                continue  # preempted while a step in flight samples its next token: back once it is known
             host: list[int] = []
             if request.block_ids:  # KV imported from a prefill worker: blocks already allocated
                 prefix = []
@@ -199,6 +204,16 @@ class Scheduler:
             budget -= n
             self._note_computing(request, computing)
         return out
+
+    def _ends_with_pending_token(self, request: Request) -> bool:
+        """Asynchronous scheduling: whether the token being sampled for `request` is certain to finish it
+        (max_tokens or the model length), so a step for the token after it would be wasted."""
+        if not request.num_pending_outputs:
+            return False
+        outputs = len(request.output_token_ids) + request.num_pending_outputs
+        if outputs >= request.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and request.num_scheduled_tokens >= self.max_model_len
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens

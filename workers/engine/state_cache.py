@@ -257,6 +257,13 @@ class HybridCacheManager:
         manager answers per rank)."""
         return True
 
+    def plan_needs_pending_token(self, request: Request) -> bool:
+        """Asynchronous scheduling: a decode step that fills a block snapshots the state there, named by the
+        block's hash, which needs the token a step in flight is still sampling (once per block)."""
+        if not self.enable_prefix_caching or self.slots.max_snapshots == 0:
+            return False
+        return (request.num_computed_tokens + 1) % self.block_size == 0
+
     def plan_step(self, request: Request, start: int, num_new_tokens: int) -> StateStep:
         """The working slot, how it starts, and the snapshot this step writes (the last block boundary
         the step crosses, when that prefix is not snapshotted yet)."""
