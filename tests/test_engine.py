@@ -239,11 +239,11 @@ def test_a_shape_locked_by_another_engine_is_left_for_later(tiny, tmp_path):
     fd = os.open(tmp_path / "moray-locks" / key, os.O_CREAT | os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        assert not runner._claim_and_compile(shape, wait=False)
-        assert shape not in runner._programs
+        assert not runner._compile_unless_locked(shape, wait=False)
+        assert shape not in runner._programs and shape not in runner._compiling  # nothing claimed
     finally:
         os.close(fd)
-    assert runner._claim_and_compile(shape, wait=False) and shape in runner._programs
+    assert runner._compile_unless_locked(shape, wait=False) and shape in runner._programs
 
 
 def test_kv_events_describe_the_cache(tiny):

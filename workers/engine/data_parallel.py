@@ -261,10 +261,7 @@ class DataParallelRunner(ModelRunner):
             i, o = seq[r], offset[r]
             pos = np.arange(start, start + k, dtype=np.int32)
             blocks = np.asarray(req.block_ids, np.int32) - r * self.blocks_per_rank
-            known = req.all_token_ids
-            inputs.tokens[r, o : o + max(0, min(k, len(known) - start))] = known[start : start + k]
-            if start + k > len(known):  # its last input token is still being sampled on the device
-                inputs.take_pending_token((r, o + k - 1), req.pending_row, prev_tokens)
+            inputs.put_tokens(r, o, req, start, k, prev_tokens)
             inputs.positions[r, o : o + k] = pos
             inputs.slot_mapping[r, o : o + k] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             inputs.kv_lens[r, i] = start + k

@@ -40,13 +40,13 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 class GrowingPrefix(Sequence):
-    """The first `n` items of a list that is only ever appended to: an O(1) snapshot of a request's
+    """A list's items so far, the list being only ever appended to: an O(1) snapshot of a request's
     outputs so far (copying the whole list into every per-token update made streaming O(length))."""
 
     __slots__ = ("_items", "_n")
 
-    def __init__(self, items: list, n: int | None = None):
-        self._items, self._n = items, len(items) if n is None else n
+    def __init__(self, items: list):
+        self._items, self._n = items, len(items)
 
     def __len__(self) -> int:
         return self._n

@@ -9,6 +9,7 @@ The KV pages are donated to each step, so XLA updates them in place.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -66,11 +67,20 @@ class StepInputs:
     token_sources: np.ndarray | None = None  # i32, the shape of `tokens`
     prev_tokens: jax.Array | None = None
 
-    def take_pending_token(self, index: tuple, row: int, prev_tokens: jax.Array) -> None:
-        if self.token_sources is None:
-            self.token_sources = np.full(self.tokens.shape, -1, np.int32)
-            self.prev_tokens = prev_tokens
-        self.token_sources[index] = row
+    def put_tokens(self, row: int, offset: int, request, start: int, k: int, prev_tokens: jax.Array | None) -> None:
+        """Input tokens [start, start + k) of `request` at tokens[row, offset:]; a last one the host does
+        not have yet (sampled by the step in flight) is taken from `prev_tokens` on the device."""
+        known = request.all_token_ids
+        have = max(0, min(k, len(known) - start))
+        if have == 1:  # decode: a scalar write, no temporary list
+            self.tokens[row, offset] = known[start]
+        elif have:
+            self.tokens[row, offset : offset + have] = known[start : start + have]
+        if have < k:
+            if self.token_sources is None:
+                self.token_sources = np.full(self.tokens.shape, -1, np.int32)
+                self.prev_tokens = prev_tokens
+            self.token_sources[row, offset + k - 1] = request.pending_row
 
     def states(self) -> tuple | None:
         if self.state_slots is None:
@@ -198,17 +208,12 @@ class ModelRunner:
         bs = self.block_size
         for i, item in enumerate(out.scheduled):
             req, k, start = item.request, item.num_new_tokens, item.start
-            known = req.all_token_ids
-            if start + k > len(known):  # its last input token is still being sampled on the device
-                inputs.take_pending_token((0, offset + k - 1), req.pending_row, prev_tokens)
+            inputs.put_tokens(0, offset, req, start, k, prev_tokens)
             if k == 1:  # decode: scalar writes, no temporary arrays
-                if start < len(known):
-                    tokens[0, offset] = known[start]
                 positions[0, offset] = start
                 slots[offset] = req.block_ids[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, start + k, dtype=np.int32)
-                tokens[0, offset : offset + min(k, len(known) - start)] = known[start : start + k]
                 positions[0, offset : offset + k] = pos
                 slots[offset : offset + k] = np.asarray(req.block_ids, np.int32)[pos // bs] * bs + pos % bs
             kv_lens[i] = start + k
@@ -272,58 +277,53 @@ class ModelRunner:
         program = self._programs.get(shape)
         if program is not None:
             return program
-        with self._compile_lock:
-            future = self._compiling.get(shape)
-            mine = future is None
-            if mine:
-                future = self._compiling[shape] = concurrent.futures.Future()
+        future, mine = self._claim(shape)
         if mine:
-            self._compile(shape, future, wait_for_others=True)
+            with self._shape_lock(shape, wait=True):
+                self._compile_into(shape, future)
         return future.result()
 
-    def _compile(self, shape: tuple[int, int, bool], future: concurrent.futures.Future, wait_for_others: bool) -> bool:
-        """Compiles one step program (ahead of time: from shapes, touching no live array). Other engines on
-        this host sharing the compilation cache compile each shape once between them: a file lock per
-        shape, whose holder compiles while the others wait (or, in the background, move on) and then load
-        its binary from the persistent cache. Returns False when it moved on."""
-        with self._shape_lock(shape, wait_for_others) as held:
-            if not held:
-                return False
-            try:
-                n, p, decode_only = shape
-                specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only)))
-                program = self._step.lower(*self._cache_specs, *specs, decode_only=decode_only).compile()
-            except BaseException as e:
-                future.set_exception(e)
-                raise
+    def _claim(self, shape: tuple[int, int, bool]) -> tuple[concurrent.futures.Future, bool]:
+        """The future of `shape`'s program, and whether the caller just claimed it (and must compile it)."""
+        with self._compile_lock:
+            future = self._compiling.get(shape)
+            if future is not None:
+                return future, False
+            future = self._compiling[shape] = concurrent.futures.Future()
+            return future, True
+
+    def _compile_into(self, shape: tuple[int, int, bool], future: concurrent.futures.Future) -> None:
+        """Compiles one step program ahead of time: from shapes, touching no live array."""
+        try:
+            n, p, decode_only = shape
+            specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only)))
+            program = self._step.lower(*self._cache_specs, *specs, decode_only=decode_only).compile()
+        except BaseException as e:
+            future.set_exception(e)  # a step waiting for it gets the error
+            raise
         self._programs[shape] = program
         future.set_result(program)
-        return True
 
-    def _shape_lock(self, shape, wait: bool):
-        runner = self
-
-        class _Lock:
-            def __enter__(self):
-                self.fd = None
-                if runner.lock_dir is None:
-                    return True
-                os.makedirs(runner.lock_dir, exist_ok=True)
-                key = hashlib.sha256(f"{runner._model_key}|{shape}".encode()).hexdigest()[:24]
-                self.fd = os.open(os.path.join(runner.lock_dir, key), os.O_CREAT | os.O_RDWR, 0o644)
-                try:
-                    fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-                except BlockingIOError:
-                    os.close(self.fd)
-                    self.fd = None
-                    return False
-                return True
-
-            def __exit__(self, *exc):
-                if self.fd is not None:
-                    os.close(self.fd)  # releases the lock
-
-        return _Lock()
+    @contextlib.contextmanager
+    def _shape_lock(self, shape: tuple[int, int, bool], wait: bool):
+        """Yields whether this engine holds `shape`'s host-wide lock. Engines on one host sharing the
+        compilation cache compile each shape once between them: the holder compiles, the others wait (or,
+        in the background, move on) and then load its binary from the persistent cache."""
+        if self.lock_dir is None:
+            yield True
+            return
+        os.makedirs(self.lock_dir, exist_ok=True)
+        key = hashlib.sha256(f"{self._model_key}|{shape}".encode()).hexdigest()[:24]
+        fd = os.open(os.path.join(self.lock_dir, key), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
 
     def compile_in_background(self, shapes: list[tuple[int, int, bool]], sample_fn=None) -> None:
         """Compiles `shapes` (smallest first) on a background thread while the engine serves; a step that
@@ -332,12 +332,9 @@ class ModelRunner:
 
         def work():
             start = time.perf_counter()
-            later = []
-            for shape in shapes:
-                if not self._claim_and_compile(shape, wait=False):
-                    later.append(shape)
+            later = [shape for shape in shapes if not self._compile_unless_locked(shape, wait=False)]
             for shape in later:
-                self._claim_and_compile(shape, wait=True)
+                self._compile_unless_locked(shape, wait=True)
             if sample_fn is not None:
                 for shape in shapes:
                     sample_fn(self._dummy_logits(shape))
@@ -346,22 +343,20 @@ class ModelRunner:
         self._background = threading.Thread(target=work, name="moray-compile", daemon=True)
         self._background.start()
 
-    def _claim_and_compile(self, shape, wait: bool) -> bool:
-        with self._compile_lock:
-            if shape in self._compiling:
-                return True  # done or under way elsewhere
-            future = self._compiling[shape] = concurrent.futures.Future()
-        try:
-            done = self._compile(shape, future, wait_for_others=wait)
-        except Exception:  # noqa: BLE001 - the step that needs it compiles it again and reports the error
-            log.exception("background compilation of step program %s failed", shape)
-            with self._compile_lock:
-                self._compiling.pop(shape, None)
-            return True
-        if not done:
-            with self._compile_lock:
-                self._compiling.pop(shape, None)
-        return done
+    def _compile_unless_locked(self, shape: tuple[int, int, bool], wait: bool) -> bool:
+        """Compiles `shape` unless another thread has (or is); False when another engine holds its lock
+        (and `wait` is off). The lock is taken before the claim, so a step never waits on a claim that
+        is given up."""
+        with self._shape_lock(shape, wait) as held:
+            if not held:
+                return False
+            future, mine = self._claim(shape)
+            if mine:
+                try:
+                    self._compile_into(shape, future)
+                except Exception:  # noqa: BLE001 - kept in the future: the step that needs it raises it
+                    log.exception("background compilation of step program %s failed", shape)
+        return True
 
     def _dummy_logits(self, shape) -> jax.Array:
         info = self.program(shape).out_info[0]
