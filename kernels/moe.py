@@ -206,62 +206,72 @@ def _experts_sorted(x, ids, weights, gate_up, down):
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
 
-def _tile_layout(ids: jax.Array, num_experts: int, m: int):
-    """Place each assignment in a row of a tiled buffer where every m-row tile belongs to one expert.
+def _tile_layout(group: jax.Array, num_groups: int, m: int):
+    """Place each assignment in a row of a tiled buffer where every m-row tile belongs to one group.
 
-    Expert e's assignments (in stable sorted order) fill ceil(size_e / m) consecutive tiles starting at
-    row m * (tiles of experts < e); the rest of its last tile is padding. All shapes are static: the
-    tile count is the worst case over routings, num_tiles = floor((A + min(E, A) * (m - 1)) / m), since
-    each non-empty expert adds at most m - 1 padded rows.
+    group [T, k] names each assignment's group (an expert, or a sentinel for another device's experts).
+    Group g's assignments (in stable sorted order) fill ceil(size_g / m) consecutive tiles starting at
+    row m * (tiles of groups < g); the rest of its last tile is padding. All shapes are static: the tile
+    count is the worst case over routings, num_tiles = floor((A + min(G, A) * (m - 1)) / m), since each
+    non-empty group adds at most m - 1 padded rows.
 
     Returns (row_of [A]: the buffer row of each assignment in token-major order,
              row_token [num_tiles * m]: the token in each buffer row, T for padding rows,
-             tile_expert [num_tiles]: the expert owning each tile (clamped to E - 1 past the used tiles),
-             used_tiles: scalar count of tiles that hold at least one assignment).
+             tile_group [num_tiles]: the group owning each tile (G past the used tiles),
+             tile_ends [G]: one past each group's last tile).
     """
-    t, k = ids.shape
+    t, k = group.shape
     a = t * k
-    num_tiles = (a + min(num_experts, a) * (m - 1)) // m
-    order, group_sizes = _sort_by_expert(ids, num_experts)
-    group_starts = jnp.cumsum(group_sizes) - group_sizes  # first sorted position of each expert
-    expert_tiles = (group_sizes + m - 1) // m
-    tile_ends = jnp.cumsum(expert_tiles)  # one past each expert's last tile
-    tile_starts = tile_ends - expert_tiles
+    num_tiles = (a + min(num_groups, a) * (m - 1)) // m
+    order, group_sizes = _sort_by_expert(group, num_groups)
+    group_starts = jnp.cumsum(group_sizes) - group_sizes  # first sorted position of each group
+    group_tiles = (group_sizes + m - 1) // m
+    tile_ends = jnp.cumsum(group_tiles)
+    tile_starts = tile_ends - group_tiles
 
-    sorted_expert = ids.reshape(-1)[order]
-    rank = jnp.arange(a, dtype=jnp.int32) - group_starts[sorted_expert]  # position within its expert
-    sorted_row = tile_starts[sorted_expert] * m + rank
-    row_of = jnp.zeros(a, jnp.int32).at[order].set(sorted_row)
-
+    sorted_group = group.reshape(-1)[order]
+    rank = jnp.arange(a, dtype=jnp.int32) - group_starts[sorted_group]  # position within its group
+    row_of = jnp.zeros(a, jnp.int32).at[order].set(tile_starts[sorted_group] * m + rank)
     row_token = jnp.full(num_tiles * m, t, jnp.int32).at[row_of].set(jnp.arange(a, dtype=jnp.int32) // k)
-    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(tile_ends, tile_ids, side="right").astype(jnp.int32)
-    tile_expert = jnp.minimum(tile_expert, num_experts - 1)
-    return row_of, row_token, tile_expert, tile_ends[-1]
+    tile_group = jnp.searchsorted(tile_ends, jnp.arange(num_tiles, dtype=jnp.int32), side="right")
+    return row_of, row_token, tile_group.astype(jnp.int32), tile_ends
 
 
-def _experts_tiled(x, ids, weights, gate_up, down, m: int | None = None):
+def experts_in_range(x, ids, weights, gate_up, down, first_expert, m: int | None = None):
+    """The `tiled` grouped matmul over the experts [first_expert, first_expert + E) that gate_up/down
+    hold; assignments to other experts contribute 0. float32 [T, H].
+
+    This is an expert-parallel device's local work (workers/models/moe_parallel.py) and, with
+    first_expert 0, the whole `tiled` path. Assignments of other experts go to a trailing sentinel group
+    whose tiles never run (a data-dependent cond), so the cost follows the local assignments only.
+    """
     t, h = x.shape
     num_experts = gate_up.shape[0]
     m = m or tile_rows(ids.size, num_experts)
-    row_of, row_token, tile_expert, used_tiles = _tile_layout(ids, num_experts, m)
+    local = ids - first_expert
+    mine = (local >= 0) & (local < num_experts)
+    row_of, row_token, tile_expert, tile_ends = _tile_layout(jnp.where(mine, local, num_experts), num_experts + 1, m)
+    used_tiles = tile_ends[num_experts - 1]  # the sentinel's tiles come after every local expert's
+    tile_expert = jnp.minimum(tile_expert, num_experts - 1)
     # Padding rows read an appended zero row; silu(0) * 0 = 0 keeps them zero through the MLP.
-    x_padded = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])
-    tiles = x_padded[row_token].reshape(-1, m, h)
+    tiles = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[row_token].reshape(-1, m, h)
 
     def tile(args):
         index, rows, expert = args
-        # Tiles past the used ones only hold padding: skip their matmuls (data-dependent, so a cond).
         return jax.lax.cond(
             index < used_tiles,
             lambda: _expert_mlp(rows, gate_up[expert], down[expert]),
-            lambda: jnp.zeros((m, h), jnp.float32),
+            lambda: jnp.zeros_like(rows, jnp.float32),  # zeros_like keeps shard_map's varying-axes type
         )
 
     # A sequential loop beat one batched matmul over per-tile gathered weights ~2x on XLA:CPU: it slices
     # each expert in place instead of copying num_tiles expert matrices.
     out = jax.lax.map(tile, (jnp.arange(tiles.shape[0]), tiles, tile_expert))
-    return _combine(out.reshape(-1, h)[row_of], weights)
+    return _combine(out.reshape(-1, h)[row_of], jnp.where(mine, weights.astype(jnp.float32), 0.0))
+
+
+def _experts_tiled(x, ids, weights, gate_up, down, m: int | None = None):
+    return experts_in_range(x, ids, weights, gate_up, down, 0, m)
 
 
 def _experts_pallas(x, ids, weights, gate_up, down, interpret: bool | None = None):
@@ -303,9 +313,10 @@ def _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret: bool | 
     h = x.shape[1]
     num_experts = gate_up.shape[0]
     m = tile_rows(ids.size, num_experts)
-    row_of, row_token, tile_expert, used_tiles = _tile_layout(ids, num_experts, m)
+    row_of, row_token, tile_expert, tile_ends = _tile_layout(ids, num_experts, m)
+    tile_expert = jnp.minimum(tile_expert, num_experts - 1)
     rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[row_token]  # padding rows stay zero
-    used = used_tiles.reshape(1)
+    used = tile_ends[-1:]
     act = _swiglu(grouped_matmul(rows, gate_up, tile_expert, used, tm=m, interpret=interpret)).astype(x.dtype)
     out = grouped_matmul(act, down, tile_expert, used, tm=m, interpret=interpret)
     return _combine(out[row_of], weights)

@@ -97,11 +97,26 @@ def test_tiled_any_tile_size(rows):
     np.testing.assert_allclose(got, dense_reference(x, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
+def test_expert_ranges_sum_to_the_whole():
+    """An expert-parallel device runs only its own range of experts (experts_in_range); the ranges'
+    results add up to every expert's, and an id outside every range (the all-to-all's empty slots) adds
+    nothing."""
+    tokens, experts, top_k = 21, 16, 4
+    gate_up, down = make_weights(experts)
+    x, ids, weights = make_tokens(tokens, experts, top_k, "random")
+    part = jax.jit(moe.experts_in_range, static_argnums=(5, 6))
+    total = sum(part(x, ids, weights, gate_up[lo : lo + 4], down[lo : lo + 4], lo, 8) for lo in range(0, experts, 4))
+    np.testing.assert_allclose(total, dense_reference(x, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
+    empty = jnp.full_like(ids, -1)
+    assert not np.any(np.asarray(part(x, empty, weights, gate_up[:4], down[:4], 0, 8)))
+
+
 @pytest.mark.parametrize("routing", ["random", "half_idle", "same_k"])
 def test_tile_layout_tiles_never_straddle_experts(routing):
     tokens, experts, top_k, m = 37, 16, 4, 8
     _, ids, _ = make_tokens(tokens, experts, top_k, routing)
-    row_of, row_token, tile_expert, used = jax.tree.map(np.asarray, jax.jit(moe._tile_layout, static_argnums=(1, 2))(ids, experts, m))
+    row_of, row_token, tile_expert, tile_ends = jax.tree.map(np.asarray, jax.jit(moe._tile_layout, static_argnums=(1, 2))(ids, experts, m))
+    used = tile_ends[-1]
     flat = np.asarray(ids).reshape(-1)
     sizes = np.bincount(flat, minlength=experts)
     assert used == sum(-(-s // m) for s in sizes)

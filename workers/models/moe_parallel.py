@@ -52,8 +52,7 @@ from kernels.collectives import (
     unpack_routing,
     warn_once,
 )
-from kernels.moe import routed_experts, tile_rows
-from kernels.quant import is_quantized, quantized_matmul
+from kernels.moe import experts_in_range, routed_experts, tile_rows
 
 DISPATCH_MODES = ("flat", "hierarchical", "hierarchical-dispatch")
 GATHER_DTYPES = ("model", "fp8")
@@ -148,7 +147,7 @@ class ExpertParallel:
         all_ids, all_weights = self.gather_routing(ids, weights, mode)
         rows = self.gather_tokens(x, mode)
         m = tile_rows(all_ids.size // self.ep_size, gate_up.shape[0])
-        y = local_experts(rows, all_ids, all_weights, gate_up, down, first_expert, m)
+        y = experts_in_range(rows, all_ids, all_weights, gate_up, down, first_expert, m)
         return self.combine(y.astype(x.dtype), mode)
 
     # ---------------------------------------------------------------- dispatch and combine
@@ -211,75 +210,7 @@ class ExpertParallel:
         recv_ids = exchange(ids.reshape(-1, 1)[order], jnp.full((capacity, 1), -1, jnp.int32), there)  # -1: empty
         ones = jnp.ones((capacity, 1), jnp.float32)
         m = tile_rows(n * k, e_local)
-        y = local_experts(recv_rows, recv_ids, ones, gate_up, down, first_expert, m).astype(x.dtype)
+        y = experts_in_range(recv_rows, recv_ids, ones, gate_up, down, first_expert, m).astype(x.dtype)
         returned = exchange(y, jnp.zeros((n * k, h), x.dtype), back)  # in destination order
         per_assignment = jnp.zeros_like(returned).at[order].set(returned)
         return jnp.einsum("tkh,tk->th", per_assignment.reshape(n, k, -1).astype(jnp.float32), weights).astype(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Local compute: a tiled grouped matmul over this device's experts only.
-
-
-def local_experts(x: Array, ids: Array, weights: Array, gate_up, down, first_expert, m: int) -> Array:
-    """sum over k of weight * expert(x) for the assignments whose expert is one of this device's
-    [first_expert, first_expert + E_local); other assignments contribute 0. float32 [T, H].
-
-    Assignments are sorted by local expert, with everything else in a trailing sentinel group, and laid
-    out in m-row tiles each owned by one expert. Only tiles of local experts run (a data-dependent
-    cond), so the cost follows the local assignments, not all T * k of them.
-    """
-    t, k = ids.shape
-    h = x.shape[1]
-    e = gate_up.shape[0]
-    local = ids.reshape(-1) - first_expert
-    mine = (local >= 0) & (local < e)
-    group = jnp.where(mine, local, e)  # e: the sentinel group, sorted last
-    row_of, row_token, tile_expert, used_tiles = _tile_layout(group, e + 1, t, k, m)
-    used_tiles = used_tiles[e - 1]  # tiles of the local experts; the sentinel's come after them
-    tile_expert = jnp.minimum(tile_expert, e - 1)
-    rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[row_token].reshape(-1, m, h)
-
-    def tile(args):
-        index, tile_rows_, expert = args
-        return jax.lax.cond(
-            index < used_tiles,
-            lambda: _expert_mlp(tile_rows_, gate_up[expert], down[expert]),
-            lambda: jnp.zeros_like(tile_rows_, jnp.float32),  # zeros_like keeps the varying-axes type
-        )
-
-    out = jax.lax.map(tile, (jnp.arange(rows.shape[0]), rows, tile_expert)).reshape(-1, h)
-    w = jnp.where(mine.reshape(t, k), weights.astype(jnp.float32), 0.0)
-    return jnp.einsum("tkh,tk->th", out[row_of].reshape(t, k, h), w)
-
-
-def _tile_layout(group: Array, num_groups: int, t: int, k: int, m: int):
-    """Buffer rows for the t * k assignments (token-major) grouped by `group`, each m-row tile owned by
-    one group. Returns (row_of [A], row_token [tiles * m] (t for padding), tile_group [tiles],
-    tile_ends [num_groups]: one past each group's last tile). The tile count is the static worst case."""
-    a = t * k
-    num_tiles = (a + min(num_groups, a) * (m - 1)) // m
-    order = jnp.argsort(group, stable=True).astype(jnp.int32)
-    sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    tiles = (sizes + m - 1) // m
-    tile_ends = jnp.cumsum(tiles)
-    sorted_group = group[order]
-    rank = jnp.arange(a, dtype=jnp.int32) - starts[sorted_group]
-    row_of = jnp.zeros(a, jnp.int32).at[order].set((tile_ends - tiles)[sorted_group] * m + rank)
-    row_token = jnp.full(num_tiles * m, t, jnp.int32).at[row_of].set(jnp.arange(a, dtype=jnp.int32) // k)
-    tile_group = jnp.searchsorted(tile_ends, jnp.arange(num_tiles, dtype=jnp.int32), side="right")
-    return row_of, row_token, tile_group.astype(jnp.int32), tile_ends
-
-
-def _expert_mlp(x: Array, gate_up, down) -> Array:
-    """One expert's SwiGLU on rows x [m, H]; gate_up [2I, H], down [H, I] dense or packed. float32."""
-    if is_quantized(gate_up):
-        h = quantized_matmul(x, gate_up, impl="xla")
-    else:
-        h = jnp.einsum("mh,ih->mi", x, gate_up, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(h, 2, axis=-1)
-    act = (jax.nn.silu(gate) * up).astype(x.dtype)
-    if is_quantized(down):
-        return quantized_matmul(act, down, impl="xla").astype(jnp.float32)
-    return jnp.einsum("mi,hi->mh", act, down, preferred_element_type=jnp.float32)
