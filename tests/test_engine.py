@@ -224,6 +224,23 @@ def test_background_compilation_serves_first_and_ends_with_every_program(tiny):
     assert engine.runner.num_traces == 4
 
 
+def test_a_process_exiting_while_programs_compile_in_the_background_exits_cleanly(tiny, tmp_path):
+    """XLA compiling on the daemon thread while the interpreter tore down crashed 2 of 3 short scripts
+    (segfault, or an LLVM abort); the compiler is now stopped at exit."""
+    script = (
+        "import sys\n"
+        "from workers.engine import LLM, SamplingParams\n"
+        "llm = LLM(model=sys.argv[1], compilation_cache_dir=sys.argv[2])\n"
+        "print(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids)\n"
+        "assert llm.engine.runner._background.is_alive(), 'the test needs the compiler still running'\n"
+    )
+    for attempt in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(tiny), str(tmp_path / str(attempt))], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_a_shape_locked_by_another_engine_is_left_for_later(tiny, tmp_path):
     """Engines on one host share compilations: a shape whose lock another holds is skipped by the
     background pass (compiled later, from the persistent cache), and compiled once the lock is free."""

@@ -8,6 +8,7 @@ The KV pages are donated to each step, so XLA updates them in place.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import fcntl
@@ -17,6 +18,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import jax
@@ -34,6 +36,17 @@ from .kv_cache_manager import BlockCopy
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("moray.engine")
+
+# Runners whose background compiler may still be running. A process that exits while XLA compiles on a
+# daemon thread dies in the runtime's teardown (a segfault or an LLVM abort, 2 of 3 exits of a short
+# script); at exit each is stopped after the program it is compiling.
+_COMPILING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_compilers() -> None:
+    for runner in list(_COMPILING):
+        runner.stop_background_compile()
 
 
 def pick_bucket(buckets: list[int], n: int) -> int:
@@ -119,6 +132,7 @@ class ModelRunner:
         self._compiling: dict[tuple[int, int, bool], concurrent.futures.Future] = {}
         self._compile_lock = threading.Lock()
         self._background: threading.Thread | None = None
+        self._stop_compiling = threading.Event()
         self.lock_dir = (
             None if not config.compilation_cache_dir else os.path.join(os.path.expanduser(config.compilation_cache_dir), "moray-locks")
         )
@@ -330,18 +344,30 @@ class ModelRunner:
         needs one first compiles it itself. Shapes another engine holds the lock of are left for a second
         pass, by when their binaries are in the persistent cache."""
 
+        stop = self._stop_compiling
+
         def work():
             start = time.perf_counter()
-            later = [shape for shape in shapes if not self._compile_unless_locked(shape, wait=False)]
+            later = [shape for shape in shapes if not stop.is_set() and not self._compile_unless_locked(shape, wait=False)]
             for shape in later:
-                self._compile_unless_locked(shape, wait=True)
-            if sample_fn is not None:
-                for shape in shapes:
+                if not stop.is_set():
+                    self._compile_unless_locked(shape, wait=True)
+            for shape in shapes if sample_fn is not None else ():
+                if not stop.is_set():
                     sample_fn(self._dummy_logits(shape))
-            log.info("background compilation of %d step programs done in %.1fs", len(shapes), time.perf_counter() - start)
+            if not stop.is_set():
+                log.info("background compilation of %d step programs done in %.1fs", len(shapes), time.perf_counter() - start)
 
         self._background = threading.Thread(target=work, name="moray-compile", daemon=True)
+        _COMPILING.add(self)
         self._background.start()
+
+    def stop_background_compile(self) -> None:
+        """Stops the background compiler after the program it is compiling (steps still compile what
+        they need on first use)."""
+        self._stop_compiling.set()
+        if self._background is not None:
+            self._background.join()
 
     def _compile_unless_locked(self, shape: tuple[int, int, bool], wait: bool) -> bool:
         """Compiles `shape` unless another thread has (or is); False when another engine holds its lock
