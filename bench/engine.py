@@ -19,12 +19,17 @@ What is measured (all greedy, float32 by default, every figure a median over `--
 - sizes: KV bytes per token (full-attention layers, the engine's KV dtype) and linear-attention state
   bytes per sequence, in the JSON of every run; `--sizes-only` prints them for a `config.json`
   (`--config FILE`, `--model DIR`, or `--preset qwen3.5-397b`) without loading any weights.
-- transformers: `generate` on the same checkpoint and prompts, same thread count, runs alternating
-  with ours; decode time is taken between the logits of the first and the last generated token.
+- peers, on the same checkpoint and prompts with the same thread count, runs alternating with ours
+  (`--compare-batches`); decode time is taken between the logits of the first and the last generated
+  token:
+  - transformers: `generate`;
+  - llama.cpp (through llama-cpp-python): the checkpoint written as a float32 GGUF file
+    (bench/gguf_export.py, Qwen3-MoE only), the batch's sequences decoded together in one `llama_decode`
+    per step, greedy.
 
-Progress goes to stderr; `--json OUT` gets every figure plus the raw samples. transformers/torch are
-test-only dependencies: they are imported lazily, and when missing the comparison is skipped and the
-JSON says why. This module imports no jax at import time (it is registered in `cluster.cli`).
+Progress goes to stderr; `--json OUT` gets every figure plus the raw samples. The peers' packages are
+optional (transformers/torch in the test extras, llama-cpp-python and gguf in the bench extras): they are
+imported lazily, and when one is missing its comparison is skipped and the JSON says why. This module imports no jax at import time (it is registered in `cluster.cli`).
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from pathlib import Path
 from bench.sizes import PRESET_CONFIGS
 
 # Targets from the issue, recorded in the JSON next to the measurements.
-ROOFLINE_TARGET = 1.5
-TRANSFORMERS_TARGETS = {1: 2.0, 16: 2.5}
+ROOFLINE_TARGETS = {1: 1.3, 16: 1.6}  # other batches: the largest of these
+PEER_TARGETS = {"transformers": {1: 2.0, 16: 2.5}, "llama_cpp": {1: 1.0, 16: 1.2}}  # decode tok/s, ours / theirs
 # The bandwidth reduction sums an array into this many partial sums: XLA:CPU runs a reduction to a single
 # scalar on one thread (~22 GB/s here), while a few dozen independent row sums use every core (~35 GB/s).
 _BANDWIDTH_ROWS = 64
@@ -79,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model and KV dtype (default float32; with --sizes-only the KV dtype, default bfloat16)",
     )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparison")
     p.add_argument(
         "--overhead-batches", type=_ints, default=[1, 16, 64], help="batches whose host time per step is measured (default 1,16,64)"
     )
@@ -466,16 +472,10 @@ class _Bench:
     def run(self) -> int:
         args = self.args
 
-        hf = None
-        hf_status = {"available": False, "reason": "skipped (--no-transformers)"}
-        if not args.no_transformers:
-            hf, hf_status = _load_transformers(args.model, args.dtype, self.threads)
-            if hf is None:
-                _log(f"transformers comparison skipped: {hf_status['reason']}")
-
+        peers, peer_status = self.load_peers()
         load_start = _loadavg()
         decode = {b: [] for b in args.batches}
-        hf_decode = {b: [] for b in args.compare_batches} if hf else {}
+        peer_decode = {name: {b: [] for b in args.compare_batches} for name in peers}
         ratio_samples = {b: [] for b in args.roofline_batches}
         experts = {b: [] for b in args.roofline_batches}
         bytes_by_batch = {}
@@ -486,8 +486,8 @@ class _Bench:
             start = time.perf_counter()
             self.ours_decode(self.prompts(b, args.prompt_len), min(args.decode_steps, 2))
             warmup_s[b] = round(time.perf_counter() - start, 2)
-            if hf and b in args.compare_batches:
-                hf.decode(self.prompts(b, args.prompt_len), min(args.decode_steps, 2))
+            for peer in peers.values() if b in args.compare_batches else ():
+                peer.decode(self.prompts(b, args.prompt_len), min(args.decode_steps, 2))
         start = time.perf_counter()
         self.ours_prefill(self.prompts(1, args.prefill_len)[0])
         warmup_s["prefill"] = round(time.perf_counter() - start, 2)
@@ -499,19 +499,19 @@ class _Bench:
                 prompts = self.prompts(b, args.prompt_len)
                 bw = self.bandwidth()
                 bandwidth.append(bw)
-                # Alternate which engine goes first so that slow drifts hit both equally.
-                ours_first = r % 2 == 0
-                hf_res = None
-                if hf and b in args.compare_batches and not ours_first:
-                    hf_res = hf.decode(prompts, args.decode_steps)
+                # Alternate which engine goes first so that slow drifts hit all equally.
+                compared = peers if b in args.compare_batches else {}
+                peer_res = {}
+                if r % 2:
+                    peer_res = {name: peer.decode(prompts, args.decode_steps) for name, peer in compared.items()}
                 res = self.ours_decode(prompts, args.decode_steps)
-                if hf and b in args.compare_batches and ours_first:
-                    hf_res = hf.decode(prompts, args.decode_steps)
+                if not r % 2:
+                    peer_res = {name: peer.decode(prompts, args.decode_steps) for name, peer in compared.items()}
                 decode[b].append(res)
                 msg = f"run {r + 1}/{args.runs} B={b}: ours {res['tokens_per_s']:.1f} tok/s ({res['step_ms']:.1f} ms/step)"
-                if hf_res is not None:
-                    hf_decode[b].append(hf_res)
-                    msg += f", transformers {hf_res['tokens_per_s']:.1f} tok/s"
+                for name, pres in peer_res.items():
+                    peer_decode[name][b].append(pres)
+                    msg += f", {name} {pres['tokens_per_s']:.1f} tok/s"
                 if b in args.roofline_batches:
                     per_layer = self.routed_experts_per_layer(prompts, res)
                     experts[b].append(per_layer)
@@ -529,7 +529,9 @@ class _Bench:
             split[b] = self.step_split(b)
             _log(f"B={b} step split: {split[b]}")
 
-        result = self._result(decode, hf_decode, hf_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
+        for peer in peers.values():
+            peer.close()
+        result = self._result(decode, peer_decode, peer_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
         result["host_overhead"] = {str(b): split[b] for b in sorted(split)}
         if args.startup:
             result["startup"] = self.startup()
@@ -540,7 +542,27 @@ class _Bench:
         _log(_summary(result))
         return 0
 
-    def _result(self, decode, hf_decode, hf_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split):
+    def load_peers(self) -> tuple[dict, dict]:
+        """({name: runner} of the peers that loaded, {name: status} of every peer, with the reason
+        for a skipped one)."""
+        args = self.args
+        loaders = {
+            "transformers": None if args.no_transformers else lambda: _load_transformers(args.model, args.dtype, self.threads),
+            "llama_cpp": None if args.no_llama_cpp else lambda: _load_llama_cpp(args, self.threads),
+        }
+        peers, status = {}, {}
+        for name, load in loaders.items():
+            if load is None:
+                status[name] = {"available": False, "reason": f"skipped (--no-{name.replace('_', '-')})"}
+                continue
+            runner, status[name] = load()
+            if runner is None:
+                _log(f"{name} comparison skipped: {status[name]['reason']}")
+            else:
+                peers[name] = runner
+        return peers, status
+
+    def _result(self, decode, peer_decode, peer_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split):
         args, np = self.args, self.np
         import jax
         import jaxlib
@@ -573,23 +595,23 @@ class _Bench:
                 "step_split": split.get(b),
             }
 
-        transformers_out = dict(hf_status)
-        if hf_decode:
-            transformers_out["decode"] = {str(b): table(runs) for b, runs in hf_decode.items()}
-            transformers_out["ratio"] = {}
-            transformers_out["paired_ratio_samples"] = {}
-            for b, runs in hf_decode.items():
+        peers_out = {}
+        for name, status in peer_status.items():
+            out = peers_out[name] = dict(status)
+            if name not in peer_decode:
+                continue
+            out["decode"] = {str(b): table(runs) for b, runs in peer_decode[name].items()}
+            out["ratio"], out["paired_ratio_samples"] = {}, {}
+            for b, runs in peer_decode[name].items():
                 ours = _median([x["tokens_per_s"] for x in decode[b]])
-                theirs = _median([x["tokens_per_s"] for x in runs])
-                transformers_out["ratio"][str(b)] = ours / theirs
-                transformers_out["paired_ratio_samples"][str(b)] = [
-                    round(o["tokens_per_s"] / t["tokens_per_s"], 4) for o, t in zip(decode[b], runs)
-                ]
+                out["ratio"][str(b)] = ours / _median([x["tokens_per_s"] for x in runs])
+                out["paired_ratio_samples"][str(b)] = [round(o["tokens_per_s"] / t["tokens_per_s"], 4) for o, t in zip(decode[b], runs)]
 
-        met = {f"roofline_ratio_b{b}": roofline[str(b)]["ratio"] <= ROOFLINE_TARGET for b in args.roofline_batches}
-        for b, target in TRANSFORMERS_TARGETS.items():
-            if str(b) in transformers_out.get("ratio", {}):
-                met[f"transformers_ratio_b{b}"] = transformers_out["ratio"][str(b)] >= target
+        met = {f"roofline_ratio_b{b}": roofline[str(b)]["ratio"] <= _roofline_target(b) for b in args.roofline_batches}
+        for name, targets in PEER_TARGETS.items():
+            for b, target in targets.items():
+                if str(b) in peers_out[name].get("ratio", {}):
+                    met[f"{name}_ratio_b{b}"] = peers_out[name]["ratio"][str(b)] >= target
         cfg = self.cfg
         return {
             "benchmark": "engine",
@@ -617,8 +639,9 @@ class _Bench:
                 "jax": jax.__version__,
                 "jaxlib": jaxlib.__version__,
                 "numpy": np.__version__,
-                "transformers": hf_status.get("transformers_version"),
-                "torch": hf_status.get("torch_version"),
+                "transformers": peer_status["transformers"].get("transformers_version"),
+                "torch": peer_status["transformers"].get("torch_version"),
+                "llama_cpp_python": peer_status["llama_cpp"].get("llama_cpp_python_version"),
             },
             "settings": {
                 "runs": args.runs,
@@ -642,21 +665,26 @@ class _Bench:
             },
             "bandwidth": {"gb_per_s": bw_median, "samples_gb_per_s": [round(x, 3) for x in bandwidth]},
             "roofline": roofline,
-            "transformers": transformers_out,
+            **peers_out,
             "targets": {
-                "roofline_ratio_max": ROOFLINE_TARGET,
-                "transformers_ratio_min": {str(b): t for b, t in TRANSFORMERS_TARGETS.items()},
+                "roofline_ratio_max": {str(b): _roofline_target(b) for b in args.roofline_batches},
+                **{f"{name}_ratio_min": {str(b): t for b, t in targets.items()} for name, targets in PEER_TARGETS.items()},
                 "met": met,
             },
         }
+
+
+def _roofline_target(batch: int) -> float:
+    return ROOFLINE_TARGETS.get(batch, max(ROOFLINE_TARGETS.values()))
 
 
 def _summary(result: dict) -> str:
     parts = ["decode tok/s " + ", ".join(f"B={b}: {v['tokens_per_s']:.1f}" for b, v in result["decode"].items())]
     parts.append(f"prefill {result['prefill']['tokens_per_s']:.1f} tok/s")
     parts.append("roofline " + ", ".join(f"B={b}: {v['ratio']:.2f}" for b, v in result["roofline"].items()))
-    if "ratio" in result["transformers"]:
-        parts.append("vs transformers " + ", ".join(f"B={b}: {v:.2f}x" for b, v in result["transformers"]["ratio"].items()))
+    for name in PEER_TARGETS:
+        if "ratio" in result[name]:
+            parts.append(f"vs {name} " + ", ".join(f"B={b}: {v:.2f}x" for b, v in result[name]["ratio"].items()))
     if result.get("host_overhead"):
         parts.append(
             "host not hidden ms/step "
@@ -708,6 +736,9 @@ class _HFRunner:
 
         self.Clock = Clock
 
+    def close(self) -> None:
+        self.model = None
+
     def decode(self, prompts: list[list[int]], steps: int) -> dict:
         torch = self.torch
         ids = torch.tensor(prompts, dtype=torch.long)
@@ -729,3 +760,111 @@ class _HFRunner:
             "step_ms": 1e3 * sum(step_s) / len(step_s),
             "step_ms_samples": [round(1e3 * s, 3) for s in step_s],
         }
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp side
+
+
+def _load_llama_cpp(args: argparse.Namespace, threads: int):
+    """(runner, status) or (None, status with the reason): llama-cpp-python or gguf missing, or a model
+    the GGUF export does not cover."""
+    if args.dtype != "float32":
+        return None, {"available": False, "reason": f"the GGUF export writes float32 only, not {args.dtype}"}
+    try:
+        import llama_cpp
+    except ImportError as e:
+        return None, {"available": False, "reason": f"llama-cpp-python not installed ({e}); pip install 'moray[bench]'"}
+    import tempfile
+
+    from bench.gguf_export import export_gguf
+
+    tmp = tempfile.TemporaryDirectory(prefix="moray-gguf-")
+    _log("writing the checkpoint as GGUF float32 for llama.cpp")
+    try:
+        path = export_gguf(args.model, Path(tmp.name) / "model.gguf")
+    except ValueError as e:
+        tmp.cleanup()
+        return None, {"available": False, "reason": str(e)}
+    max_batch = max(args.compare_batches)
+    max_len = args.prompt_len + args.decode_steps + 8
+    runner = _LlamaCppRunner(llama_cpp, path, threads, max_batch, max_len, tmp)
+    status = {
+        "available": True,
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "threads": threads,
+        "gguf_bytes": path.stat().st_size,
+        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+    }
+    return runner, status
+
+
+class _LlamaCppRunner:
+    """Greedy batched decode through llama.cpp's C API: one sequence per request, every step one
+    `llama_decode` over the batch's next tokens (as llama.cpp's batched example and server do)."""
+
+    def __init__(self, lib, path: Path, threads: int, max_batch: int, max_len: int, tmp):
+        import ctypes
+
+        self.lib, self.tmp = lib, tmp
+        # llama.cpp logs every load detail to stderr; keep the benchmark's progress readable.
+        self._quiet = lib.llama_log_callback(lambda level, text, data: None)
+        lib.llama_log_set(self._quiet, ctypes.c_void_p())
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = lib.llama_context_default_params()
+        params.n_seq_max = max_batch
+        params.n_ctx = max_batch * (-(-max_len // 256) * 256)
+        params.n_batch = params.n_ubatch = max(max_batch * max_len, 512)
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.batch = lib.llama_batch_init(params.n_batch, 0, max_batch)
+
+    def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+        """tokens: (token, position, sequence, wants logits)."""
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(tokens)
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, index: int) -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.vocab,))
+        return int(logits.argmax())
+
+    def decode(self, prompts: list[list[int]], steps: int) -> dict:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        prefill = [(t, p, s, p == len(prompt) - 1) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)]
+        self._decode(prefill)
+        last = [i for i, x in enumerate(prefill) if x[3]]
+        generated = [[self._argmax(i)] for i in last]
+        positions = [len(p) for p in prompts]
+        times = [time.perf_counter()]
+        for _ in range(steps):
+            self._decode([(seq[-1], positions[s], s, True) for s, seq in enumerate(generated)])
+            for i, seq in enumerate(generated):
+                seq.append(self._argmax(i))
+            positions = [p + 1 for p in positions]
+            times.append(time.perf_counter())
+        step_s = [b - a for a, b in zip(times, times[1:])]
+        return {
+            "tokens_per_s": len(prompts) * steps / sum(step_s),
+            "step_ms": 1e3 * sum(step_s) / steps,
+            "step_ms_samples": [round(1e3 * s, 3) for s in step_s],
+            "tokens": generated,  # greedy, steps + 1 per prompt
+        }
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+        self.tmp.cleanup()

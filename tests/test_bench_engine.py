@@ -8,6 +8,7 @@ positive, finite and consistent with each other.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -275,6 +276,50 @@ def test_transformers_side_by_side_and_metadata(result):
     assert data["settings"]["runs"] == RUNS and data["settings"]["bandwidth_bytes"] > 0
     assert set(data["targets"]["met"]) >= {"roofline_ratio_b1", "transformers_ratio_b1"}
     assert len(data["load_average"]["start"]) == 3
+
+
+def test_llama_cpp_side_by_side(result):
+    data, _ = result
+    peer = data["llama_cpp"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert peer["available"] is False and "not installed" in peer["reason"]
+        return
+    assert peer["available"] is True and peer["gguf_bytes"] > 0 and peer["threads"] == data["threads"]
+    for b in BATCHES:
+        assert positive(peer["ratio"][str(b)]) and len(peer["paired_ratio_samples"][str(b)]) == RUNS
+    assert set(data["targets"]["met"]) >= {"llama_cpp_ratio_b1"}
+
+
+def test_gguf_export_runs_the_same_model_in_llama_cpp(tmp_path):
+    """The GGUF file llama.cpp is measured on holds the same model: its greedy tokens equal the engine's
+    (4 sequences decoded together)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is a bench extra")
+    import argparse
+
+    from bench.engine import _load_llama_cpp
+    from workers.engine import LLM, SamplingParams
+
+    model = make_model(tmp_path / "tiny", "qwen3_moe", "tiny", seed=3)
+    prompts = [[5 + i, 17, 33, 99 + i, 7, 8, 250, 3] for i in range(4)]
+    args = argparse.Namespace(model=model, dtype="float32", compare_batches=[4], prompt_len=8, decode_steps=6)
+    runner, status = _load_llama_cpp(args, 2)
+    assert status["available"], status
+    try:
+        theirs = runner.decode(prompts, 6)["tokens"]
+    finally:
+        runner.close()
+    llm = LLM(model=str(model), dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    ours = llm.generate(prompts, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in ours] == theirs
+
+
+def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
+    pytest.importorskip("gguf", reason="gguf is a bench extra")
+    from bench.gguf_export import export_gguf
+
+    model = make_model(tmp_path / "hybrid", "qwen3_5_moe", "tiny", seed=0)
+    with pytest.raises(ValueError, match="qwen3_moe only, not 'qwen3_5_moe'"):
+        export_gguf(model, tmp_path / "x.gguf")
 
 
 def test_missing_transformers_is_reported(monkeypatch):
