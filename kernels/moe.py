@@ -3,8 +3,12 @@
 Weight layout follows the checkpoints' [out, in] convention, experts stacked first:
 `gate_up` [E, 2I, H] (gate rows first, then up) and `down` [E, H, I].
 
-Four implementations of `routed_experts`, all computing in the weights' dtype with float32
+Five implementations of `routed_experts`, all computing in the weights' dtype with float32
 accumulation and agreeing within float32 rounding:
+- `cpu`: a C++ kernel through XLA's FFI (kernels/cpu/moe_experts.cc, built on first use by
+  kernels/cpu_ffi.py) for float32 weights on CPU: each selected expert's rows are streamed once from the
+  stacked weights and dotted with all of its tokens. XLA:CPU copies a sliced expert before each dot,
+  which held the `gather` path well under the memory bandwidth. Replaces `gather` on CPU when it builds.
 - `gather`: loop over the distinct selected experts, slicing each one's weights once, and run each of
   its assignments as a matrix-vector product. Reads only the active parameters, each once, which is what
   a decode batch should cost (at batch 16 of 64 experts top-8 the union is ~56 experts).
@@ -15,8 +19,8 @@ accumulation and agreeing within float32 rounding:
 - `sorted`: the same grouped matmul with `jax.lax.ragged_dot`. XLA:CPU emulates ragged_dot densely
   (cost ~ E x T*k x H x 2I), so it is kept only as an explicit choice and a cross-check.
 
-`moe_impl` picks one from the static number of assignments (and expert count) and the backend;
-`MORAY_MOE_IMPL` forces one.
+`moe_impl` picks one from the static number of assignments (and expert count) and the backend, and
+`routed_experts` swaps `gather` for `cpu` where that kernel applies; `MORAY_MOE_IMPL` forces one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm  # the custom_vjp op
 
+from . import cpu_ffi
 from .quant import as_dense, grouped_matmul, is_quantized, quantized_matmul, select_impl
 
 # Use `gather` while tokens x top_k stays at or below this many assignments, on every backend.
@@ -37,7 +42,7 @@ GATHER_MAX_ASSIGNMENTS = 64
 # H=1024, I=256, 6 layers): batch 8 71 vs 225 ms (tiled), batch 16 127 vs 239 ms, batch 32 247 vs 369 ms.
 GATHER_MAX_GROUP_ROWS = 4
 
-IMPLS = ("gather", "tiled", "pallas", "sorted")
+IMPLS = ("gather", "tiled", "pallas", "sorted", "cpu")
 IMPL_ENV_VAR = "MORAY_MOE_IMPL"
 
 # Row-tile bounds for the `tiled` path (see `tile_rows`).
@@ -322,7 +327,20 @@ def _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret: bool | 
     return _combine(out[row_of], weights)
 
 
+def cpu_kernel_applies(x: jax.Array, gate_up) -> bool:
+    """The `cpu` kernel takes dense float32 experts and tokens on the CPU backend (and needs to build)."""
+    dense_f32 = not is_quantized(gate_up) and gate_up.dtype == jnp.float32 and x.dtype == jnp.float32
+    return dense_f32 and jax.default_backend() == "cpu" and cpu_ffi.available()
+
+
+def _experts_cpu(x, ids, weights, gate_up, down):
+    if not cpu_kernel_applies(x, gate_up):
+        raise ValueError("MoE impl 'cpu' needs dense float32 weights on the CPU backend and a C++ compiler")
+    return cpu_ffi.moe_experts(x, ids, weights, gate_up, down)
+
+
 _IMPL_FNS = {
+    "cpu": _experts_cpu,
     "gather": _experts_gather,
     "tiled": _experts_tiled,
     "pallas": _experts_pallas,
@@ -346,6 +364,8 @@ def routed_experts(
     impl = impl or moe_impl(ids.size, num_experts=gate_up.shape[0])
     if auto and impl == "pallas" and is_quantized(gate_up) and select_impl(gate_up.group_size) == "xla":
         impl = "tiled"  # groups as wide as the MXU: XLA dequantises per tile (kernels.quant.select_impl)
+    if auto and impl == "gather" and cpu_kernel_applies(x, gate_up):
+        impl = "cpu"
     if impl not in _IMPL_FNS:
         raise ValueError(f"unknown MoE impl {impl!r}; expected one of {IMPLS}")
     return _IMPL_FNS[impl](x, ids, weights, gate_up, down).astype(x.dtype)

@@ -1,16 +1,22 @@
 """Every routed-expert implementation against a dense one-hot float32 reference, on tiny shapes."""
 
 import functools
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import moe
+from kernels import cpu_ffi, moe
 
-IMPLS = ("gather", "sorted", "tiled", "pallas")
+ROOT = Path(__file__).resolve().parent.parent
+
+IMPLS = ("gather", "sorted", "tiled", "pallas", "cpu")
 HIDDEN, INTER = 32, 16
 
 
@@ -189,6 +195,47 @@ def test_default_impl_and_forced_impl(monkeypatch):
     np.testing.assert_allclose(forced, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="unknown MoE impl"):
         moe.routed_experts(x, ids, weights, gate_up, down, impl="dense")
+
+
+def _custom_calls(fn, *args) -> str:
+    """The lowered program, traced afresh (a new function each time: jit caches traces per function)."""
+    return jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
+
+
+def test_cpu_kernel_replaces_gather_for_float32_on_cpu(monkeypatch):
+    """Decode-sized float32 batches on CPU run the C++ kernel (kernels/cpu/moe_experts.cc); bfloat16
+    weights, MORAY_CPU_KERNELS=0 and large batches keep the XLA paths; forcing it where it cannot run
+    is a clear error."""
+    monkeypatch.delenv(moe.IMPL_ENV_VAR, raising=False)
+    assert cpu_ffi.available()  # g++ is on every development and CI machine
+    x, ids, weights = make_tokens(3, 8, 2, "random")
+    gate_up, down = make_weights(8)
+    assert cpu_ffi.MOE_TARGET in _custom_calls(moe.routed_experts, x, ids, weights, gate_up, down)
+    big_x, big_ids, big_weights = make_tokens(130, 8, 2, "random")  # 260 assignments: tiled
+    assert cpu_ffi.MOE_TARGET not in _custom_calls(moe.routed_experts, big_x, big_ids, big_weights, gate_up, down)
+    bf16 = [a.astype(jnp.bfloat16) for a in (x, gate_up, down)]
+    assert cpu_ffi.MOE_TARGET not in _custom_calls(moe.routed_experts, bf16[0], ids, weights, bf16[1], bf16[2])
+    with pytest.raises(ValueError, match="dense float32"):
+        moe.routed_experts(bf16[0], ids, weights, bf16[1], bf16[2], impl="cpu")
+    monkeypatch.setenv(cpu_ffi.ENV_VAR, "0")
+    assert cpu_ffi.MOE_TARGET not in _custom_calls(moe.routed_experts, x, ids, weights, gate_up, down)
+
+
+def test_cpu_kernel_build_failure_falls_back_to_xla(tmp_path):
+    """No working compiler: one warning naming the failure, and the XLA path gives the same result."""
+    code = (
+        "import numpy as np, jax.numpy as jnp\n"
+        "from kernels import cpu_ffi, moe\n"
+        "x = jnp.ones((2, 32)); ids = jnp.array([[0, 1], [1, 2]], jnp.int32); w = jnp.full((2, 2), 0.5)\n"
+        "gu = jnp.ones((4, 32, 32)) / 32; dn = jnp.ones((4, 32, 16)) / 16\n"
+        "got = moe.routed_experts(x, ids, w, gu, dn)\n"
+        "want = moe.routed_experts(x, ids, w, gu, dn, impl='gather')\n"
+        "assert not cpu_ffi.available() and np.allclose(got, want)\n"
+    )
+    env = {**os.environ, "CXX": "/bin/false", cpu_ffi.CACHE_ENV_VAR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("CPU kernels unavailable") == 1 and "failed" in proc.stderr
 
 
 def test_tile_rows():
