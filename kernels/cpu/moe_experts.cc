@@ -11,8 +11,8 @@
 // x [T, H], ids [T, K] int32 (ids outside [0, E) contribute nothing), weights [T, K] f32,
 // gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; out [T, H] f32. All float32.
 //
-// Threads: OpenMP over the selected experts (largest groups first, dynamic schedule), each thread
-// summing into its own [T, H] accumulator; the accumulators are added at the end.
+// Threads: OpenMP; each phase (gate/up, then down) splits the rows of all selected experts evenly, and
+// each thread sums into its own [T, H] accumulator; the accumulators are added at the end.
 
 #include <omp.h>
 
@@ -32,25 +32,20 @@ constexpr int kTokensPerPass = 4;  // tokens dotted with one weight row per pass
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
-constexpr int64_t kLine = 16;       // floats per 64-byte cache line
-constexpr int64_t kPrefetch = 1024;  // floats ahead (2 KiB): rows are 1-4 KiB, often one page each, and
-                                    // the hardware prefetcher stops at page ends; this keeps the next
-                                    // row's lines in flight while the current one is dotted
 
 inline v8 Load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline float Sum(v8 v) { return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7]; }
 
 // out[r * m + j] = dot(rows[r], xs[j]) for r < R, j < M; rows are `row_stride` floats apart, xs rows
 // `stride` apart. R rows are streamed together: one row at a time left each core short of memory
-// parallelism (~7 GB/s per core here, against ~13 for a multi-stream reduction).
+// parallelism (~7 GB/s per core here, against ~13 for a multi-stream reduction). Software prefetching
+// (of the same rows further on, or of the next rows) only slowed it down.
 template <int R, int M>
 inline void DotRows(const float* __restrict rows, int64_t row_stride, const float* __restrict xs, int64_t stride,
                     int64_t n, float* __restrict out) {
   v8 acc[R][M] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (i % kLine == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(rows + r * row_stride + i + kPrefetch, 0, 0);
     v8 x[M];
     for (int j = 0; j < M; ++j) x[j] = Load(xs + j * stride + i);
     for (int r = 0; r < R; ++r) {
@@ -66,31 +61,44 @@ inline void DotRows(const float* __restrict rows, int64_t row_stride, const floa
     }
 }
 
-// y[j * y_stride + r] = dot(w[r], xs[j]) for every row r < num_rows of w and token j < m (m <= 4).
-template <int M>
-void MatVecs(const float* w, int64_t num_rows, int64_t n, const float* xs, int64_t stride, float* y, int64_t y_stride) {
-  constexpr int R = M <= 2 ? 4 : 2;
-  float dots[R * M];
-  int64_t r = 0;
-  for (; r + R <= num_rows; r += R) {
-    DotRows<R, M>(w + r * n, n, xs, stride, n, dots);
-    for (int k = 0; k < R; ++k)
-      for (int j = 0; j < M; ++j) y[j * y_stride + r + k] = dots[k * M + j];
+// DotRows<R, mm> for a run-time token count mm in [1, kTokensPerPass].
+template <int R>
+inline void DotBlock(const float* rows, int64_t row_stride, const float* xs, int64_t stride, int mm, int64_t n, float* out) {
+  switch (mm) {
+    case 1: return DotRows<R, 1>(rows, row_stride, xs, stride, n, out);
+    case 2: return DotRows<R, 2>(rows, row_stride, xs, stride, n, out);
+    case 3: return DotRows<R, 3>(rows, row_stride, xs, stride, n, out);
+    default: return DotRows<R, 4>(rows, row_stride, xs, stride, n, out);
   }
-  for (; r < num_rows; ++r) {
-    DotRows<1, M>(w + r * n, n, xs, stride, n, dots);
-    for (int j = 0; j < M; ++j) y[j * y_stride + r] = dots[j];
+}
+
+// y[j * y_stride + r] = dot(w[r], xs[j]) for every row r < num_rows of w [num_rows, n] and token j < m.
+// Rows outer, tokens inner: a group of R rows is read from memory once and stays in L1 while every
+// chunk of kTokensPerPass tokens is dotted with it.
+template <int R>
+void MatVecsR(const float* w, int64_t num_rows, int64_t n, const float* xs, int64_t stride, int m, float* y,
+              int64_t y_stride) {
+  float dots[R * kTokensPerPass];
+  for (int64_t r = 0; r < num_rows; r += R) {
+    const int rr = static_cast<int>(std::min<int64_t>(R, num_rows - r));
+    for (int j0 = 0; j0 < m; j0 += kTokensPerPass) {
+      const int mm = std::min(kTokensPerPass, m - j0);
+      for (int k = 0; k < rr; k += (rr == R ? R : 1)) {
+        const int block = rr == R ? R : 1;
+        if (block == R) DotBlock<R>(w + (r + k) * n, n, xs + j0 * stride, stride, mm, n, dots);
+        else DotBlock<1>(w + (r + k) * n, n, xs + j0 * stride, stride, mm, n, dots);
+        for (int b = 0; b < block; ++b)
+          for (int j = 0; j < mm; ++j) y[(j0 + j) * y_stride + r + k + b] = dots[b * mm + j];
+      }
+    }
   }
 }
 
 void MatVecs(const float* w, int64_t num_rows, int64_t n, const float* xs, int64_t stride, int m, float* y,
              int64_t y_stride) {
-  switch (m) {
-    case 1: return MatVecs<1>(w, num_rows, n, xs, stride, y, y_stride);
-    case 2: return MatVecs<2>(w, num_rows, n, xs, stride, y, y_stride);
-    case 3: return MatVecs<3>(w, num_rows, n, xs, stride, y, y_stride);
-    default: return MatVecs<4>(w, num_rows, n, xs, stride, y, y_stride);
-  }
+  // 4 rows x up to 2 tokens, or 2 rows x up to 4: at most 8 accumulators plus the loads in registers.
+  if (m <= 2) return MatVecsR<4>(w, num_rows, n, xs, stride, m, y, y_stride);
+  MatVecsR<2>(w, num_rows, n, xs, stride, m, y, y_stride);
 }
 
 inline float Silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -100,34 +108,48 @@ struct Assignment {
   float weight;
 };
 
-// One expert on its m tokens, adding weight * result into acc [T, H].
-inline float* scratch_y(std::vector<float>& scratch, int64_t m, int64_t h) { return scratch.data() + scratch.size() - m * h; }
+// The selected experts with their assignments, laid out so each expert's tokens are contiguous.
+struct Plan {
+  std::vector<int64_t> experts;     // the selected experts
+  std::vector<int64_t> offsets;     // expert u's assignments are [offsets[u], offsets[u + 1])
+  std::vector<Assignment> entries;  // every assignment, grouped by expert
+};
 
-void RunExpert(const float* x, const std::vector<Assignment>& group, const float* gate_up, const float* down, int64_t h,
-               int64_t inter, float* acc, std::vector<float>& scratch) {
-  const int64_t m = static_cast<int64_t>(group.size());
-  scratch.resize(2 * m * h + 3 * m * inter);
-  float* xs = scratch.data();           // [m, H] the tokens' rows, contiguous
-  float* gu = xs + m * h;               // [m, 2I]
-  float* act = gu + 2 * m * inter;      // [m, I]
-  for (int64_t j = 0; j < m; ++j) std::memcpy(xs + j * h, x + group[j].token * h, h * sizeof(float));
-  for (int64_t j0 = 0; j0 < m; j0 += kTokensPerPass) {
-    const int mm = static_cast<int>(std::min<int64_t>(kTokensPerPass, m - j0));
-    MatVecs(gate_up, 2 * inter, h, xs + j0 * h, h, mm, gu + j0 * 2 * inter, 2 * inter);
+Plan MakePlan(const int32_t* ids, const float* weights, int64_t t, int64_t k, int64_t e) {
+  std::vector<std::vector<Assignment>> groups(e);
+  for (int64_t a = 0; a < t * k; ++a)
+    if (ids[a] >= 0 && ids[a] < e) groups[ids[a]].push_back({static_cast<int32_t>(a / k), weights[a]});
+  Plan plan;
+  plan.offsets.push_back(0);
+  for (int64_t i = 0; i < e; ++i) {
+    if (groups[i].empty()) continue;
+    plan.experts.push_back(i);
+    plan.entries.insert(plan.entries.end(), groups[i].begin(), groups[i].end());
+    plan.offsets.push_back(static_cast<int64_t>(plan.entries.size()));
   }
-  for (int64_t j = 0; j < m; ++j)
-    for (int64_t i = 0; i < inter; ++i) act[j * inter + i] = Silu(gu[j * 2 * inter + i]) * gu[j * 2 * inter + inter + i];
-  float* y = scratch_y(scratch, m, h);  // [m, H] down outputs
-  for (int64_t j0 = 0; j0 < m; j0 += kTokensPerPass) {
-    const int mm = static_cast<int>(std::min<int64_t>(kTokensPerPass, m - j0));
-    MatVecs(down, h, inter, act + j0 * inter, inter, mm, y + j0 * h, h);
-  }
-  for (int64_t j = 0; j < m; ++j) {
-    float* dst = acc + group[j].token * h;
-    const float wt = group[j].weight;
-    for (int64_t r = 0; r < h; ++r) dst[r] += wt * y[j * h + r];
+  return plan;
+}
+
+// Calls fn(u, r0, r1) for the pieces of [lo, hi) of the rows of every selected expert laid end to end,
+// `rows` per expert.
+template <typename Fn>
+void ForRows(int64_t lo, int64_t hi, int64_t rows, Fn fn) {
+  for (int64_t g = lo; g < hi;) {
+    const int64_t u = g / rows, r0 = g % rows, r1 = std::min(rows, r0 + (hi - g));
+    fn(u, r0, r1);
+    g += r1 - r0;
   }
 }
+
+// This thread's share [lo, hi) of n rows, in multiples of 4 so row groups stay whole.
+std::pair<int64_t, int64_t> Share(int64_t n, int me, int threads) {
+  auto edge = [&](int p) { return std::min(n, (n * p / threads + 3) / 4 * 4); };
+  return {edge(me), me + 1 == threads ? n : edge(me + 1)};
+}
+
+}  // namespace
+
+namespace {
 
 ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                           ffi::Buffer<ffi::F32> gate_up, ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> out) {
@@ -139,33 +161,56 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
       weights.dimensions()[0] != t || weights.dimensions()[1] != k)
     return ffi::Error::InvalidArgument("moe_experts: inconsistent shapes");
 
-  const int32_t* id = ids.typed_data();
-  const float* w = weights.typed_data();
-  std::vector<std::vector<Assignment>> groups(e);
-  for (int64_t a = 0; a < t * k; ++a)
-    if (id[a] >= 0 && id[a] < e) groups[id[a]].push_back({static_cast<int32_t>(a / k), w[a]});
-  std::vector<int64_t> used;
-  for (int64_t i = 0; i < e; ++i)
-    if (!groups[i].empty()) used.push_back(i);
-  std::stable_sort(used.begin(), used.end(), [&](int64_t a, int64_t b) { return groups[a].size() > groups[b].size(); });
-
+  const Plan plan = MakePlan(ids.typed_data(), weights.typed_data(), t, k, e);
+  const int64_t num_used = static_cast<int64_t>(plan.experts.size()), a = static_cast<int64_t>(plan.entries.size());
   float* result = out->typed_data();
   std::memset(result, 0, t * h * sizeof(float));
-  const int threads = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>(used.size())));
-  std::vector<float> partial(static_cast<size_t>(threads > 1 ? threads - 1 : 0) * t * h, 0.f);
+  if (a == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
+  std::vector<float> xs(a * h), gu(a * 2 * inter);  // tokens' rows and gate/up outputs, by expert
+  for (int64_t i = 0; i < a; ++i) std::memcpy(&xs[i * h], xp + plan.entries[i].token * h, h * sizeof(float));
+
+  // Both phases split the rows of all selected experts evenly between the threads, so every thread
+  // streams the same amount of weights (splitting whole experts left threads idle at small batches).
+  const int threads = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((num_used * h + 63) / 64)));
+  std::vector<float> partial(static_cast<size_t>(threads - 1) * t * h, 0.f);
   const float* gup = gate_up.typed_data();
   const float* dp = down.typed_data();
 #pragma omp parallel num_threads(threads)
   {
     const int me = omp_get_thread_num();
+    // Phase 1: [g; u] = gate_up[e] x for this thread's gate_up rows.
+    auto [lo1, hi1] = Share(num_used * 2 * inter, me, threads);
+    ForRows(lo1, hi1, 2 * inter, [&](int64_t u, int64_t r0, int64_t r1) {
+      const int64_t first = plan.offsets[u], m = plan.offsets[u + 1] - first;
+      const float* w = gup + plan.experts[u] * 2 * inter * h + r0 * h;
+      MatVecs(w, r1 - r0, h, &xs[first * h], h, static_cast<int>(m), &gu[first * 2 * inter + r0], 2 * inter);
+    });
+#pragma omp barrier
+    // Phase 2: out[t] += weight * down[e] act for this thread's down rows.
     float* acc = me == 0 ? result : partial.data() + (me - 1) * t * h;
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t u = 0; u < used.size(); ++u) {
-      const int64_t ex = used[u];
-      RunExpert(xp, groups[ex], gup + ex * 2 * inter * h, dp + ex * h * inter, h, inter, acc, scratch);
-    }
+    std::vector<float> act, y;
+    int64_t act_of = -1;
+    auto [lo2, hi2] = Share(num_used * h, me, threads);
+    ForRows(lo2, hi2, h, [&](int64_t u, int64_t r0, int64_t r1) {
+      const int64_t first = plan.offsets[u], m = plan.offsets[u + 1] - first;
+      if (act_of != u) {  // silu(g) * u of this expert's tokens (cheap: m x I, recomputed per thread)
+        act.resize(m * inter);
+        for (int64_t j = 0; j < m; ++j) {
+          const float* row = &gu[(first + j) * 2 * inter];
+          for (int64_t i = 0; i < inter; ++i) act[j * inter + i] = Silu(row[i]) * row[inter + i];
+        }
+        act_of = u;
+      }
+      y.resize(m * (r1 - r0));
+      const float* w = dp + plan.experts[u] * h * inter + r0 * inter;
+      MatVecs(w, r1 - r0, inter, act.data(), inter, static_cast<int>(m), y.data(), r1 - r0);
+      for (int64_t j = 0; j < m; ++j) {
+        const Assignment& as = plan.entries[first + j];
+        float* dst = acc + as.token * h + r0;
+        for (int64_t r = 0; r < r1 - r0; ++r) dst[r] += as.weight * y[j * (r1 - r0) + r];
+      }
+    });
   }
   for (int p = 0; p + 1 < threads; ++p) {
     const float* src = partial.data() + p * t * h;
