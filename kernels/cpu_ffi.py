@@ -1,7 +1,7 @@
 """CPU kernels as XLA FFI custom calls, compiled from `kernels/cpu/*.cc` on first use on this machine.
 
 The C++ sources ship with the package and are built with the machine's own C++ compiler (g++ or
-$CXX, `-O3 -march=native -fopenmp`) against the FFI headers jaxlib ships, into a cache directory keyed by
+$CXX, `-O3 -march=native`) against the FFI headers jaxlib ships, into a cache directory keyed by
 the source, the flags, the jaxlib version and the CPU; nothing prebuilt is downloaded. The build takes a
 few seconds once per machine and is shared by processes through a file lock. When there is no compiler
 (or the build fails) `available()` is False, the reason is logged once, and callers use their XLA path.
@@ -31,7 +31,7 @@ log = logging.getLogger("moray.kernels")
 SOURCE_DIR = Path(__file__).parent / "cpu"
 ENV_VAR = "MORAY_CPU_KERNELS"
 CACHE_ENV_VAR = "MORAY_KERNEL_CACHE"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-pthread", "-std=c++20", "-shared", "-fPIC")
 MOE_TARGET = "moray_moe_experts_f32"
 
 _lock = threading.Lock()

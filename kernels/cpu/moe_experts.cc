@@ -11,15 +11,17 @@
 // x [T, H], ids [T, K] int32 (ids outside [0, E) contribute nothing), weights [T, K] f32,
 // gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; out [T, H] f32. All float32.
 //
-// Threads: OpenMP; each phase (gate/up, then down) splits the rows of all selected experts evenly, and
+// Threads: one per CPU; each phase (gate/up, then down) splits the rows of all selected experts evenly, and
 // each thread sums into its own [T, H] accumulator; the accumulators are added at the end.
 
-#include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -101,6 +103,28 @@ void MatVecs(const float* w, int64_t num_rows, int64_t n, const float* xs, int64
   MatVecsR<2>(w, num_rows, n, xs, stride, m, y, y_stride);
 }
 
+// CPUs this process may run on (its affinity mask, as taskset or a container sets it).
+int NumCpus() {
+  static const int n = []() -> int {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+
+// fn(0) on the calling thread and fn(1..threads-1) on new ones. Plain threads rather than OpenMP: an
+// OpenMP team here made libgomp count more busy threads than CPUs and throttle the spinning of every
+// other OpenMP user in the process (llama.cpp's decode ran at half speed beside it).
+template <typename Fn>
+void RunOnThreads(int threads, Fn& fn) {
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int p = 1; p < threads; ++p) pool.emplace_back([&fn, p] { fn(p); });
+  fn(0);
+  for (auto& th : pool) th.join();
+}
+
 inline float Silu(float v) { return v / (1.f + std::exp(-v)); }
 
 struct Assignment {
@@ -172,13 +196,12 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
 
   // Both phases split the rows of all selected experts evenly between the threads, so every thread
   // streams the same amount of weights (splitting whole experts left threads idle at small batches).
-  const int threads = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((num_used * h + 63) / 64)));
+  const int threads = std::max(1, std::min<int>(NumCpus(), static_cast<int>((num_used * h + 63) / 64)));
   std::vector<float> partial(static_cast<size_t>(threads - 1) * t * h, 0.f);
   const float* gup = gate_up.typed_data();
   const float* dp = down.typed_data();
-#pragma omp parallel num_threads(threads)
-  {
-    const int me = omp_get_thread_num();
+  std::barrier sync(threads);
+  auto work = [&](int me) {
     // Phase 1: [g; u] = gate_up[e] x for this thread's gate_up rows.
     auto [lo1, hi1] = Share(num_used * 2 * inter, me, threads);
     ForRows(lo1, hi1, 2 * inter, [&](int64_t u, int64_t r0, int64_t r1) {
@@ -186,7 +209,7 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
       const float* w = gup + plan.experts[u] * 2 * inter * h + r0 * h;
       MatVecs(w, r1 - r0, h, &xs[first * h], h, static_cast<int>(m), &gu[first * 2 * inter + r0], 2 * inter);
     });
-#pragma omp barrier
+    sync.arrive_and_wait();
     // Phase 2: out[t] += weight * down[e] act for this thread's down rows.
     float* acc = me == 0 ? result : partial.data() + (me - 1) * t * h;
     std::vector<float> act, y;
@@ -211,7 +234,8 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
         for (int64_t r = 0; r < r1 - r0; ++r) dst[r] += as.weight * y[j * (r1 - r0) + r];
       }
     });
-  }
+  };
+  RunOnThreads(threads, work);
   for (int p = 0; p + 1 < threads; ++p) {
     const float* src = partial.data() + p * t * h;
     for (int64_t i = 0; i < t * h; ++i) result[i] += src[i];
