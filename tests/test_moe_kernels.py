@@ -221,6 +221,19 @@ def test_cpu_kernel_replaces_gather_for_float32_on_cpu(monkeypatch):
     assert cpu_ffi.MOE_TARGET not in _custom_calls(moe.routed_experts, x, ids, weights, gate_up, down)
 
 
+def test_loading_the_cpu_kernels_keeps_subnormal_floats():
+    """A library linked with -ffast-math sets flush-to-zero for the whole process when it loads."""
+    code = (
+        "import numpy as np\n"
+        "from kernels import cpu_ffi\n"
+        "assert np.float32(1e-40) * np.float32(1) != 0\n"
+        "assert cpu_ffi.available()\n"
+        "assert np.float32(1e-40) * np.float32(1) != 0, 'subnormals flushed after loading the kernels'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_cpu_kernel_build_failure_falls_back_to_xla(tmp_path):
     """No working compiler: one warning naming the failure, and the XLA path gives the same result."""
     code = (
