@@ -33,7 +33,7 @@ ENV_VAR = "MORAY_CPU_KERNELS"
 CACHE_ENV_VAR = "MORAY_KERNEL_CACHE"
 # No -ffast-math: linking with it makes the library flush subnormals to zero for the whole process
 # (hypothesis refused to run beside it). The kernels vectorise explicitly and need no fast-math.
-FLAGS = ("-O3", "-march=native", "-pthread", "-std=c++20", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread", "-std=c++20", "-shared", "-fPIC")
 MOE_TARGET = "moray_moe_experts_f32"
 
 _lock = threading.Lock()
