@@ -692,8 +692,9 @@ def m_unknown_nested(draw, t, chat, body, headers):
 
 UNSUPPORTED_VALUES = {
     "response_format": [
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": "{"}},
         "text",
         {"type": "text", "extra": 1},
         [],
@@ -703,7 +704,7 @@ UNSUPPORTED_VALUES = {
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}, "None", 0],
     "functions": [[{"name": "f", "parameters": {}}], {}, "f"],
     "function_call": ["auto", {"name": "f"}, "None"],
-    "logit_bias": [{"50256": -100}, {"1": 100}, [], {"abc": "x"}, {"1": Raw("1e400")}, "x"],
+    "logit_bias": [{"99999999": -100}, {"1": 101}, [], {"abc": 1}, {"1": "x"}, {"1": Raw("1e400")}, "x"],
     "suffix": ["x", 5, []],
     "best_of": [2, 0, -1, "1", True],
     "echo": [True],

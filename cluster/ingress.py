@@ -35,6 +35,7 @@ from .config import ClusterConfig, parse_cluster_config
 from .grpc_service import quiet_client_errors
 from .metrics import FrontendMetrics
 from .orchestrator import Chunk, Orchestrator, RequestTrace
+from .reasoning import ThinkSplitter, split_reasoning
 from .router.types import RouteDecision
 from .routing import NoWorkersAvailable, build_router
 
@@ -67,6 +68,7 @@ class PreparedRequest:
     # What the client is told: a gRPC client may choose its own id. It never reaches a worker, so two
     # requests with the same client id cannot touch each other.
     public_id: str | None = None
+    reasoning: bool | None = None  # see Checked.reasoning
 
     @property
     def client_id(self) -> str:
@@ -156,7 +158,7 @@ class Ingress:
 
     async def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> PreparedRequest:
         checked = await self.validator.chat(body)
-        return PreparedRequest(oa.new_id("chatcmpl"), checked.prompt, checked.params, session or body.user)
+        return PreparedRequest(oa.new_id("chatcmpl"), checked.prompt, checked.params, session or body.user, reasoning=checked.reasoning)
 
     # ------------------------------------------------------------------ running a request
 
@@ -300,7 +302,10 @@ class Ingress:
 
     async def _chat_full(self, req: PreparedRequest, body: oa.ChatCompletionRequest) -> dict:
         tokens, text, logprobs, last = await self._collect(req, "chat")
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason, "logprobs": None}
+        message = {"role": "assistant", "content": text}
+        if req.reasoning is not None:
+            message["reasoning_content"], message["content"] = split_reasoning(text, req.reasoning)
+        choice = {"index": 0, "message": message, "finish_reason": last.finish_reason, "logprobs": None}
         if body.logprobs:
             choice["logprobs"] = oa.chat_logprobs(tokens, logprobs, body.top_logprobs or 0, self.detok)
         return {
@@ -357,8 +362,21 @@ class Ingress:
         return self._sse(req, body, "completions", choice, "text_completion")
 
     def _chat_sse(self, req: PreparedRequest, body: oa.ChatCompletionRequest):
+        splitter = ThinkSplitter(in_reasoning=req.reasoning) if req.reasoning is not None else None
+
         def choice(chunk: Chunk, first: bool) -> dict:
-            delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
+            delta = {"role": "assistant"} if first else {}
+            if splitter is None:
+                delta["content"] = chunk.text
+            else:
+                reasoning, content = splitter.feed(chunk.text)
+                if chunk.finished:
+                    tail = splitter.finish()
+                    reasoning, content = reasoning + tail[0], content + tail[1]
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content or not reasoning:
+                    delta["content"] = content
             out = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason if chunk.finished else None, "logprobs": None}
             if body.logprobs and chunk.logprobs:
                 out["logprobs"] = oa.chat_logprobs(chunk.token_ids, chunk.logprobs, body.top_logprobs or 0, self.detok)

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from workers.engine.sampling_params import StructuredOutputs
+
 
 class APIError(Exception):
     """An error with an HTTP status and an OpenAI-style body; never a stack trace for the client."""
@@ -41,12 +43,11 @@ class StreamOptions(BaseModel):
 # Values of unimplemented OpenAI fields that ask for nothing (what a client sends by default); anything
 # else is refused with a 400 rather than silently ignored.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
+    "bad_words": (None, []),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "echo": (False,),
@@ -78,13 +79,22 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # Not implemented (yet): accepted only with a value that asks for nothing, see `unsupported`.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's logit_bias ({"token id": bias}) and vLLM's allowed_token_ids.
+    logit_bias: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Not implemented (yet): accepted only with a value that asks for nothing, see `unsupported`.
+    bad_words: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    logit_bias: Any = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, message) for every unimplemented feature this request asks for."""
@@ -97,9 +107,34 @@ class _Common(BaseModel):
                 out.append((name, f"{name} is not supported" + (" (only best_of=1)" if name == "best_of" else "")))
         return out
 
+    def structured(self) -> StructuredOutputs | None:
+        """The request's output constraint, from whichever field carries it; APIError 400 on a malformed
+        one or on more than one."""
+        given = []
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            given.append(("response_format", lambda: _response_format(self.response_format)))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", lambda: _structured_outputs(self.structured_outputs)))
+        guided = {"json_schema": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice, "grammar": self.guided_grammar}
+        for name, value in guided.items():
+            if value is not None:
+                field = "guided_" + name.removesuffix("_schema")
+                given.append((field, lambda name=name, value=value: StructuredOutputs.from_fields(**{name: value})))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise APIError(400, f"only one structured output constraint may be given, got {names}", param=given[1][0])
+        name, build = given[0]
+        try:
+            return build()
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
+
     def sampling_fields(self, logprobs: int | None) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens is the validator's business)."""
         fields: dict[str, Any] = {"n": self.n, "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs}
+        fields["structured"] = self.structured()
         for name in (
             "temperature",
             "top_p",
@@ -110,11 +145,42 @@ class _Common(BaseModel):
             "repetition_penalty",
             "min_tokens",
             "stop_token_ids",
+            "logit_bias",
+            "allowed_token_ids",
         ):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
         return fields
+
+
+def _response_format(value: Any) -> StructuredOutputs | None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ValueError('must be an object with a "type": "text", "json_object" or "json_schema"')
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise ValueError(f"unknown key {extra[0]!r}")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs.from_fields(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError('"json_schema" must be an object with a "schema"')
+        return StructuredOutputs.from_fields(json_schema=spec["schema"])
+    raise ValueError(f'unknown type {kind!r}; expected "text", "json_object" or "json_schema"')
+
+
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutputs | None:
+    unknown = sorted(set(value) - set(_STRUCTURED_KEYS) - {"backend", "disable_any_whitespace"})
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; expected one of {', '.join(_STRUCTURED_KEYS)}")
+    return StructuredOutputs.from_fields(**{_STRUCTURED_KEYS[k]: v for k, v in value.items() if k in _STRUCTURED_KEYS and v is not None})
 
 
 class CompletionRequest(_Common):
@@ -175,6 +241,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM: variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod

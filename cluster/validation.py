@@ -29,9 +29,11 @@ from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ValidationError
 
 from protos.moray.v1 import moray_pb2
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams, StructuredOutputs
+from workers.engine.structured import GrammarCompiler, GrammarError
 
 from . import openai_api as oa
+from .reasoning import prompt_opens_reasoning, template_thinks
 
 log = logging.getLogger("moray.cluster")
 
@@ -55,6 +57,19 @@ _GRPC_SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+
+
+def _grpc_structured(s: moray_pb2.SamplingOptions) -> StructuredOutputs | None:
+    kind = s.WhichOneof("structured")
+    if kind is None or (kind == "json_object" and not s.json_object):
+        return None
+    value = list(s.choice.choices) if kind == "choice" else getattr(s, kind)
+    try:
+        return StructuredOutputs.from_fields(**{kind: value})
+    except ValueError as e:
+        raise oa.APIError(400, f"sampling.{kind}: {e}", param=kind) from None
+
+
 # `\uD800`-`\uDFFF` escapes: the only way a JSON body can carry a surrogate (raw UTF-8 cannot).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -65,6 +80,9 @@ class Checked:
 
     prompt: list[int]
     params: SamplingParams
+    # Chat requests of a thinking model (cluster/reasoning.py): whether the output starts inside
+    # <think> (True/False); None when the output is not split into reasoning and content.
+    reasoning: bool | None = None
 
 
 # ----------------------------------------------------------------------------------- worker errors
@@ -187,6 +205,10 @@ class RequestValidator:
         self.max_body_bytes = max_body_bytes
         self.max_prompt_tokens = max_prompt_tokens
         self.default_max_tokens = default_max_tokens
+        # Structured outputs are compiled here too, so a spec the engine cannot compile is a 400 before
+        # anything reaches a worker (the workers compile again, from their own cache).
+        eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos)
 
     # ---------------------------------------------------------------- size and model
 
@@ -242,20 +264,33 @@ class RequestValidator:
         except (TypeError, ValueError, UnicodeError) as e:  # e.g. a string that is not valid Unicode
             raise oa.APIError(400, f"the prompt cannot be tokenised: {one_line(e)}", param="prompt") from None
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        return (await self.render_chat_text(messages, add_generation_prompt, template_kwargs))[0]
+
+    async def render_chat_text(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], str]:
+        """The prompt's ids and its rendered text."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise oa.APIError(400, "this model has no chat template: use /v1/completions")
         size = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages)
         if size <= OFFLOAD_CHARS:
-            text = self._render(messages, add_generation_prompt)
+            text = self._render(messages, add_generation_prompt, template_kwargs or {})
         else:
-            text = await asyncio.to_thread(self._render, messages, add_generation_prompt)
+            text = await asyncio.to_thread(self._render, messages, add_generation_prompt, template_kwargs or {})
         # The template wrote the special tokens itself.
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=False), text
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> str:
+        reserved = sorted(set(template_kwargs) & {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template"})
+        if reserved:
+            raise oa.APIError(400, f"chat_template_kwargs: {reserved[0]!r} cannot be set here", param="chat_template_kwargs")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+            )
         except ValueError as e:  # the tokenizer's own message checks, ChatTemplateError (raise_exception)
             raise oa.APIError(400, f"messages: {one_line(e)}", param="messages") from None
         except Exception as e:  # noqa: BLE001 - a template choking on odd input is the input's fault
@@ -278,11 +313,20 @@ class RequestValidator:
             errors = getattr(e, "errors", None)
             param = (errors[0][0] or None) if errors else None
             raise oa.APIError(400, str(e), param=param) from None
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise oa.APIError(
-                400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
-            )
+        named = {
+            "stop_token_ids": params.stop_token_ids,
+            "logit_bias": [t for t, _ in params.logit_bias],
+            "allowed_token_ids": params.allowed_token_ids,
+        }
+        for field, ids in named.items():
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise oa.APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=field)
+        if params.structured is not None:
+            try:
+                self.grammars.grammar(params.structured)
+            except GrammarError as e:
+                raise oa.APIError(400, str(e), param="response_format") from None
         if max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
             raise oa.APIError(
                 400,
@@ -319,11 +363,12 @@ class RequestValidator:
             messages = body.template_messages()
         except ValueError as e:
             raise oa.APIError(400, f"messages: {e}", param="messages") from None
-        prompt = await self.render_chat(messages, body.add_generation_prompt)
+        prompt, text = await self.render_chat_text(messages, body.add_generation_prompt, body.chat_template_kwargs)
         self.check_prompt(prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return Checked(prompt, self.sampling_params(body.sampling_fields(logprobs), len(prompt), max_tokens))
+        reasoning = prompt_opens_reasoning(text) if template_thinks(self.tokenizer.chat_template) else None
+        return Checked(prompt, self.sampling_params(body.sampling_fields(logprobs), len(prompt), max_tokens), reasoning)
 
     # ---------------------------------------------------------------- gRPC requests
 
@@ -361,4 +406,5 @@ class RequestValidator:
         fields: dict[str, Any] = {name: getattr(s, name) for name in _GRPC_SAMPLING_FIELDS if s.HasField(name)}
         max_tokens = fields.pop("max_tokens", None)
         fields.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        fields["structured"] = _grpc_structured(s)
         return Checked(prompt, self.sampling_params(fields, len(prompt), max_tokens))

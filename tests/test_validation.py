@@ -125,10 +125,9 @@ def test_top_logprobs_needs_logprobs(validator):
 
 
 UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
-    ("logit_bias", {"5": 10}),
+    ("bad_words", ["x"]),
     ("functions", [{"name": "f"}]),
 ]
 
@@ -151,6 +150,69 @@ def test_unsupported_chat_fields_are_a_400(validator, field, value):
 )
 def test_values_that_ask_for_nothing_are_accepted(validator, field, value):
     assert completion(validator, {**GOOD, field: value}).params.max_tokens == 2
+
+
+# ------------------------------------------------------------------------------------- structured outputs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "fields,kind",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}}, "json"),
+        ({"structured_outputs": {"json": SCHEMA}}, "json"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "regex"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice"),
+        ({"structured_outputs": {"grammar": 'start: "a" | "b"'}}, "grammar"),
+        ({"guided_json": json.dumps(SCHEMA)}, "json"),
+        ({"guided_regex": "[0-9]+"}, "regex"),
+        ({"guided_choice": ["x", "y"]}, "choice"),
+        ({"guided_grammar": 'start: "a"+'}, "grammar"),
+    ],
+)
+def test_structured_output_fields(validator, fields, kind):
+    for build, body in ((completion, GOOD), (chat, CHAT)):
+        assert build(validator, {**body, **fields}).params.structured.kind == kind
+    assert completion(validator, {**GOOD, "response_format": {"type": "text"}}).params.structured is None
+
+
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", '"schema"'),
+        ({"response_format": {"type": "xml"}}, "response_format", "unknown type"),
+        ({"response_format": {"type": "text", "extra": 1}}, "response_format", "unknown key"),
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        ({"structured_outputs": {"yaml": "x"}}, "structured_outputs", "unknown key"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "only one"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one"),
+        ({"guided_regex": "(unclosed"}, "response_format", "cannot be compiled"),
+        ({"guided_grammar": "start: undefined_rule"}, "response_format", "cannot be compiled"),
+        ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, "response_format", "cannot be compiled"),
+    ],
+)
+def test_bad_structured_outputs_are_a_400_naming_the_field(validator, fields, param, words):
+    e = refused(completion, validator, {**GOOD, **fields})
+    assert e.status == 400 and e.param == param and words in e.message, e.message
+
+
+def test_logit_bias_and_allowed_token_ids(validator):
+    params = completion(validator, {**GOOD, "logit_bias": {"5": 10, "7": -100.0}, "allowed_token_ids": [9, 3, 9]}).params
+    assert params.logit_bias == ((5, 10.0), (7, -100.0)) and params.allowed_token_ids == (3, 9)
+    for body, param, words in [
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"logit_bias": {"5": True}}, "logit_bias", "[-100, 100]"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+        ({"allowed_token_ids": [100000]}, "allowed_token_ids", "outside the vocabulary"),
+    ]:
+        e = refused(completion, validator, {**GOOD, **body})
+        assert e.status == 400 and e.param == param and words in e.message, e.message
 
 
 # ------------------------------------------------------------------------------------- context, vocabulary

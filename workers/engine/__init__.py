@@ -16,6 +16,7 @@ _EXPORTS = {
     "KVEventKind": ".kv_events",
     "LLM": ".llm",
     "SamplingParams": ".sampling_params",
+    "StructuredOutputs": ".sampling_params",
 }
 
 __all__ = list(_EXPORTS)

@@ -32,6 +32,7 @@ from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_log
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .state_cache import HybridCacheManager
+from .structured import GrammarCompiler, GrammarState, ids_bitmask
 
 log = logging.getLogger("moray.engine")
 
@@ -135,6 +136,7 @@ class _RequestState:
     logprobs: list[dict[int, float]] | None
     prompt_logprobs: list | None = None
     pending: list[int] = field(default_factory=list)  # new tokens not yet reported
+    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -166,6 +168,7 @@ class EngineCore:
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config.model)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
+        self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
@@ -245,9 +248,11 @@ class EngineCore:
         for t in prompt_token_ids:
             if not 0 <= int(t) < self.cfg.vocab_size:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        for t in params.stop_token_ids:
+        for t in params.token_ids_named:
             if t >= self.cfg.vocab_size:
-                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
+                raise ValueError(f"token id {t} in the sampling parameters is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if params.structured is not None:
+            self.grammars.grammar(params.structured)  # a GrammarError (ValueError) names what is wrong
 
     def add_request(
         self,
@@ -270,6 +275,7 @@ class EngineCore:
         state = self._states[request_id] = _RequestState(
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             [] if params.logprobs is not None else None,
+            grammar=self.grammars.new_state(params.structured) if params.structured is not None else None,
         )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
@@ -284,6 +290,8 @@ class EngineCore:
         """Allocates the prompt's blocks (reusing our own cached prefix) and waits for the rest."""
         request.output_token_ids = [int(kv_import.first_token)]
         state.detokenizer.update(request.output_token_ids)  # already streamed by the prefill side
+        if state.grammar is not None:
+            state.grammar.accept(kv_import.first_token)  # sampled under the same grammar there
         if state.logprobs is not None and kv_import.first_logprobs:
             state.logprobs.append(dict(kv_import.first_logprobs))
         prompt_len = request.num_prompt_tokens
@@ -527,9 +535,11 @@ class EngineCore:
 
     def _needs_pending_tokens(self) -> bool:
         """Whether planning the next step needs tokens the step in flight is still sampling: penalties count
-        every output token, and a hybrid model names the snapshot at a block's end by the block's tokens."""
+        every output token, a grammar's next mask follows from the last token, and a hybrid model names the
+        snapshot at a block's end by the block's tokens."""
         return any(
-            r.num_pending_outputs and (r.sampling_params.uses_penalties or self.kv.plan_needs_pending_token(r))
+            r.num_pending_outputs
+            and (r.sampling_params.uses_penalties or r.sampling_params.structured is not None or self.kv.plan_needs_pending_token(r))
             for r in self.scheduler.running
         )
 
@@ -575,6 +585,8 @@ class EngineCore:
         order[: len(rows)] = rows
         params = [r.sampling_params for r in requests]
         uses_penalties = any(p.uses_penalties for p in params)
+        # The step's program is already dispatched: the grammar masks are computed while the device runs it.
+        grammars = [(j, self._states[r.request_id].grammar) for j, r in enumerate(requests) if r.sampling_params.structured is not None]
         batch = build_sampling_batch(
             params,
             [len(r.output_token_ids) + r.num_pending_outputs for r in requests],
@@ -584,6 +596,7 @@ class EngineCore:
             output_token_ids_list=[r.output_token_ids for r in requests] if uses_penalties else None,
             step_seed=int(self._rng.integers(0, 2**63)),
             eos_token_ids=self.eos_token_ids,
+            allowed_bitmask=self._allowed_bitmask(params, grammars, bucket),
         )
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
         out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
@@ -593,6 +606,17 @@ class EngineCore:
         for array in wanted.values():
             array.copy_to_host_async()
         return wanted
+
+    def _allowed_bitmask(self, params: list[SamplingParams], grammars: list, bucket: int) -> np.ndarray | None:
+        """The step's token bitmask: the grammars' masks, and allowed_token_ids; None when nothing is
+        constrained (the sampler then skips the masking)."""
+        restricted = [(j, p.allowed_token_ids) for j, p in enumerate(params) if p.allowed_token_ids]
+        if not grammars and not restricted:
+            return None
+        mask = self.grammars.fill_bitmask(grammars, bucket)
+        for j, ids in restricted:
+            mask[j] &= ids_bitmask(ids, mask.shape[1])
+        return mask
 
     def _append_token(self, request: Request, sampled: dict, j: int) -> RequestOutput | None:
         state = self._states[request.request_id]
@@ -614,6 +638,8 @@ class EngineCore:
         before = state.detokenizer.text
         delta = state.detokenizer.update(request.output_token_ids)
         stop = check_stop(request.output_token_ids, before, delta, params, self.eos_token_ids)
+        if state.grammar is not None and not stop.finished and self._grammar_done(state.grammar, token):
+            stop = stop._replace(finished=True, reason="stop")
         if not stop.finished and request.num_tokens >= self.max_model_len:
             stop = stop._replace(finished=True, reason="length")
         if stop.finished:
@@ -628,6 +654,16 @@ class EngineCore:
         if stop.finished:
             self._states.pop(request.request_id, None)
         return out
+
+    @staticmethod
+    def _grammar_done(grammar: GrammarState, token: int) -> bool:
+        """Advances the grammar past `token`; True once it is complete (only EOS could follow), so the
+        request ends there instead of spending a step on the EOS. A token the grammar rejects cannot be
+        sampled under its mask; were it to happen, the request ends rather than leave its grammar."""
+        if not grammar.accept(token):
+            log.warning("a sampled token broke its request's grammar: %s", grammar.matcher.get_error())
+            return True
+        return grammar.finished
 
     def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
         """O(new tokens) while streaming (views of the lists so far); plain lists in the final output."""

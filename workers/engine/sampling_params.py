@@ -11,7 +11,8 @@ coerced, because a silently coerced sampling parameter is much harder to debug t
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -52,6 +53,67 @@ class SamplingParamsError(ValueError):
         return cls(errors)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputs(BaseModel):
+    """A grammar the output must follow (vLLM's `structured_outputs`); compiled by the engine
+    (workers/engine/structured.py). `value` is canonical text so equal specs hash alike and share one
+    compiled grammar: a JSON schema serialised with sorted keys, a regex, a JSON list of choices, or a
+    Lark/GBNF grammar; "" for json_object (any JSON object)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    value: str = ""
+
+    @classmethod
+    def from_fields(
+        cls,
+        json_schema: Any = None,
+        regex: str | None = None,
+        choice: list[str] | None = None,
+        grammar: str | None = None,
+        json_object: bool = False,
+    ) -> "StructuredOutputs | None":
+        """The one constraint among the fields (None when none is set); more than one is a ValueError."""
+        given = {
+            "json": json_schema is not None,
+            "regex": regex is not None,
+            "choice": choice is not None,
+            "grammar": grammar is not None,
+            "json_object": bool(json_object),
+        }
+        kinds = [k for k, v in given.items() if v]
+        if not kinds:
+            return None
+        if len(kinds) > 1:
+            raise ValueError(f"only one structured output constraint may be given, got {', '.join(kinds)}")
+        kind = kinds[0]
+        if kind == "json":
+            if isinstance(json_schema, str):
+                try:
+                    json_schema = json.loads(json_schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(json_schema, (dict, bool)):
+                raise ValueError("the JSON schema must be an object")
+            return cls(kind="json", value=json.dumps(json_schema, sort_keys=True))
+        if kind == "regex":
+            if not isinstance(regex, str) or not regex:
+                raise ValueError("the regex must be a non-empty string")
+            return cls(kind="regex", value=regex)
+        if kind == "choice":
+            if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            return cls(kind="choice", value=json.dumps(list(choice)))
+        if kind == "grammar":
+            if not isinstance(grammar, str) or not grammar.strip():
+                raise ValueError("the grammar must be a non-empty string")
+            return cls(kind="grammar", value=grammar)
+        return cls(kind="json_object")
+
+
 class SamplingParams(BaseModel):
     """How to pick each generated token and when to stop. Immutable and hashable."""
 
@@ -87,6 +149,12 @@ class SamplingParams(BaseModel):
     skip_special_tokens: _StrictBool = True
     # vLLM's default drops the matched stop string / stop token text from the output.
     include_stop_str_in_output: _StrictBool = False
+    # A grammar the output follows (JSON schema, regex, choice, Lark/GBNF); None: free text.
+    structured: StructuredOutputs | None = None
+    # OpenAI logit_bias: added to a token's logit before sampling, (token id, bias in [-100, 100]) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM: only these token ids may be sampled (empty: any).
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -145,6 +213,42 @@ class SamplingParams(BaseModel):
             raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
         return tuple(ids)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _normalise_logit_bias(cls, bias: Any) -> tuple[tuple[int, float], ...]:
+        if bias is None:
+            return ()
+        if isinstance(bias, dict):
+            bias = list(bias.items())
+        if not isinstance(bias, (list, tuple)):
+            raise ValueError(f"must map token ids to biases (got {bias!r})")
+        out = {}
+        for pair in bias:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"must map token ids to biases (got {pair!r})")
+            token, value = pair
+            try:
+                token = int(token) if not isinstance(token, bool) else None
+            except (TypeError, ValueError):
+                token = None
+            if token is None or token < 0:
+                raise ValueError(f"keys must be token ids (got {pair[0]!r})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"biases must be numbers in [-100, 100] (got {value!r} for token {token})")
+            out[token] = float(value)
+        return tuple(sorted(out.items()))
+
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _normalise_allowed_token_ids(cls, ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
+        if not ids:
+            raise ValueError("must not be empty (leave it out to allow every token)")
+        return tuple(sorted(set(ids)))
+
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
@@ -156,6 +260,12 @@ class SamplingParams(BaseModel):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def token_ids_named(self) -> tuple[int, ...]:
+        """Every token id the request names (stop tokens, logit_bias keys, allowed ids): checked against
+        the vocabulary by the engine and the ingress."""
+        return (*self.stop_token_ids, *(t for t, _ in self.logit_bias), *self.allowed_token_ids)
 
     @property
     def uses_penalties(self) -> bool:

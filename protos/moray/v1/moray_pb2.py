@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/moray/v1/moray.proto\x12\x08moray.v1\"\xd9\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.moray.v1.ChatMessage\"\xe5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.moray.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.moray.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.moray.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x8d\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .moray.v1.TokenLogprobs.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.moray.v1.Usage\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.moray.v1.TokenLogprobs\"\xa9\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.moray.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.moray.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.moray.v1.ModelInfo\"\x0f\n\rHealthRequest\"Q\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\x05\x32\x95\x02\n\x05Moray\x12\x43\n\x08Generate\x12\x19.moray.v1.GenerateRequest\x1a\x1a.moray.v1.GenerateResponse0\x01\x12\x41\n\x08\x43omplete\x12\x19.moray.v1.GenerateRequest\x1a\x1a.moray.v1.CompleteResponse\x12G\n\nListModels\x12\x1b.moray.v1.ListModelsRequest\x1a\x1c.moray.v1.ListModelsResponse\x12;\n\x06Health\x12\x17.moray.v1.HealthRequest\x1a\x18.moray.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/moray/v1/moray.proto\x12\x08moray.v1\"\xe1\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x11 \x01(\x0b\x32\x14.moray.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x42\x0c\n\nstructuredB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.moray.v1.ChatMessage\"\xe5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.moray.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.moray.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.moray.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x8d\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .moray.v1.TokenLogprobs.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.moray.v1.Usage\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.moray.v1.TokenLogprobs\"\xa9\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.moray.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.moray.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.moray.v1.ModelInfo\"\x0f\n\rHealthRequest\"Q\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\x05\x32\x95\x02\n\x05Moray\x12\x43\n\x08Generate\x12\x19.moray.v1.GenerateRequest\x1a\x1a.moray.v1.GenerateResponse0\x01\x12\x41\n\x08\x43omplete\x12\x19.moray.v1.GenerateRequest\x1a\x1a.moray.v1.CompleteResponse\x12G\n\nListModels\x12\x1b.moray.v1.ListModelsRequest\x1a\x1c.moray.v1.ListModelsResponse\x12;\n\x06Health\x12\x17.moray.v1.HealthRequest\x1a\x18.moray.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS_TOPENTRY']._loaded_options = None
   _globals['_TOKENLOGPROBS_TOPENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=42
-  _globals['_SAMPLINGOPTIONS']._serialized_end=515
-  _globals['_TOKENIDS']._serialized_start=517
-  _globals['_TOKENIDS']._serialized_end=540
-  _globals['_CHATMESSAGE']._serialized_start=542
-  _globals['_CHATMESSAGE']._serialized_end=586
-  _globals['_CHATMESSAGES']._serialized_start=588
-  _globals['_CHATMESSAGES']._serialized_end=643
-  _globals['_GENERATEREQUEST']._serialized_start=646
-  _globals['_GENERATEREQUEST']._serialized_end=875
-  _globals['_USAGE']._serialized_start=877
-  _globals['_USAGE']._serialized_end=957
-  _globals['_TOKENLOGPROBS']._serialized_start=960
-  _globals['_TOKENLOGPROBS']._serialized_end=1101
-  _globals['_TOKENLOGPROBS_TOPENTRY']._serialized_start=1059
-  _globals['_TOKENLOGPROBS_TOPENTRY']._serialized_end=1101
-  _globals['_GENERATERESPONSE']._serialized_start=1104
-  _globals['_GENERATERESPONSE']._serialized_end=1291
-  _globals['_COMPLETERESPONSE']._serialized_start=1294
-  _globals['_COMPLETERESPONSE']._serialized_end=1463
-  _globals['_LISTMODELSREQUEST']._serialized_start=1465
-  _globals['_LISTMODELSREQUEST']._serialized_end=1484
-  _globals['_MODELINFO']._serialized_start=1486
-  _globals['_MODELINFO']._serialized_end=1567
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1569
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1626
-  _globals['_HEALTHREQUEST']._serialized_start=1628
-  _globals['_HEALTHREQUEST']._serialized_end=1643
-  _globals['_HEALTHRESPONSE']._serialized_start=1645
-  _globals['_HEALTHRESPONSE']._serialized_end=1726
-  _globals['_MORAY']._serialized_start=1729
-  _globals['_MORAY']._serialized_end=2006
+  _globals['_SAMPLINGOPTIONS']._serialized_end=651
+  _globals['_CHOICELIST']._serialized_start=653
+  _globals['_CHOICELIST']._serialized_end=682
+  _globals['_TOKENIDS']._serialized_start=684
+  _globals['_TOKENIDS']._serialized_end=707
+  _globals['_CHATMESSAGE']._serialized_start=709
+  _globals['_CHATMESSAGE']._serialized_end=753
+  _globals['_CHATMESSAGES']._serialized_start=755
+  _globals['_CHATMESSAGES']._serialized_end=810
+  _globals['_GENERATEREQUEST']._serialized_start=813
+  _globals['_GENERATEREQUEST']._serialized_end=1042
+  _globals['_USAGE']._serialized_start=1044
+  _globals['_USAGE']._serialized_end=1124
+  _globals['_TOKENLOGPROBS']._serialized_start=1127
+  _globals['_TOKENLOGPROBS']._serialized_end=1268
+  _globals['_TOKENLOGPROBS_TOPENTRY']._serialized_start=1226
+  _globals['_TOKENLOGPROBS_TOPENTRY']._serialized_end=1268
+  _globals['_GENERATERESPONSE']._serialized_start=1271
+  _globals['_GENERATERESPONSE']._serialized_end=1458
+  _globals['_COMPLETERESPONSE']._serialized_start=1461
+  _globals['_COMPLETERESPONSE']._serialized_end=1630
+  _globals['_LISTMODELSREQUEST']._serialized_start=1632
+  _globals['_LISTMODELSREQUEST']._serialized_end=1651
+  _globals['_MODELINFO']._serialized_start=1653
+  _globals['_MODELINFO']._serialized_end=1734
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1736
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1793
+  _globals['_HEALTHREQUEST']._serialized_start=1795
+  _globals['_HEALTHREQUEST']._serialized_end=1810
+  _globals['_HEALTHRESPONSE']._serialized_start=1812
+  _globals['_HEALTHRESPONSE']._serialized_end=1893
+  _globals['_MORAY']._serialized_start=1896
+  _globals['_MORAY']._serialized_end=2173
 # @@protoc_insertion_point(module_scope)

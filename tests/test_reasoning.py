@@ -1,0 +1,71 @@
+"""reasoning_content: the <think> split of chat outputs (cluster/reasoning.py), streamed and whole, and
+its switch from the chat template (enable_thinking through chat_template_kwargs)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster import openai_api as oa
+from cluster import validation
+from cluster.reasoning import ThinkSplitter, prompt_opens_reasoning, split_reasoning, template_thinks
+from workers.models.make_model import make_model
+from workers.models.tokenizer import Tokenizer
+
+CASES = [
+    # (output text, starts in reasoning, reasoning_content, content)
+    ("<think>\nplan the answer\n</think>\n\nThe answer is 4.", False, "\nplan the answer\n", "The answer is 4."),
+    ("plan first</think>\n\nDone.", True, "plan first", "Done."),  # the template opened the block
+    ("No thinking here.", False, None, "No thinking here."),
+    ("<think>\n\n</think>\n\nQuick.", False, None, "Quick."),  # an empty block, as enable_thinking=false writes
+    ("<think>never closed", False, "never closed", ""),
+    ("a < b <thi", False, None, "a < b <thi"),  # a partial tag at the end is text
+    ("<think>x</think>y <think>z</think>", False, "x", "y <think>z</think>"),  # one reasoning block
+]
+
+
+@pytest.mark.parametrize("text,starts,reasoning,content", CASES)
+def test_split_whole_and_streamed_alike(text, starts, reasoning, content):
+    assert split_reasoning(text, starts) == (reasoning, content)
+    for size in (1, 2, 3, 5, 8):  # tags cut across deltas at every position
+        splitter = ThinkSplitter(in_reasoning=starts)
+        parts = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)] + [splitter.finish()]
+        got_reasoning, got_content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+        assert (got_reasoning if got_reasoning.strip() else None, got_content) == (reasoning, content), size
+
+
+QWEN3_LIKE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{%- endif %}"
+)
+R1_LIKE = "{%- for m in messages %}{{ m.content }}{%- endfor %}{%- if add_generation_prompt %}<assistant><think>\n{%- endif %}"
+
+
+def test_template_switches():
+    assert template_thinks(QWEN3_LIKE) and template_thinks(R1_LIKE) and not template_thinks("{{ messages }}")
+    assert prompt_opens_reasoning("<assistant><think>\n") and not prompt_opens_reasoning("<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_dir(make_model(tmp_path_factory.mktemp("reasoning") / "tiny", "qwen3_moe", "tiny", seed=0))
+
+
+def checked(tokenizer, template: str, **body):
+    tok = Tokenizer(tokenizer.backend, chat_templates={"default": template}, eos_token_ids=tokenizer.eos_token_ids)
+    v = validation.RequestValidator(model_name="m", vocab_size=512, max_model_len=256, tokenizer=tok)
+    request = oa.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
+    return asyncio.run(v.chat(request))
+
+
+def test_validator_decides_how_each_chat_output_is_split(tokenizer):
+    assert checked(tokenizer, QWEN3_LIKE).reasoning is False  # the model opens <think> itself
+    off = checked(tokenizer, QWEN3_LIKE, chat_template_kwargs={"enable_thinking": False})
+    assert off.reasoning is False and "<think>\n\n</think>\n\n" in tokenizer.decode(off.prompt)
+    assert checked(tokenizer, R1_LIKE).reasoning is True
+    assert checked(tokenizer, "{%- for m in messages %}{{ m.content }}{%- endfor %}").reasoning is None  # not a thinking model
+    with pytest.raises(oa.APIError, match="cannot be set"):
+        checked(tokenizer, QWEN3_LIKE, chat_template_kwargs={"messages": []})
