@@ -7,6 +7,12 @@ shared prefixes and lengths are exact whatever the tokenizer.
     moray bench serve --url http://127.0.0.1:8000 --workload shared-prefix --concurrency 8 --requests 64 --json out.json
     moray bench serve --model DIR --compare --workload shared-prefix --json out.json   # starts both modes locally
     moray bench serve --model DIR --tier-compare --json out.json   # host KV tier on/off, multi-turn "tiered" workload
+    moray bench serve --model DIR --structured --json out.json   # every request JSON-schema constrained vs none
+
+`--structured` (issue #17) runs the workload (default 64 requests at concurrency 16) alternately free and
+with every request constrained by a JSON schema (`structured_outputs`), `--runs` times each, against
+`--url` or a disaggregated app started locally from `--model`, and reports the medians and the ratios of
+decode throughput (output tokens/s) and time per output token, constrained over free.
 
 `--tier-compare` (issue #15) starts two colocated apps with one decode worker each, the same small device
 KV pool, one with a host KV tier of `--host-ratio` times that pool; runs the "tiered" workload (64
@@ -45,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, help="output file")
+    p.add_argument("--structured", action="store_true", help="compare JSON-schema constrained requests with free ones")
+    p.add_argument("--runs", type=int, default=3, help="with --structured: alternating runs of each kind (default 3)")
 
 
 # ------------------------------------------------------------------------------------ workloads
@@ -134,7 +142,7 @@ class Result:
     error: str = ""
 
 
-async def one_request(session, url: str, model: str, item: Item, api_key: str | None) -> Result:
+async def one_request(session, url: str, model: str, item: Item, api_key: str | None, extra: dict | None = None) -> Result:
     body = {
         "model": model,
         "prompt": item.prompt,
@@ -143,6 +151,7 @@ async def one_request(session, url: str, model: str, item: Item, api_key: str | 
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -174,7 +183,9 @@ async def one_request(session, url: str, model: str, item: Item, api_key: str | 
     return result
 
 
-async def run_workload(url: str, groups: list[list[Item]], concurrency: int, api_key: str | None) -> tuple[list[Result], float]:
+async def run_workload(
+    url: str, groups: list[list[Item]], concurrency: int, api_key: str | None, extra: dict | None = None
+) -> tuple[list[Result], float]:
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
@@ -188,7 +199,7 @@ async def run_workload(url: str, groups: list[list[Item]], concurrency: int, api
                 if item.think_s:
                     await asyncio.sleep(item.think_s)
                 async with sem:
-                    results.append(await one_request(session, url, model, item, api_key))
+                    results.append(await one_request(session, url, model, item, api_key, extra))
 
         start = time.perf_counter()
         await asyncio.gather(*(run_group(g) for g in groups))
@@ -244,10 +255,44 @@ def summarise(results: list[Result], wall: float, before: dict, after: dict) -> 
     }
 
 
-def bench_url(url: str, args, groups) -> dict:
+def bench_url(url: str, args, groups, extra: dict | None = None) -> dict:
     before = scrape(url)
-    results, wall = asyncio.run(run_workload(url, groups, args.concurrency, args.api_key))
+    results, wall = asyncio.run(run_workload(url, groups, args.concurrency, args.api_key, extra))
     return summarise(results, wall, before, scrape(url))
+
+
+# A JSON object around one free string: constrained every token, and no shorter than a free output needs
+# to be (a random model closes the string whenever it picks a quote; TPOT compares per token regardless).
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"], "additionalProperties": False}
+
+
+def run_structured(args: argparse.Namespace, groups) -> dict:
+    """Free and JSON-schema constrained runs of the same workload, alternating; medians and ratios."""
+    url = args.url.rstrip("/") if args.url else start_pair(args.model)[0]
+    constrained = {"structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    print("warming up...", file=sys.stderr)
+    for extra in (None, constrained):
+        bench_url(url, argparse.Namespace(**{**vars(args), "concurrency": 4}), make_workload(args.workload, 8, args.seed + 1), extra)
+    runs = {"free": [], "structured": []}
+    for r in range(args.runs):
+        order = ("free", "structured") if r % 2 == 0 else ("structured", "free")
+        for kind in order:
+            runs[kind].append(bench_url(url, args, groups, constrained if kind == "structured" else None))
+            print(f"run {r + 1}/{args.runs} {kind}: {runs[kind][-1]['throughput_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+
+    def median(kind: str, key: str) -> float:
+        values = sorted(x[key] for x in runs[kind])
+        return values[len(values) // 2]
+
+    keys = ("throughput_tokens_per_s", "tpot_p50_s", "ttft_p50_s", "e2e_p50_s")
+    out = {kind: {**{k: median(kind, k) for k in keys}, "runs": runs[kind]} for kind in runs}
+    out["schema"] = STRUCTURED_SCHEMA
+    out["ratio_structured_over_free"] = {
+        "throughput": out["structured"]["throughput_tokens_per_s"] / out["free"]["throughput_tokens_per_s"],
+        "tpot_p50": out["structured"]["tpot_p50_s"] / out["free"]["tpot_p50_s"],
+    }
+    out["target"] = {"throughput_ratio_min": 0.9, "met": out["ratio_structured_over_free"]["throughput"] >= 0.9}
+    return out
 
 
 def _free_port() -> int:
@@ -445,7 +490,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     groups = make_workload(args.workload, args.requests, args.seed)
     out = {"workload": args.workload, "concurrency": args.concurrency, "requests": args.requests}
-    if args.compare:
+    if getattr(args, "structured", False):
+        if not (args.url or args.model):
+            raise ValueError("--structured needs --url URL or --model DIR")
+        out["structured"] = run_structured(args, groups)
+    elif args.compare:
         if not args.model:
             raise ValueError("--compare needs --model DIR")
         disagg, colo = start_pair(args.model)

@@ -297,6 +297,23 @@ def test_structured_outputs_with_the_openai_client(cluster):
     assert obj.choices[0].finish_reason in ("stop", "length")
 
 
+def test_bench_serve_structured_against_the_cluster(cluster):
+    """`moray bench serve --structured` end to end on a few requests: both kinds run without errors and
+    every figure is there."""
+    import argparse
+
+    from bench import serve as bench_serve
+
+    args = argparse.Namespace(
+        url=cluster["base"], model=None, api_key=API_KEY, workload="short-in-long-out", requests=4, concurrency=2, seed=0, runs=1
+    )
+    out = bench_serve.run_structured(args, bench_serve.make_workload(args.workload, args.requests, args.seed))
+    for kind in ("free", "structured"):
+        (run,) = out[kind]["runs"]
+        assert run["errors"] == 0 and run["requests"] == 4 and out[kind]["throughput_tokens_per_s"] > 0
+    assert out["ratio_structured_over_free"]["throughput"] > 0 and "met" in out["target"]
+
+
 def test_grpc_structured_outputs(cluster):
     import re
 
