@@ -700,8 +700,9 @@ UNSUPPORTED_VALUES = {
         [],
         {"type": "TEXT"},
     ],
-    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "x", {}, [None], [1]],
-    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}, "None", 0],
+    # Invalid on chat too (valid tools are served there; on /v1/completions any tools are refused).
+    "tools": [[{"type": "retrieval"}], [{"type": "function", "function": {"name": ""}}], "x", {}, [None], [1]],
+    "tool_choice": ["always", "required", {"type": "function", "function": {"name": "f"}}, "None", 0],
     "functions": [[{"name": "f", "parameters": {}}], {}, "f"],
     "function_call": ["auto", {"name": "f"}, "None"],
     "logit_bias": [{"99999999": -100}, {"1": 101}, [], {"abc": 1}, {"1": "x"}, {"1": Raw("1e400")}, "x"],

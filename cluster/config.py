@@ -176,6 +176,9 @@ class ServerConfig(_Strict):
         description="requests an ingress replica holds that have no first token yet; more are refused with 429 + Retry-After / "
         "RESOURCE_EXHAUSTED (0: no limit)",
     )
+    tool_call_parser: Literal["auto", "qwen", "deepseek"] = Field(
+        default="auto", description="the model's tool-call syntax; auto: read from its chat template (cluster/tool_calls.py)"
+    )
 
 
 class ClusterConfig(_Strict):

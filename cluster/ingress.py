@@ -30,7 +30,7 @@ from workers.models import load_config
 from workers.models.tokenizer import Tokenizer
 
 from . import openai_api as oa
-from . import validation
+from . import tool_calls, validation
 from .config import ClusterConfig, parse_cluster_config
 from .grpc_service import quiet_client_errors
 from .metrics import FrontendMetrics
@@ -69,6 +69,7 @@ class PreparedRequest:
     # requests with the same client id cannot touch each other.
     public_id: str | None = None
     reasoning: bool | None = None  # see Checked.reasoning
+    tool_format: str | None = None  # see Checked.tool_format
 
     @property
     def client_id(self) -> str:
@@ -103,6 +104,7 @@ class Ingress:
             tokenizer=self.tokenizer,
             max_body_bytes=self.config.server.max_body_bytes,
             max_prompt_tokens=self.config.server.max_prompt_tokens,
+            tool_call_parser=self.config.server.tool_call_parser,
         )
         quiet_client_errors()
         self.metrics = FrontendMetrics()
@@ -158,7 +160,14 @@ class Ingress:
 
     async def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> PreparedRequest:
         checked = await self.validator.chat(body)
-        return PreparedRequest(oa.new_id("chatcmpl"), checked.prompt, checked.params, session or body.user, reasoning=checked.reasoning)
+        return PreparedRequest(
+            oa.new_id("chatcmpl"),
+            checked.prompt,
+            checked.params,
+            session or body.user,
+            reasoning=checked.reasoning,
+            tool_format=checked.tool_format,
+        )
 
     # ------------------------------------------------------------------ running a request
 
@@ -303,9 +312,16 @@ class Ingress:
     async def _chat_full(self, req: PreparedRequest, body: oa.ChatCompletionRequest) -> dict:
         tokens, text, logprobs, last = await self._collect(req, "chat")
         message = {"role": "assistant", "content": text}
+        finish_reason = last.finish_reason
         if req.reasoning is not None:
             message["reasoning_content"], message["content"] = split_reasoning(text, req.reasoning)
-        choice = {"index": 0, "message": message, "finish_reason": last.finish_reason, "logprobs": None}
+        if req.tool_format is not None:
+            content, calls = tool_calls.parse(message["content"], req.tool_format)
+            if calls:
+                message["content"] = content.strip() or None
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
         if body.logprobs:
             choice["logprobs"] = oa.chat_logprobs(tokens, logprobs, body.top_logprobs or 0, self.detok)
         return {
@@ -363,21 +379,29 @@ class Ingress:
 
     def _chat_sse(self, req: PreparedRequest, body: oa.ChatCompletionRequest):
         splitter = ThinkSplitter(in_reasoning=req.reasoning) if req.reasoning is not None else None
+        calls = tool_calls.ToolCallStream(req.tool_format) if req.tool_format is not None else None
 
         def choice(chunk: Chunk, first: bool) -> dict:
             delta = {"role": "assistant"} if first else {}
-            if splitter is None:
-                delta["content"] = chunk.text
-            else:
+            reasoning, content = "", chunk.text
+            if splitter is not None:
                 reasoning, content = splitter.feed(chunk.text)
                 if chunk.finished:
                     tail = splitter.finish()
                     reasoning, content = reasoning + tail[0], content + tail[1]
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content or not reasoning:
-                    delta["content"] = content
-            out = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason if chunk.finished else None, "logprobs": None}
+            if calls is not None:
+                content = calls.feed(content) + (calls.finish() if chunk.finished else "")
+                new = calls.new_calls()
+                if new:
+                    delta["tool_calls"] = [call.openai(index) for index, call in new]
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not (reasoning or delta.get("tool_calls")):
+                delta["content"] = content
+            finish_reason = chunk.finish_reason if chunk.finished else None
+            if finish_reason == "stop" and calls is not None and calls.calls:
+                finish_reason = "tool_calls"
+            out = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
             if body.logprobs and chunk.logprobs:
                 out["logprobs"] = oa.chat_logprobs(chunk.token_ids, chunk.logprobs, body.top_logprobs or 0, self.detok)
             return out

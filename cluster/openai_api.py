@@ -43,8 +43,6 @@ class StreamOptions(BaseModel):
 # Values of unimplemented OpenAI fields that ask for nothing (what a client sends by default); anything
 # else is refused with a 400 rather than silently ignored.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "bad_words": (None, []),
@@ -89,10 +87,12 @@ class _Common(BaseModel):
     # OpenAI's logit_bias ({"token id": bias}) and vLLM's allowed_token_ids.
     logit_bias: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
-    # Not implemented (yet): accepted only with a value that asks for nothing, see `unsupported`.
-    bad_words: Any = None
+    # Tool calling (chat only; see ChatCompletionRequest.tool_spec).
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Not implemented (yet): accepted only with a value that asks for nothing, see `unsupported`.
+    bad_words: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -250,6 +250,35 @@ class ChatCompletionRequest(_Common):
         if not v:
             raise ValueError("messages must not be empty")
         return v
+
+    def tool_spec(self) -> tuple[list[dict[str, Any]] | None, str | dict]:
+        """(tools or None, tool_choice) checked: function tools with a name and an object schema; a
+        choice of "none", "auto", "required" or a named function among the tools. APIError 400 otherwise."""
+        tools, choice = self.tools, self.tool_choice
+        if tools in (None, []):
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            return None, "none"
+        if not isinstance(tools, list):
+            raise APIError(400, "tools must be a list", param="tools")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', param="tools")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise APIError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        names = [t["function"]["name"] for t in tools]
+        if choice is None:
+            choice = "auto"
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if name not in names:
+                raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}", param="tool_choice")
+        elif choice not in ("none", "auto", "required"):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", ...}', param="tool_choice")
+        return tools, choice
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []

@@ -33,6 +33,7 @@ from workers.engine.sampling_params import SamplingParams, StructuredOutputs
 from workers.engine.structured import GrammarCompiler, GrammarError
 
 from . import openai_api as oa
+from . import tool_calls
 from .reasoning import prompt_opens_reasoning, template_thinks
 
 log = logging.getLogger("moray.cluster")
@@ -83,6 +84,8 @@ class Checked:
     # Chat requests of a thinking model (cluster/reasoning.py): whether the output starts inside
     # <think> (True/False); None when the output is not split into reasoning and content.
     reasoning: bool | None = None
+    # Chat requests with tools: the tool-call format to parse the output with (cluster/tool_calls.py).
+    tool_format: str | None = None
 
 
 # ----------------------------------------------------------------------------------- worker errors
@@ -197,6 +200,7 @@ class RequestValidator:
         max_body_bytes: int = 1 << 20,
         max_prompt_tokens: int | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        tool_call_parser: str = "auto",
     ):
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -205,6 +209,8 @@ class RequestValidator:
         self.max_body_bytes = max_body_bytes
         self.max_prompt_tokens = max_prompt_tokens
         self.default_max_tokens = default_max_tokens
+        template = tokenizer.chat_template if tokenizer is not None else None
+        self.tool_format = tool_calls.format_for_template(template) if tool_call_parser == "auto" else tool_call_parser
         # Structured outputs are compiled here too, so a spec the engine cannot compile is a 400 before
         # anything reaches a worker (the workers compile again, from their own cache).
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
@@ -270,21 +276,26 @@ class RequestValidator:
         return (await self.render_chat_text(messages, add_generation_prompt, template_kwargs))[0]
 
     async def render_chat_text(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], str]:
         """The prompt's ids and its rendered text."""
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise oa.APIError(400, "this model has no chat template: use /v1/completions")
         size = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages)
+        kwargs = {**(template_kwargs or {}), "tools": tools}
         if size <= OFFLOAD_CHARS:
-            text = self._render(messages, add_generation_prompt, template_kwargs or {})
+            text = self._render(messages, add_generation_prompt, kwargs)
         else:
-            text = await asyncio.to_thread(self._render, messages, add_generation_prompt, template_kwargs or {})
+            text = await asyncio.to_thread(self._render, messages, add_generation_prompt, kwargs)
         # The template wrote the special tokens itself.
         return await self.encode(text, add_special_tokens=False), text
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> str:
-        reserved = sorted(set(template_kwargs) & {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template"})
+        reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt", "tokenize", "chat_template"})
         if reserved:
             raise oa.APIError(400, f"chat_template_kwargs: {reserved[0]!r} cannot be set here", param="chat_template_kwargs")
         try:
@@ -345,6 +356,15 @@ class RequestValidator:
         self.check_model(body.model)
         for name, message in body.unsupported():
             raise oa.APIError(400, message, param=name, code="unsupported_parameter")
+        if isinstance(body, oa.CompletionRequest):
+            for name, no_op in (("tools", (None, [])), ("tool_choice", (None, "none"))):
+                if getattr(body, name) not in no_op:
+                    raise oa.APIError(
+                        400,
+                        f"{name} is not supported on /v1/completions (use /v1/chat/completions)",
+                        param=name,
+                        code="unsupported_parameter",
+                    )
         if body.stream_options is not None and not body.stream:
             raise oa.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if isinstance(body, oa.ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
@@ -363,12 +383,28 @@ class RequestValidator:
             messages = body.template_messages()
         except ValueError as e:
             raise oa.APIError(400, f"messages: {e}", param="messages") from None
-        prompt, text = await self.render_chat_text(messages, body.add_generation_prompt, body.chat_template_kwargs)
+        if body.chat_template_kwargs and "tools" in body.chat_template_kwargs:
+            raise oa.APIError(400, "chat_template_kwargs: 'tools' cannot be set here; use tools", param="chat_template_kwargs")
+        tools, choice = body.tool_spec()
+        if tools is not None and self.tool_format is None:
+            raise oa.APIError(400, "tools: this model's chat template has no tool-call format", param="tools")
+        rendered_tools = tools if choice != "none" else None
+        prompt, text = await self.render_chat_text(messages, body.add_generation_prompt, body.chat_template_kwargs, rendered_tools)
         self.check_prompt(prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        fields = body.sampling_fields(logprobs)
+        if choice == "required" or isinstance(choice, dict):
+            if fields.get("structured") is not None:
+                raise oa.APIError(400, "tool_choice required or named cannot be combined with response_format", param="tool_choice")
+            try:
+                grammar = tool_calls.forced_call_grammar(tools, choice, body.parallel_tool_calls is not False, self.tool_format)
+            except ValueError as e:
+                raise oa.APIError(400, f"tool_choice: {e}", param="tool_choice") from None
+            fields["structured"] = StructuredOutputs(kind="lark", value=grammar)
         reasoning = prompt_opens_reasoning(text) if template_thinks(self.tokenizer.chat_template) else None
-        return Checked(prompt, self.sampling_params(body.sampling_fields(logprobs), len(prompt), max_tokens), reasoning)
+        params = self.sampling_params(fields, len(prompt), max_tokens)
+        return Checked(prompt, params, reasoning, self.tool_format if rendered_tools is not None else None)
 
     # ---------------------------------------------------------------- gRPC requests
 

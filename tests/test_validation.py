@@ -138,7 +138,7 @@ def test_unsupported_completion_fields_are_a_400(validator, field, value):
     assert e.status == 400 and e.param == field and "not supported" in e.message
 
 
-@pytest.mark.parametrize("field,value", UNSUPPORTED)
+@pytest.mark.parametrize("field,value", [u for u in UNSUPPORTED if u[0] not in ("tools", "tool_choice")])
 def test_unsupported_chat_fields_are_a_400(validator, field, value):
     e = refused(chat, validator, {**CHAT, field: value})
     assert e.status == 400 and e.param == field and "not supported" in e.message
@@ -197,6 +197,47 @@ def test_structured_output_fields(validator, fields, kind):
 )
 def test_bad_structured_outputs_are_a_400_naming_the_field(validator, fields, param, words):
     e = refused(completion, validator, {**GOOD, **fields})
+    assert e.status == 400 and e.param == param and words in e.message, e.message
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def test_tools_render_and_force_a_call(validator):
+    auto = chat(validator, {**CHAT, "tools": TOOLS})
+    assert auto.tool_format == "qwen" and auto.params.structured is None
+    assert "get_weather" in validator.tokenizer.decode(auto.prompt)  # rendered through the template
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        forced = chat(validator, {**CHAT, "tools": TOOLS, "tool_choice": choice})
+        assert forced.params.structured.kind == "lark" and "get_weather" in forced.params.structured.value
+    none = chat(validator, {**CHAT, "tools": TOOLS, "tool_choice": "none"})
+    assert none.tool_format is None and "get_weather" not in validator.tokenizer.decode(none.prompt)
+    tool_turn = [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert chat(validator, {**CHAT, "messages": tool_turn, "tools": TOOLS}).prompt
+
+
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        ({"tools": "f"}, "tools", "must be a list"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools", "name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", '"type": "function"'),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not in tools"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ],
+)
+def test_bad_tools_are_a_400(validator, fields, param, words):
+    e = refused(chat, validator, {**CHAT, **fields})
     assert e.status == 400 and e.param == param and words in e.message, e.message
 
 

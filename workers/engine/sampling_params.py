@@ -53,7 +53,7 @@ class SamplingParamsError(ValueError):
         return cls(errors)
 
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
 
 
 class StructuredOutputs(BaseModel):
@@ -64,7 +64,7 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "lark"]  # lark: llguidance's own dialect
     value: str = ""
 
     @classmethod

@@ -152,6 +152,8 @@ def _grammar_text(llg, spec: StructuredOutputs) -> str:
             return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         if spec.kind == "grammar":
             return llg.grammar_from("grammar", spec.value)  # Lark, or GBNF converted to Lark
+        if spec.kind == "lark":  # llguidance's Lark, e.g. with embedded %json schemas (forced tool calls)
+            return llg.LLMatcher.grammar_from_lark(spec.value)
     except (ValueError, RuntimeError, TypeError) as e:
         raise GrammarError(f"{spec.kind} cannot be compiled: {e}") from None
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")

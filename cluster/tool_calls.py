@@ -1,0 +1,181 @@
+"""Tool calling: the model's tool-call syntax parsed into OpenAI `tool_calls`, and the grammar that forces
+a call for `tool_choice: "required"` or a named function.
+
+Formats (chosen from the chat template, or `server.tool_call_parser`):
+- "qwen" (Qwen3, Qwen3.5, Hermes style): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
+  one block per call;
+- "deepseek" (DeepSeek-V3): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n
+  {...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
+
+Streaming: text before a call streams as content; a call is held back until its block is complete and
+then sent as one `tool_calls` delta (index, id, name and the whole arguments string), which the OpenAI
+client reassembles exactly like incremental argument deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("qwen", "deepseek")
+
+_QWEN_START, _QWEN_END = "<tool_call>", "</tool_call>"
+_DS_BEGIN, _DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(?P<name>[^\n]+)\n```(?:json)?\n(?P<args>.*?)\n```<｜tool▁call▁end｜>", re.S
+)
+
+
+def format_for_template(template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model, or None if it has no tools."""
+    if not template:
+        return None
+    if "tool▁calls▁begin" in template or "tool▁call▁begin" in template:
+        return "deepseek"
+    if _QWEN_START in template:
+        return "qwen"
+    return None
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def parse(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
+    """(content, tool calls) of a whole output. Text that only looks like a call (bad JSON, no name) is
+    left in the content."""
+    parser = ToolCallStream(fmt)
+    content = parser.feed(text) + parser.finish()
+    return content, parser.calls
+
+
+class ToolCallStream:
+    """Incremental parsing: `feed(delta)` returns the content that can be shown now; complete calls are
+    appended to `calls` (and `new_calls()` returns those not yet taken)."""
+
+    def __init__(self, fmt: str):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown tool call format {fmt!r}; expected one of {FORMATS}")
+        self.fmt = fmt
+        self.calls: list[ToolCall] = []
+        self._taken = 0
+        self._buffer = ""  # text from a possible call start on
+
+    @property
+    def _start(self) -> str:
+        return _QWEN_START if self.fmt == "qwen" else _DS_BEGIN
+
+    @property
+    def _end(self) -> str:
+        return _QWEN_END if self.fmt == "qwen" else _DS_END
+
+    def feed(self, text: str) -> str:
+        self._buffer += text
+        shown = []
+        while self._buffer:
+            at = self._buffer.find(self._start)
+            if at < 0:
+                keep = _partial_suffix(self._buffer, self._start)
+                shown.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            shown.append(self._buffer[:at])
+            self._buffer = self._buffer[at:]
+            end = self._buffer.find(self._end, len(self._start))
+            if end < 0:
+                break  # a call in progress: hold it back
+            block = self._buffer[: end + len(self._end)]
+            self._buffer = self._buffer[end + len(self._end) :]
+            calls = self._parse_block(block)
+            if calls is None:
+                shown.append(block)  # not a valid call: it was text after all
+            else:
+                self.calls.extend(calls)
+        return "".join(shown)
+
+    def finish(self) -> str:
+        """The end of the output: an unfinished call is returned as text."""
+        rest, self._buffer = self._buffer, ""
+        return rest
+
+    def new_calls(self) -> list[tuple[int, ToolCall]]:
+        out = list(enumerate(self.calls))[self._taken :]
+        self._taken = len(self.calls)
+        return out
+
+    def _parse_block(self, block: str) -> list[ToolCall] | None:
+        if self.fmt == "qwen":
+            body = block[len(_QWEN_START) : -len(_QWEN_END)].strip()
+            call = _call_from_json(body)
+            return None if call is None else [call]
+        calls = []
+        for m in _DS_CALL.finditer(block):
+            try:
+                args = json.loads(m.group("args"))
+            except json.JSONDecodeError:
+                return None
+            calls.append(ToolCall(m.group("name").strip(), json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+
+def _call_from_json(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+# ------------------------------------------------------------------------------------- forcing a call
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], choice: str | dict, parallel: bool, fmt: str) -> str:
+    """A Lark grammar (llguidance, with embedded JSON schemas) that only admits tool calls: of any of
+    `tools` for "required", of the named function otherwise; one call, or several if `parallel`."""
+    if fmt != "qwen":
+        raise ValueError(f"forcing a tool call is implemented for the qwen format, not {fmt!r}")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        tools = [t for t in tools if t["function"]["name"] == name]
+    schemas = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "arguments": t["function"].get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact, as response_format's JSON
+    repeat = "+" if parallel else ""
+    return (
+        f"start: call{repeat}\n"
+        f'call: "{_QWEN_START}\\n" body "\\n{_QWEN_END}" "\\n"?\n'
+        f"body: %json {json.dumps(schema, separators=(',', ':'))}\n"
+    )

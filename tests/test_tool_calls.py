@@ -1,0 +1,105 @@
+"""Tool-call parsing per format (whole and streamed alike) and the grammar that forces a call."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from cluster.tool_calls import ToolCallStream, forced_call_grammar, format_for_template, parse
+from workers.engine.sampling_params import StructuredOutputs
+from workers.engine.structured import GrammarCompiler
+from workers.models.make_model import make_model
+from workers.models.tokenizer import Tokenizer
+
+QWEN = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+DEEPSEEK = (
+    "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1, "b": 2}\n```'
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
+EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("fmt,text,content", [("qwen", QWEN, "Let me check.\n"), ("deepseek", DEEPSEEK, "Checking.")])
+def test_parse_whole_and_streamed(fmt, text, content):
+    got_content, calls = parse(text, fmt)
+    assert got_content.strip() == content.strip()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    for size in (1, 3, 7):
+        stream = ToolCallStream(fmt)
+        shown, calls_seen = "", []
+        for i in range(0, len(text), size):
+            shown += stream.feed(text[i : i + size])
+            calls_seen += [call for _, call in stream.new_calls()]
+        shown += stream.finish()
+        assert shown.strip() == content.strip() and [(c.name, json.loads(c.arguments)) for c in calls_seen] == EXPECTED
+
+
+def test_text_that_only_looks_like_a_call_stays_content():
+    for text in (
+        "<tool_call>\nnot json\n</tool_call>",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',
+        "a <tool_ca",
+        '<tool_call>\n{"name": "f"',
+    ):
+        content, calls = parse(text, "qwen")
+        assert calls == [] and content == text
+
+
+def test_arguments_given_as_a_string_are_parsed():
+    _, (call,) = parse('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>', "qwen")
+    assert json.loads(call.arguments) == {"x": 1}
+
+
+def test_format_from_template():
+    assert format_for_template("...<tool_call>...") == "qwen"
+    assert format_for_template("...<｜tool▁calls▁begin｜>...") == "deepseek"
+    assert format_for_template("{{ messages }}") is None and format_for_template(None) is None
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    tok = Tokenizer.from_dir(make_model(tmp_path_factory.mktemp("tools") / "tiny", "qwen3_moe", "tiny", seed=0))
+    return tok, GrammarCompiler(tok, 512, tok.eos_token_ids)
+
+
+def consumes(compiler, grammar: str, text: str) -> bool:
+    tok, c = compiler
+    state = c.new_state(StructuredOutputs(kind="lark", value=grammar))
+    return all(state.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+
+def test_forced_grammar_admits_only_calls_of_the_chosen_tools(compiler):
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}\n</tool_call>'
+    required = forced_call_grammar(TOOLS, "required", parallel=False, fmt="qwen")
+    assert consumes(compiler, required, call)
+    assert not consumes(compiler, required, "Hello")
+    assert not consumes(compiler, required, call.replace('"c"', '"k"'))  # the arguments follow the schema
+    named = forced_call_grammar(TOOLS, {"type": "function", "function": {"name": "add"}}, parallel=False, fmt="qwen")
+    assert not consumes(compiler, named, call) and consumes(
+        compiler, named, '<tool_call>\n{"name":"add","arguments":{"a":3}}\n</tool_call>'
+    )
+    content, (parsed,) = parse(call, "qwen")
+    jsonschema.validate(json.loads(parsed.arguments), TOOLS[0]["function"]["parameters"])
+    with pytest.raises(ValueError, match="qwen"):
+        forced_call_grammar(TOOLS, "required", parallel=False, fmt="deepseek")
