@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,28 +155,51 @@ def _partial_suffix(text: str, tag: str) -> int:
 # ------------------------------------------------------------------------------------- forcing a call
 
 
-def forced_call_grammar(tools: list[dict[str, Any]], choice: str | dict, parallel: bool, fmt: str) -> str:
+def forced_call_grammar(
+    tools: list[dict[str, Any]], choice: str | dict, parallel: bool, fmt: str, token_id: Callable[[str], int | None] | None = None
+) -> str:
     """A Lark grammar (llguidance, with embedded JSON schemas) that only admits tool calls: of any of
-    `tools` for "required", of the named function otherwise; one call, or several if `parallel`."""
-    if fmt != "qwen":
-        raise ValueError(f"forcing a tool call is implemented for the qwen format, not {fmt!r}")
+    `tools` for "required", of the named function otherwise; one call, or several if `parallel`.
+
+    `token_id` maps a marker (e.g. DeepSeek's `<｜tool▁calls▁begin｜>`) to its special token id, if the
+    tokenizer has one: the grammar then asks for that token (`<[id]>`) rather than the marker's text."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown tool call format {fmt!r}; expected one of {FORMATS}")
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
-    schemas = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": t["function"].get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact, as response_format's JSON
+    compact = {"x-guidance": {"whitespace_flexible": False}}  # as response_format's JSON
+
+    def schema_text(schema: dict) -> str:
+        return json.dumps({**schema, **compact}, separators=(",", ":"))
+
     repeat = "+" if parallel else ""
-    return (
-        f"start: call{repeat}\n"
-        f'call: "{_QWEN_START}\\n" body "\\n{_QWEN_END}" "\\n"?\n'
-        f"body: %json {json.dumps(schema, separators=(',', ':'))}\n"
-    )
+    if fmt == "qwen":
+        schemas = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        return f'start: call{repeat}\ncall: "{_QWEN_START}\\n" body "\\n{_QWEN_END}" "\\n"?\nbody: %json {schema_text(schema)}\n'
+
+    def marker(text: str) -> str:
+        tid = token_id(text) if token_id is not None else None
+        return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+    begin, end = marker(_DS_BEGIN), marker(_DS_END)
+    call_begin, call_end, sep = marker("<｜tool▁call▁begin｜>"), marker("<｜tool▁call▁end｜>"), marker("<｜tool▁sep｜>")
+    lines = [f"start: {begin} call{repeat} {end}", "call: " + " | ".join(f"call{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        header = json.dumps(t["function"]["name"] + "\n```json\n")
+        lines.append(f'call{i}: {call_begin} "function" {sep} {header} args{i} "\\n```" {call_end}')
+        lines.append(f"args{i}: %json {schema_text(_parameters(t))}")
+    return "\n".join(lines) + "\n"
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object"}

@@ -398,7 +398,9 @@ class RequestValidator:
             if fields.get("structured") is not None:
                 raise oa.APIError(400, "tool_choice required or named cannot be combined with response_format", param="tool_choice")
             try:
-                grammar = tool_calls.forced_call_grammar(tools, choice, body.parallel_tool_calls is not False, self.tool_format)
+                grammar = tool_calls.forced_call_grammar(
+                    tools, choice, body.parallel_tool_calls is not False, self.tool_format, token_id=self.tokenizer.token_to_id
+                )
             except ValueError as e:
                 raise oa.APIError(400, f"tool_choice: {e}", param="tool_choice") from None
             fields["structured"] = StructuredOutputs(kind="lark", value=grammar)

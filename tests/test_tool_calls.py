@@ -101,5 +101,20 @@ def test_forced_grammar_admits_only_calls_of_the_chosen_tools(compiler):
     )
     content, (parsed,) = parse(call, "qwen")
     jsonschema.validate(json.loads(parsed.arguments), TOOLS[0]["function"]["parameters"])
-    with pytest.raises(ValueError, match="qwen"):
-        forced_call_grammar(TOOLS, "required", parallel=False, fmt="deepseek")
+    with pytest.raises(ValueError, match="unknown tool call format"):
+        forced_call_grammar(TOOLS, "required", parallel=False, fmt="llama")
+
+
+def test_forced_grammar_for_the_deepseek_format(compiler):
+    call = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city":"Oslo","unit":"f"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    grammar = forced_call_grammar(TOOLS, "required", parallel=False, fmt="deepseek")
+    assert consumes(compiler, grammar, call)
+    assert not consumes(compiler, grammar, call.replace('"f"', '"x"')) and not consumes(compiler, grammar, "Sure")
+    _, (parsed,) = parse(call, "deepseek")
+    jsonschema.validate(json.loads(parsed.arguments), TOOLS[0]["function"]["parameters"])
+    # A tokenizer with the markers as special tokens gets them asked for by id.
+    ids = {"<｜tool▁calls▁begin｜>": 9001, "<｜tool▁calls▁end｜>": 9002}
+    assert "<[9001]>" in forced_call_grammar(TOOLS, "required", False, "deepseek", token_id=ids.get)
