@@ -564,7 +564,7 @@ BAD_HTTP = [
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
         API_KEY,
         400,
-        "tool_choice is not supported",
+        "tool_choice needs tools",
     ),
     ("bad_words", "/v1/completions", {**GOOD, "bad_words": ["x"]}, API_KEY, 400, "bad_words is not supported"),
     ("logit_bias out of range", "/v1/completions", {**GOOD, "logit_bias": {"5": 500}}, API_KEY, 400, "[-100, 100]"),

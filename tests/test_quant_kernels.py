@@ -185,7 +185,7 @@ def test_routed_experts_accept_quantised_experts(kind, group):
     ids = jnp.asarray(np.argsort(rng.random((tokens, experts)), axis=-1)[:, :top_k].astype(np.int32))
     weights = jnp.asarray(rng.random((tokens, top_k)).astype(np.float32))
     want = _routed(x, ids, weights, dequantize(gate_up), dequantize(down), impl="gather")
-    for impl in moe.IMPLS:
+    for impl in (i for i in moe.IMPLS if i != "cpu"):  # the CPU kernel takes dense float32 experts only
         got = _routed(x, ids, weights, gate_up, down, impl=impl)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=impl)
 
