@@ -45,7 +45,6 @@ class StreamOptions(BaseModel):
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "bad_words": (None, []),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "echo": (False,),
@@ -84,15 +83,15 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # OpenAI's logit_bias ({"token id": bias}) and vLLM's allowed_token_ids.
+    # OpenAI's logit_bias ({"token id": bias}) and vLLM's allowed_token_ids and bad_words.
     logit_bias: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Tool calling (chat only; see ChatCompletionRequest.tool_spec).
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     # Not implemented (yet): accepted only with a value that asks for nothing, see `unsupported`.
-    bad_words: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -147,6 +146,7 @@ class _Common(BaseModel):
             "stop_token_ids",
             "logit_bias",
             "allowed_token_ids",
+            "bad_words",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -566,7 +566,7 @@ BAD_HTTP = [
         400,
         "tool_choice needs tools",
     ),
-    ("bad_words", "/v1/completions", {**GOOD, "bad_words": ["x"]}, API_KEY, 400, "bad_words is not supported"),
+    ("bad_words empty", "/v1/completions", {**GOOD, "bad_words": [" "]}, API_KEY, 400, "non-empty strings"),
     ("logit_bias out of range", "/v1/completions", {**GOOD, "logit_bias": {"5": 500}}, API_KEY, 400, "[-100, 100]"),
     ("suffix", "/v1/completions", {**GOOD, "suffix": "tail"}, API_KEY, 400, "suffix is not supported"),
     ("best_of > 1", "/v1/completions", {**GOOD, "best_of": 2}, API_KEY, 400, "best_of is not supported"),

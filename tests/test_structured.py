@@ -136,3 +136,23 @@ def test_logit_bias_and_allowed_token_ids(tiny):
     assert set(outs[0].token_ids) <= {10, 20, 300} and outs[1].token_ids == free
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([prompt], SamplingParams(max_tokens=2, allowed_token_ids=[100000]))
+
+
+def test_bad_words(tiny):
+    """A bad word's last token is banned wherever the output ends with the rest of it (vLLM's rule)."""
+    llm = LLM(model=str(tiny), **ENGINE)
+    tok = llm.engine.tokenizer
+    prompt = [5, 17, 33, 99]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    free = llm.generate([prompt], greedy)[0].token_ids
+
+    def spans(n):  # positions whose n tokens are exactly what their text encodes to
+        return [i for i in range(len(free) - n) if tok.encode(tok.decode(free[i : i + n]), add_special_tokens=False) == free[i : i + n]]
+
+    for n in (1, 2):
+        i = spans(n)[0]
+        word = tok.decode(free[i : i + n])
+        out = llm.generate([prompt], greedy.model_copy(update={"bad_words": (word,)}))[0].token_ids
+        first = i + n - 1  # the word's last token, where the free output first completes it
+        assert out[:first] == free[:first] and out[first] != free[first], (n, word, free, out)
+        assert not any(out[j : j + n] == free[i : i + n] for j in range(len(out))), (word, out)

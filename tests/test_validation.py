@@ -127,7 +127,6 @@ def test_top_logprobs_needs_logprobs(validator):
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
-    ("bad_words", ["x"]),
     ("functions", [{"name": "f"}]),
 ]
 
@@ -242,8 +241,10 @@ def test_bad_tools_are_a_400(validator, fields, param, words):
 
 
 def test_logit_bias_and_allowed_token_ids(validator):
-    params = completion(validator, {**GOOD, "logit_bias": {"5": 10, "7": -100.0}, "allowed_token_ids": [9, 3, 9]}).params
-    assert params.logit_bias == ((5, 10.0), (7, -100.0)) and params.allowed_token_ids == (3, 9)
+    params = completion(
+        validator, {**GOOD, "logit_bias": {"5": 10, "7": -100.0}, "allowed_token_ids": [9, 3, 9], "bad_words": ["x y"]}
+    ).params
+    assert params.logit_bias == ((5, 10.0), (7, -100.0)) and params.allowed_token_ids == (3, 9) and params.bad_words == ("x y",)
     for body, param, words in [
         ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
@@ -251,6 +252,7 @@ def test_logit_bias_and_allowed_token_ids(validator):
         ({"logit_bias": {"5": True}}, "logit_bias", "[-100, 100]"),
         ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
         ({"allowed_token_ids": [100000]}, "allowed_token_ids", "outside the vocabulary"),
+        ({"bad_words": [""]}, "bad_words", "non-empty strings"),
     ]:
         e = refused(completion, validator, {**GOOD, **body})
         assert e.status == 400 and e.param == param and words in e.message, e.message

@@ -137,6 +137,7 @@ class _RequestState:
     prompt_logprobs: list | None = None
     pending: list[int] = field(default_factory=list)  # new tokens not yet reported
     grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
+    bad_words: list[list[int]] = field(default_factory=list)  # token ids of each bad word (both spellings)
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -253,6 +254,8 @@ class EngineCore:
                 raise ValueError(f"token id {t} in the sampling parameters is outside the vocabulary [0, {self.cfg.vocab_size})")
         if params.structured is not None:
             self.grammars.grammar(params.structured)  # a GrammarError (ValueError) names what is wrong
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer; this model has none")
 
     def add_request(
         self,
@@ -276,6 +279,7 @@ class EngineCore:
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             [] if params.logprobs is not None else None,
             grammar=self.grammars.new_state(params.structured) if params.structured is not None else None,
+            bad_words=self._bad_word_ids(params.bad_words),
         )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
@@ -539,7 +543,12 @@ class EngineCore:
         snapshot at a block's end by the block's tokens."""
         return any(
             r.num_pending_outputs
-            and (r.sampling_params.uses_penalties or r.sampling_params.structured is not None or self.kv.plan_needs_pending_token(r))
+            and (
+                r.sampling_params.uses_penalties
+                or r.sampling_params.structured is not None
+                or r.sampling_params.bad_words
+                or self.kv.plan_needs_pending_token(r)
+            )
             for r in self.scheduler.running
         )
 
@@ -597,6 +606,7 @@ class EngineCore:
             step_seed=int(self._rng.integers(0, 2**63)),
             eos_token_ids=self.eos_token_ids,
             allowed_bitmask=self._allowed_bitmask(params, grammars, bucket),
+            extra_banned=self._bad_word_bans(requests),
         )
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
         out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
@@ -606,6 +616,29 @@ class EngineCore:
         for array in wanted.values():
             array.copy_to_host_async()
         return wanted
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (vLLM bans both spellings)."""
+        out = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _bad_word_bans(self, requests: list[Request]) -> dict[int, list[int]] | None:
+        """Per row: the last token of each bad word whose other tokens end the output so far."""
+        bans = {}
+        for j, request in enumerate(requests):
+            state = self._states.get(request.request_id)
+            if state is None or not state.bad_words:
+                continue
+            out = request.output_token_ids
+            ids = [w[-1] for w in state.bad_words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1 :] == w[:-1])]
+            if ids:
+                bans[j] = ids
+        return bans or None
 
     def _allowed_bitmask(self, params: list[SamplingParams], grammars: list, bucket: int) -> np.ndarray | None:
         """The step's token bitmask: the grammars' masks, and allowed_token_ids; None when nothing is

@@ -113,6 +113,7 @@ def build_sampling_batch(
     step_seed: int | None = None,
     eos_token_ids: Sequence[int] = (),
     allowed_bitmask: np.ndarray | None = None,
+    extra_banned: dict[int, list[int]] | None = None,
 ) -> SamplingBatch:
     """Packs one step's requests (row i = params_list[i]) into a `SamplingBatch` padded to `bucket`.
 
@@ -123,6 +124,7 @@ def build_sampling_batch(
         step counter mixed with an engine seed) for reproducible runs. None draws a random one.
     eos_token_ids: the model's EOS ids, banned (with stop_token_ids) for rows below min_tokens.
     allowed_bitmask: int32 [bucket, ceil(V / 32)] of allowed tokens per row (structured outputs), or None.
+    extra_banned: more token ids to forbid this step, by row (bad_words).
     """
     n = len(params_list)
     if n > bucket:
@@ -171,7 +173,7 @@ def build_sampling_batch(
         rng_words=rng_words,
         token_counts=token_counts,
         prompt_mask=prompt_mask,
-        banned_token_ids=_banned_tokens(params_list, generated_counts, bucket, vocab_size, eos_token_ids),
+        banned_token_ids=_banned_tokens(params_list, generated_counts, bucket, vocab_size, eos_token_ids, extra_banned),
         allowed_bitmask=allowed_bitmask,
         **_logit_bias(params_list, bucket, vocab_size),
         all_greedy=not sampled.any(),
@@ -245,14 +247,16 @@ def _banned_tokens(
     bucket: int,
     vocab_size: int,
     eos_token_ids: Sequence[int],
+    extra_banned: dict[int, list[int]] | None = None,
 ) -> np.ndarray | None:
-    """EOS/stop token ids that rows below their min_tokens must not sample (as vLLM does)."""
-    banned: dict[int, list[int]] = {}
+    """EOS/stop token ids that rows below their min_tokens must not sample (as vLLM does), plus
+    `extra_banned` (bad_words)."""
+    banned: dict[int, list[int]] = {row: list(ids) for row, ids in (extra_banned or {}).items() if ids}
     for row, (params, count) in enumerate(zip(params_list, generated_counts)):
         if count < params.min_tokens:
             ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             if ids:
-                banned[row] = ids
+                banned[row] = banned.get(row, []) + ids
     if not banned:
         return None
     # Round the width up to a power of two so the jit cache sees few distinct shapes.

@@ -155,6 +155,8 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM: only these token ids may be sampled (empty: any).
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM: words never generated (a word's last token is banned where the output ends with the rest).
+    bad_words: tuple[str, ...] = ()
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -237,6 +239,15 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"biases must be numbers in [-100, 100] (got {value!r} for token {token})")
             out[token] = float(value)
         return tuple(sorted(out.items()))
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _normalise_bad_words(cls, words: Any) -> tuple[str, ...]:
+        if words is None:
+            return ()
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"must be a list of non-empty strings (got {words!r})")
+        return tuple(words)
 
     @field_validator("allowed_token_ids", mode="before")
     @classmethod
