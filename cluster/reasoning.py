@@ -48,7 +48,7 @@ class ThinkSplitter:
             tag = END if self.in_reasoning else START
             at = text.find(tag)
             if at < 0:
-                keep = _partial_tag_suffix(text, tag)
+                keep = partial_tag_suffix(text, tag)
                 head, self._held = text[: len(text) - keep], text[len(text) - keep :]
                 if self.in_reasoning:
                     reasoning.append(head)
@@ -85,7 +85,7 @@ def split_reasoning(text: str, starts_in_reasoning: bool = False) -> tuple[str |
     return (reasoning if reasoning.strip() else None), (c1 + c2)
 
 
-def _partial_tag_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .reasoning import partial_tag_suffix
+
 FORMATS = ("qwen", "deepseek")
 
 _QWEN_START, _QWEN_END = "<tool_call>", "</tool_call>"
@@ -86,7 +88,7 @@ class ToolCallStream:
         while self._buffer:
             at = self._buffer.find(self._start)
             if at < 0:
-                keep = _partial_suffix(self._buffer, self._start)
+                keep = partial_tag_suffix(self._buffer, self._start)
                 shown.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
@@ -143,13 +145,6 @@ def _call_from_json(body: str) -> ToolCall | None:
         except json.JSONDecodeError:
             return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 # ------------------------------------------------------------------------------------- forcing a call

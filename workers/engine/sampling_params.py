@@ -53,9 +53,6 @@ class SamplingParamsError(ValueError):
         return cls(errors)
 
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
-
-
 class StructuredOutputs(BaseModel):
     """A grammar the output must follow (vLLM's `structured_outputs`); compiled by the engine
     (workers/engine/structured.py). `value` is canonical text so equal specs hash alike and share one
@@ -112,6 +109,14 @@ class StructuredOutputs(BaseModel):
                 raise ValueError("the grammar must be a non-empty string")
             return cls(kind="grammar", value=grammar)
         return cls(kind="json_object")
+
+
+def _token_ids(ids: Any) -> tuple[int, ...]:
+    """A list of non-negative token ids as a tuple; ValueError otherwise."""
+    # bool is an int subclass; reject it explicitly.
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
+    return tuple(ids)
 
 
 class SamplingParams(BaseModel):
@@ -208,12 +213,7 @@ class SamplingParams(BaseModel):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _normalise_stop_token_ids(cls, ids: Any) -> tuple[int, ...]:
-        if ids is None:
-            return ()
-        # bool is an int subclass; reject it explicitly.
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
-        return tuple(ids)
+        return () if ids is None else _token_ids(ids)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -254,8 +254,7 @@ class SamplingParams(BaseModel):
     def _normalise_allowed_token_ids(cls, ids: Any) -> tuple[int, ...]:
         if ids is None:
             return ()
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ValueError(f"must be a list of non-negative token ids (got {ids!r})")
+        ids = _token_ids(ids)
         if not ids:
             raise ValueError("must not be empty (leave it out to allow every token)")
         return tuple(sorted(set(ids)))
