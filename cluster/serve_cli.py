@@ -370,11 +370,26 @@ def run(args: argparse.Namespace) -> int:
         # replicas still in their constructors would only stop at Serve's graceful timeout; a local Ray's
         # shutdown stops them (and Serve) at once.
         serving = phase == "serving"
-        _cleanup(deployed and (serving or not local), owns_serve, cfg.name, cfg.graceful_shutdown_timeout_s + 10, serving)
+        _cleanup(deployed and (serving or not local), owns_serve, cfg.name, cfg.graceful_shutdown_timeout_s + 10, serving, rc)
     return rc
 
 
-def _cleanup(stop_serve: bool, owns_serve: bool, app_name: str, serve_timeout_s: float, drain: bool) -> None:
+RAY_SHUTDOWN_TIMEOUT_S = 15.0
+
+
+def _kill_descendants() -> None:
+    """SIGKILLs every process this one started, and theirs: a local Ray's GCS, raylet, agents and workers
+    (killing only the ones Ray's node tracks leaves agents behind until they notice the raylet is gone)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def _cleanup(stop_serve: bool, owns_serve: bool, app_name: str, serve_timeout_s: float, drain: bool, rc: int) -> None:
     import ray
 
     if not ray.is_initialized():
@@ -384,4 +399,28 @@ def _cleanup(stop_serve: bool, owns_serve: bool, app_name: str, serve_timeout_s:
             _shutdown_serve(owns_serve, app_name, serve_timeout_s, drain)
         except Exception as e:  # noqa: BLE001 - Ray's shutdown below still runs
             print(f"moray: Serve did not shut down cleanly: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-    ray.shutdown()
+    _shutdown_ray(RAY_SHUTDOWN_TIMEOUT_S, rc)
+
+
+def _shutdown_ray(timeout_s: float, rc: int) -> None:
+    """ray.shutdown(), bounded: interrupted mid-call (a signal during start-up), it has been seen to block
+    for minutes in the driver's core worker. Past timeout_s the local Ray's processes are killed directly
+    and this process exits at once (Ray's atexit hook would call the stuck shutdown again)."""
+    import ray
+
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            ray.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=stop, name="moray-ray-shutdown", daemon=True).start()
+    if done.wait(timeout_s):
+        return
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None and node.head:  # a local Ray this process started; never a cluster it attached to
+        _kill_descendants()
+    sys.stdout.flush()
+    _exit_now(f"moray: Ray did not shut down within {timeout_s:g}s: stopped its processes and exiting", rc)
