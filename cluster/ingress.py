@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
@@ -29,8 +29,8 @@ from workers.engine.sampling_params import SamplingParams
 from workers.models import load_config
 from workers.models.tokenizer import Tokenizer
 
+from . import logs, tool_calls, tracing, validation
 from . import openai_api as oa
-from . import tool_calls, validation
 from .config import ClusterConfig, parse_cluster_config
 from .grpc_service import quiet_client_errors
 from .metrics import FrontendMetrics
@@ -70,10 +70,16 @@ class PreparedRequest:
     public_id: str | None = None
     reasoning: bool | None = None  # see Checked.reasoning
     tool_format: str | None = None  # see Checked.tool_format
+    stage: str = "ingress"  # where it was when it failed (the orchestrator's RequestTrace.stage)
+    span: Any = None  # its ingress span while tracing is on (cluster/tracing.py)
 
     @property
     def client_id(self) -> str:
         return self.public_id or self.request_id
+
+
+def _grpc_metadata(context) -> dict:
+    return dict(context.invocation_metadata()) if context is not None else {}
 
 
 class _StreamRefused(Exception):
@@ -106,8 +112,10 @@ class Ingress:
             max_prompt_tokens=self.config.server.max_prompt_tokens,
             tool_call_parser=self.config.server.tool_call_parser,
         )
+        logs.configure(self.config.observability)
+        tracing.configure(self.config.observability, "ingress")
         quiet_client_errors()
-        self.metrics = FrontendMetrics()
+        self.metrics = FrontendMetrics(model_name=self.model_name, max_model_len=self.max_model_len)
         self.router = build_router(self.config)
         self.router.on_worker_gone(self.metrics.forget_worker)  # a failed/expired worker's series leave /metrics
         colocated = self.config.mode == "colocated"
@@ -171,19 +179,34 @@ class Ingress:
 
     # ------------------------------------------------------------------ running a request
 
-    async def decide(self, req: PreparedRequest) -> PreparedRequest:
+    async def decide(self, req: PreparedRequest, carrier=None) -> PreparedRequest:
+        """Admits and routes the request; its ingress span starts here (`carrier`: HTTP headers or gRPC
+        metadata, which may hold the client's traceparent) and ends in `run`."""
+        logs.current_request_id.set(req.request_id)
+        attributes = {"moray.request_id": req.request_id, "moray.model": self.model_name, "moray.prompt_tokens": len(req.prompt)}
+        req.span = tracing.start_span("ingress", tracing.extract(carrier), attributes, server=True)
         try:
-            req.decision = await self.orchestrator.route(req.request_id, req.prompt, req.session_id)
-        except NoWorkersAvailable:
-            raise oa.APIError(503, "no worker is ready yet; retry shortly", "service_unavailable") from None
+            req.decision = await self.orchestrator.route(req.request_id, req.prompt, req.session_id, req.span)
+        except BaseException as e:
+            tracing.end_span(req.span, error=e)  # refused (429, 503) or the client left: it ends here
+            if isinstance(e, NoWorkersAvailable):
+                raise oa.APIError(503, "no worker is ready yet; retry shortly", "service_unavailable") from None
+            raise
         return req
 
     async def run(self, req: PreparedRequest, api_name: str) -> AsyncIterator[Chunk]:
-        trace = RequestTrace()
+        trace = RequestTrace(span=req.span)
         outcome = "error"
+        failure = None
         tokens = 0
+        last_at = None  # when the previous chunk with tokens arrived (inter-token latency)
         try:
             async for chunk in self.orchestrator.stream(req.request_id, req.prompt, req.params, req.decision, trace, req.session_id):
+                if chunk.completion_tokens > tokens:
+                    now = time.perf_counter()
+                    if last_at is not None:
+                        self.metrics.observe_token_gap(now - last_at, chunk.completion_tokens - tokens)
+                    last_at = now
                 tokens = chunk.completion_tokens
                 if chunk.finished:
                     outcome = chunk.finish_reason or "stop"
@@ -193,19 +216,18 @@ class Ingress:
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = "cancelled" if outcome == "error" else outcome
             raise
+        except Exception as e:
+            failure = e
+            raise
         finally:
+            req.stage = trace.stage
             self.record(trace, api_name, outcome, len(req.prompt), tokens)
+            tracing.end_span(req.span, {"moray.api": api_name, "moray.outcome": outcome, "moray.completion_tokens": tokens}, error=failure)
 
     def record(self, trace: RequestTrace, api_name: str, outcome: str, prompt_tokens: int, tokens: int) -> None:
+        path = "disaggregated" if trace.remote_prefill else "local"
         end = trace.end or time.perf_counter()
-        self.metrics.requests.labels(api_name, outcome).inc()
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.generation_tokens.inc(tokens)
-        if trace.first_token is not None:
-            self.metrics.ttft.labels("disaggregated" if trace.remote_prefill else "local").observe(trace.first_token - trace.start)
-            if tokens > 1:
-                self.metrics.tpot.observe((end - trace.first_token) / (tokens - 1))
-        self.metrics.e2e.observe(end - trace.start)
+        self.metrics.observe_request(api_name, outcome, prompt_tokens, tokens, trace.start, trace.first_token, end, path)
 
     def detok(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else str(token)
@@ -226,7 +248,7 @@ class Ingress:
     async def completions(self, request: Request):
         try:
             body = await self._parse(request, oa.CompletionRequest)
-            req = await self.decide(await self.prepare_completion(body, request.headers.get("x-session-id")))
+            req = await self.decide(await self.prepare_completion(body, request.headers.get("x-session-id")), request.headers)
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         if body.stream:
@@ -240,7 +262,7 @@ class Ingress:
     async def chat_completions(self, request: Request):
         try:
             body = await self._parse(request, oa.ChatCompletionRequest)
-            req = await self.decide(await self.prepare_chat(body, request.headers.get("x-session-id")))
+            req = await self.decide(await self.prepare_chat(body, request.headers.get("x-session-id")), request.headers)
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         if body.stream:
@@ -251,14 +273,18 @@ class Ingress:
             return self._http_error(req, e)
 
     def _failure(self, req: PreparedRequest, e: BaseException) -> oa.APIError:
-        """What a client is told about a request that failed after validation (never a traceback)."""
+        """What a client is told about a request that failed after validation (never a traceback). Our own
+        failures (5xx: a worker failed, a timeout, an internal error) are logged at ERROR with the request id
+        and stage, which `moray serve` shows on its console; a client's mistakes only at INFO."""
         err = validation.client_error(e)
-        if err is not None:  # a worker's ValueError, or an APIError (e.g. the orchestrator's 429/504)
-            log.log(
-                logging.INFO if err.status < 500 else logging.WARNING, "request %s failed: %s %s", req.request_id, err.status, err.message
-            )
+        context = {"request_id": req.request_id, "stage": req.stage, "client_request_id": req.public_id}
+        if err is not None:  # a worker's ValueError, or an APIError (e.g. the orchestrator's 429/503/504)
+            level = logging.INFO if err.status < 500 else logging.ERROR
+            log.log(level, "request %s failed during %s: %s %s", req.request_id, req.stage, err.status, err.message, extra=context)
             return err
-        log.error("request %s failed", req.request_id, exc_info=e)
+        log.error(
+            "request %s failed during %s: internal error: %s: %s", req.request_id, req.stage, type(e).__name__, e, exc_info=e, extra=context
+        )
         return oa.APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
     def _http_error(self, req: PreparedRequest, e: BaseException) -> JSONResponse:
@@ -438,7 +464,7 @@ class Ingress:
 
     async def _grpc_prepare(self, request, context) -> PreparedRequest:
         """`request`: the wire bytes (cluster.grpc_service) or a parsed GenerateRequest."""
-        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        metadata = _grpc_metadata(context)
         self.check_auth(metadata.get("authorization"))
         request = self.validator.parse_grpc(request)
         checked = await self.validator.grpc(request)
@@ -472,7 +498,7 @@ class Ingress:
         # A streaming method reports a status only by raising (Serve carries the status set on the context);
         # `quiet_client_errors` keeps those client errors out of the error logs.
         try:
-            req = await self.decide(await self._grpc_prepare(request, grpc_context))
+            req = await self.decide(await self._grpc_prepare(request, grpc_context), _grpc_metadata(grpc_context))
         except oa.APIError as e:
             self._grpc_status(grpc_context, e)
             raise
@@ -501,7 +527,7 @@ class Ingress:
     async def Complete(self, request, grpc_context=None) -> moray_pb2.CompleteResponse:
         # A unary method returns with the status set on the context: nothing raised, nothing logged by Serve.
         try:
-            req = await self.decide(await self._grpc_prepare(request, grpc_context))
+            req = await self.decide(await self._grpc_prepare(request, grpc_context), _grpc_metadata(grpc_context))
         except oa.APIError as e:
             self._grpc_status(grpc_context, e)
             return moray_pb2.CompleteResponse()

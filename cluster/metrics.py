@@ -7,6 +7,12 @@ cluster-wide sum never counts requests on workers that are gone.
 What workers report as running totals (prefix-cache tokens, handoff bytes/seconds/count, misroutes) is
 exposed as counters (`..._total`, monotone): each report adds what the worker's total grew by since its
 last one. (They used to be gauges with the same names less `_total`.)
+
+Names. What vLLM also measures is exported under vLLM's name, type, label (`model_name`) and histogram
+buckets, and only there, so dashboards, alerts and autoscalers built for vLLM (GKE's vLLM dashboard, the
+Inference Gateway) read Moray unchanged: request latencies, token counts, finished requests, and the
+per-worker scheduler and KV-cache state (a worker is vLLM's `engine` label, plus `role`). What vLLM has no
+name for keeps a `moray_` name: router decisions, KV handoff, host tier, admission, failures, failovers.
 """
 
 from __future__ import annotations
@@ -15,11 +21,51 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram_quantile over a mixed fleet lines up.
+VLLM_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+VLLM_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0
+)  # fmt: skip
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets for a max_model_len)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
 
 # report field -> (attribute, metric name (`_total` is added), help, roles it applies to)
 _WORKER_COUNTERS = {
-    "prefix_cache_hits": ("prefix_hit_tokens", "moray_prefix_cache_hit_tokens", "prompt tokens a worker found cached", None),
+    "prefix_cache_hits": ("prefix_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", None),
     "prefix_cache_host_hits": (
         "prefix_host_hit_tokens",
         "moray_prefix_cache_host_hit_tokens",
@@ -46,7 +92,13 @@ _WORKER_COUNTERS = {
         "cached KV blocks (either tier) evicted while their session was live: the retention order's last resort",
         None,
     ),
-    "prefix_cache_queries": ("prefix_query_tokens", "moray_prefix_cache_query_tokens", "prompt tokens a worker looked up", None),
+    "prefix_cache_queries": (
+        "prefix_queries",
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        None,
+    ),
+    "num_preemptions": ("preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
     "misrouted": ("misrouted", "moray_misrouted_requests", "requests a worker received although the router chose another", None),
     "handoff_bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),
     "handoff_state_bytes": (
@@ -64,21 +116,57 @@ class FrontendMetrics:
     # A report measured this soon after a worker was forgotten is one that was in flight when it died.
     FORGET_GRACE_S = 0.5
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "moray", max_model_len: int = 4096):
         r = self.registry = registry or CollectorRegistry()
-        self.ttft = Histogram("moray_time_to_first_token_seconds", "time to first token", ["path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(
-            "moray_time_per_output_token_seconds", "mean time per output token after the first", buckets=_LATENCY_BUCKETS, registry=r
+        self.model_name = model_name
+        m = ["model_name"]
+        # Request latencies and sizes, as the ingress sees them (vLLM's names; `path`: local or disaggregated prefill).
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            [*m, "path"],
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=r,
         )
-        self.e2e = Histogram("moray_e2e_request_latency_seconds", "end-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter(
-            "moray_requests_total",
-            "finished requests by outcome: the finish reason (stop, length, ...), error, timeout or cancelled",
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            m,
+            buckets=VLLM_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            m,
+            buckets=VLLM_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            m,
+            buckets=VLLM_REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", m, buckets=token_buckets, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", m, buckets=token_buckets, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*m, "finished_reason"], registry=r
+        )
+        self.request_failures = Counter(
+            "moray_request_failures",
+            "requests that did not finish: error (server side), timeout (server.request_timeout_s) or cancelled (the client left)",
             ["api", "outcome"],
             registry=r,
         )
-        self.prompt_tokens = Counter("moray_prompt_tokens_total", "prompt tokens", registry=r)
-        self.generation_tokens = Counter("moray_generation_tokens_total", "generated tokens", registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r)
         self.cached_tokens = Counter("moray_cached_prompt_tokens_total", "prompt tokens served from a prefix cache", registry=r)
         # Admission control and failures (cluster/orchestrator.py).
         self.queued = Gauge("moray_ingress_queued_requests", "requests this ingress admitted that have no first token yet", registry=r)
@@ -90,10 +178,11 @@ class FrontendMetrics:
             ["result"],
             registry=r,
         )
-        # Worker state, per live worker.
-        self.queue_depth = Gauge("moray_queue_depth", "requests waiting in a worker's scheduler", ["worker", "role"], registry=r)
-        self.running = Gauge("moray_running_requests", "requests running in a worker", ["worker", "role"], registry=r)
-        self.kv_usage = Gauge("moray_kv_cache_usage_ratio", "fraction of a worker's KV blocks in use", ["worker", "role"], registry=r)
+        # Worker state, per live worker: vLLM's engine-level names, a worker being an engine.
+        w = [*m, "engine", "role"]
+        self.queue_depth = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", w, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", w, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", w, registry=r)
         self.host_kv_usage = Gauge(
             "moray_kv_host_tier_usage_ratio", "fraction of a worker's host-tier KV blocks holding a block", ["worker", "role"], registry=r
         )
@@ -101,10 +190,45 @@ class FrontendMetrics:
             "moray_kv_cache_bytes_per_token", "KV bytes one token takes over all layers on a worker", ["worker", "role"], registry=r
         )
         for _, (attr, name, help_, role) in _WORKER_COUNTERS.items():
-            setattr(self, attr, Counter(name, help_, ["worker"] if role else ["worker", "role"], registry=r))
+            setattr(self, attr, Counter(name, help_, _worker_label_names(name, role), registry=r))
         self._totals: dict[str, dict[str, float]] = {}  # worker -> report field -> last total seen
         self._roles: dict[str, str] = {}
         self._forgotten: dict[str, float] = {}  # worker -> when (time.time)
+
+    # ------------------------------------------------------------------ requests
+
+    def observe_request(
+        self, api: str, outcome: str, prompt_tokens: int, tokens: int, start: float, first_token: float | None, end: float, path: str
+    ) -> None:
+        """One finished request: `outcome` is its finish reason (stop, length, ...), or error/timeout/cancelled."""
+        name = self.model_name
+        if outcome in FAILED_OUTCOMES:
+            self.request_failures.labels(api, outcome).inc()
+        else:
+            self.request_success.labels(name, outcome).inc()
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(tokens)
+        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(tokens)
+        if first_token is not None:
+            self.ttft.labels(name, path).observe(first_token - start)
+            if tokens > 1:
+                self.tpot.labels(name).observe((end - first_token) / (tokens - 1))
+        self.e2e.labels(name).observe(end - start)
+
+    def observe_token_gap(self, seconds: float, new_tokens: int) -> None:
+        """A stream chunk after the first: `new_tokens` tokens arrived `seconds` after the previous chunk."""
+        child = self.itl.labels(self.model_name)
+        per_token = seconds / new_tokens
+        for _ in range(new_tokens):
+            child.observe(per_token)
+
+    # ------------------------------------------------------------------ workers
+
+    def _worker_labels(self, worker: str, role: str, name: str, only: str | None) -> tuple[str, ...]:
+        if name.startswith("vllm:"):
+            return (self.model_name, worker, role)
+        return (worker,) if only else (worker, role)
 
     def observe_worker(self, load: dict) -> None:
         w, role = load["worker_id"], load["role"]
@@ -114,20 +238,20 @@ class FrontendMetrics:
                 return  # sent before the worker was dropped: do not bring its series back
             del self._forgotten[w]
         self._roles[w] = role
-        self.queue_depth.labels(w, role).set(load["num_waiting"])
-        self.running.labels(w, role).set(load["num_running"])
-        self.kv_usage.labels(w, role).set(load["kv_usage"])
+        name = self.model_name
+        self.queue_depth.labels(name, w, role).set(load["num_waiting"])
+        self.running.labels(name, w, role).set(load["num_running"])
+        self.kv_usage.labels(name, w, role).set(load["kv_usage"])
         self.host_kv_usage.labels(w, role).set(load.get("host_kv_usage", 0.0))
         if "kv_bytes_per_token" in load:
             self.kv_bytes_per_token.labels(w, role).set(load["kv_bytes_per_token"])
         totals = self._totals.setdefault(w, {})
-        for field, (attr, _, _, only) in _WORKER_COUNTERS.items():
+        for field, (attr, metric, _, only) in _WORKER_COUNTERS.items():
             if only is not None and role != only:
                 continue
             value = load.get(field, 0) or 0
             last = totals.get(field, 0)
-            counter = getattr(self, attr)
-            child = counter.labels(w) if only else counter.labels(w, role)
+            child = getattr(self, attr).labels(*self._worker_labels(w, role, metric, only))
             # A total below the last one means the worker's counters restarted: count it from zero.
             child.inc(value - last if value >= last else value)
             totals[field] = value
@@ -139,10 +263,12 @@ class FrontendMetrics:
         self._totals.pop(worker_id, None)
         if role is None:
             return
-        for gauge in (self.queue_depth, self.running, self.kv_usage, self.host_kv_usage, self.kv_bytes_per_token):
+        for gauge in (self.queue_depth, self.running, self.kv_usage):
+            _remove(gauge, self.model_name, worker_id, role)
+        for gauge in (self.host_kv_usage, self.kv_bytes_per_token):
             _remove(gauge, worker_id, role)
-        for _, (attr, _, _, only) in _WORKER_COUNTERS.items():
-            _remove(getattr(self, attr), *((worker_id,) if only else (worker_id, role)))
+        for _, (attr, metric, _, only) in _WORKER_COUNTERS.items():
+            _remove(getattr(self, attr), *self._worker_labels(worker_id, role, metric, only))
         if len(self._forgotten) > 1024:  # workers never come back under the same id; keep it bounded
             horizon = time.time() - 60
             self._forgotten = {w: t for w, t in self._forgotten.items() if t > horizon}
@@ -153,6 +279,15 @@ class FrontendMetrics:
 
     def render(self, *extra_registries: CollectorRegistry) -> bytes:
         return b"".join(generate_latest(r) for r in (self.registry, *extra_registries))
+
+
+FAILED_OUTCOMES = frozenset({"error", "timeout", "cancelled"})
+
+
+def _worker_label_names(name: str, role: str | None) -> list[str]:
+    if name.startswith("vllm:"):
+        return ["model_name", "engine", "role"]
+    return ["worker"] if role else ["worker", "role"]
 
 
 def _remove(metric, *labels: str) -> None:

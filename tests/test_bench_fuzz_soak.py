@@ -183,14 +183,14 @@ def test_soak_report_helpers():
     text = "\n".join(
         [
             "# HELP x",
-            'moray_kv_cache_usage_ratio{role="decode",worker="d1"} 0.25',
-            'moray_kv_cache_usage_ratio{role="prefill",worker="p1"} 0.0',
-            'moray_running_requests{role="decode",worker="d1"} 1.0',
-            'moray_queue_depth{role="decode",worker="d1"} 0.0',
+            'vllm:kv_cache_usage_perc{engine="d1",model_name="m",role="decode"} 0.25',
+            'vllm:kv_cache_usage_perc{engine="p1",model_name="m",role="prefill"} 0.0',
+            'vllm:num_requests_running{engine="d1",model_name="m",role="decode"} 1.0',
+            'vllm:num_requests_waiting{engine="d1",model_name="m",role="decode"} 0.0',
             'moray_router_worker_load{field="active_decode_blocks",worker="d1"} 12.0',
         ]
     )
-    assert parse_metrics(text)["moray_kv_cache_usage_ratio"][0] == ({"role": "decode", "worker": "d1"}, 0.25)
+    assert parse_metrics(text)["vllm:kv_cache_usage_perc"][0] == ({"engine": "d1", "model_name": "m", "role": "decode"}, 0.25)
     kv = kv_state(text)
     assert kv["busy_workers"] == ["d1"] and not kv["drained"] and kv["workers"]["d1"]["kv_blocks_in_use"] == 12
     assert kv_state(text.replace("0.25", "0.0").replace("} 1.0", "} 0.0").replace("12.0", "0.0"))["drained"]

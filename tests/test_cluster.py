@@ -4,6 +4,8 @@ KV handoff in chunks, cancellation freeing KV on both workers, and a table of ba
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import threading
 import time
 import uuid
@@ -15,6 +17,8 @@ from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_h
 
 from protos.moray.v1 import moray_pb2, moray_pb2_grpc
 from workers.models.make_model import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("openai")
 import openai  # noqa: E402
@@ -154,7 +158,67 @@ def test_handoff_moves_kv_in_several_chunks(cluster):
     # The tiny model has 2 layers and the handoff sends one layer per chunk.
     assert cluster["config"].get("handoff_layers_per_chunk", 1) == 1
     text = http_json(cluster["base"] + "/metrics", key=None)[1]
-    assert "moray_time_to_first_token_seconds_bucket" in text and 'path="disaggregated"' in text
+    assert "vllm:time_to_first_token_seconds_bucket" in text and 'path="disaggregated"' in text
+
+
+# vLLM's names, as dashboards, alerts and autoscalers built for vLLM read them: name -> Prometheus type.
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:request_success": "counter",
+}
+
+
+def test_metrics_carry_vllm_names_types_labels_and_buckets(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import VLLM_REQUEST_LATENCY_BUCKETS, VLLM_TOKEN_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS
+
+    client(cluster).completions.create(
+        model="tiny", prompt="Metrics, please.", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    stream = client(cluster).completions.create(
+        model="tiny", prompt="Metrics, streamed.", max_tokens=4, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert sum(1 for _ in stream) >= 1
+    deadline = time.monotonic() + 10
+    while True:  # the workers' series arrive with their next load report
+        families = {f.name: f for f in text_string_to_metric_families(http_json(cluster["base"] + "/metrics", key=None)[1])}
+        if "vllm:num_requests_running" in families and families["vllm:num_requests_running"].samples or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for name, kind in VLLM_METRICS.items():
+        assert name in families, f"{name} missing from /metrics"
+        assert families[name].type == kind, (name, families[name].type)
+        assert families[name].samples, f"{name} has no samples"
+        assert all(s.labels.get("model_name") == "tiny" for s in families[name].samples), name
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples if s.name.endswith("_total")}
+    assert success.get("length", 0) >= 2
+    workers = {s.labels["engine"] for s in families["vllm:num_requests_running"].samples}
+    assert workers and {s.labels["role"] for s in families["vllm:kv_cache_usage_perc"].samples} == {"prefill", "decode"}
+    for name, buckets in (
+        ("vllm:time_to_first_token_seconds", VLLM_TTFT_BUCKETS),
+        ("vllm:inter_token_latency_seconds", VLLM_TOKEN_LATENCY_BUCKETS),
+        ("vllm:e2e_request_latency_seconds", VLLM_REQUEST_LATENCY_BUCKETS),
+    ):
+        bounds = sorted({float(s.labels["le"]) for s in families[name].samples if s.name.endswith("_bucket")})
+        assert bounds == [*map(float, buckets), float("inf")], name
+    # Moray's own additions keep moray_ names; no vLLM-named value is computed twice under another name.
+    assert "moray_router_decisions" in families or any(n.startswith("moray_router_") for n in families)
+    for old in ("moray_requests", "moray_running_requests", "moray_queue_depth", "moray_kv_cache_usage_ratio", "moray_prompt_tokens"):
+        assert old not in families, old
 
 
 def worker_loads(app: str):
@@ -771,3 +835,22 @@ def test_still_serving_after_bad_input(cluster):
         model="tiny", prompt="still alive?", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
     )
     assert out.usage.completion_tokens == 3
+
+
+def test_every_dashboard_query_reads_a_metric_this_server_exports(cluster):
+    """The chart's Grafana dashboard (helm/gen_dashboard.py) against a real scrape: each series a query
+    names exists, with the suffix its type gives it (a counter's `_total`, a histogram's `_bucket`)."""
+    sys.path.insert(0, str(ROOT / "helm"))
+    import gen_dashboard
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f.type for f in text_string_to_metric_families(http_json(cluster["base"] + "/metrics", key=None)[1])}
+    exported = set()
+    for name, kind in families.items():
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}.get(kind, [""])
+        exported.update(name + s for s in suffixes)
+    board = json.loads((ROOT / "helm/moray/dashboards/moray.json").read_text())
+    queried = gen_dashboard.queried_metrics(board)
+    assert len(queried) >= 25, sorted(queried)
+    missing = sorted(queried - exported)
+    assert not missing, f"dashboard queries name series /metrics does not export: {missing}"

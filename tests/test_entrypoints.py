@@ -442,14 +442,14 @@ def test_demo_config_binds_loopback_and_make_serve_host_switch(tmp_path):
 
 
 def code_metric_names() -> tuple[set[str], set[str]]:
-    """(names a scrape can show, f-string name prefixes) of the `moray_*` metrics defined in cluster/ and workers/.
+    """(names a scrape can show, f-string name prefixes) of the `moray_*` and `vllm:*` metrics defined in cluster/ and workers/.
 
     A name passed straight to a metric class is exposed as prometheus_client does (a Counter gains `_total`,
     a Histogram `_bucket`/`_sum`/`_count`); any other `moray_*` string (a table of names handed to a metric
     class later) may be either the name itself or a counter's.
     """
-    call = re.compile(r"\b(Counter|Gauge|Histogram|Summary)\(\s*(f?)[\"']([a-z0-9_{}]+)[\"']")
-    literal = re.compile(r"[\"'](moray_[a-z0-9_]+)[\"']")
+    call = re.compile(r"\b(Counter|Gauge|Histogram|Summary)\(\s*(f?)[\"']([a-z0-9_:{}]+)[\"']")
+    literal = re.compile(r"[\"']((?:moray_|vllm:)[a-z0-9_]+)[\"']")
     suffixes = {
         "Counter": ["_total", "_created"],
         "Gauge": [""],
@@ -462,7 +462,7 @@ def code_metric_names() -> tuple[set[str], set[str]]:
     texts = [p.read_text() for p in sorted((ROOT / "cluster").rglob("*.py")) + sorted((ROOT / "workers").rglob("*.py"))]
     for text in texts:
         for kind, is_f, name in call.findall(text):
-            if not name.startswith("moray_"):
+            if not name.startswith(("moray_", "vllm:")):
                 continue
             called.add(name)
             if is_f and "{" in name:
@@ -476,11 +476,11 @@ def code_metric_names() -> tuple[set[str], set[str]]:
 
 
 def test_readme_metric_names_exist_in_the_code():
-    """Every `moray_*` metric the README names is one the code exposes (issue #13: it named a metric that never existed)."""
+    """Every `moray_*`/`vllm:*` metric the README names is one the code exposes (issue #13: it named a metric that never existed)."""
     names, prefixes = code_metric_names()
     assert "moray_router_redis_degraded_total" in names and "moray_router_redis_degraded" not in names  # the scan works
     readme = (ROOT / "README.md").read_text()
-    named = set(re.findall(r"\bmoray_[a-z0-9_]+", readme)) - {"moray_pb2", "moray_pb2_grpc"}
+    named = set(re.findall(r"\bmoray_[a-z0-9_]+|\bvllm:[a-z0-9_]+", readme)) - {"moray_pb2", "moray_pb2_grpc"}
     assert named, "the README names no metric"
     unknown = sorted(n for n in named if n not in names and not any(n.startswith(p) for p in prefixes))
     assert not unknown, f"README names metrics the code does not expose: {unknown}"

@@ -283,6 +283,8 @@ def body_of(response) -> dict:
 
 
 def metric(ingress, name: str, labels: dict | None = None) -> float | None:
+    if name.startswith("vllm:"):  # vLLM's names carry the model
+        labels = {"model_name": ingress.model_name, **(labels or {})}
     return ingress.metrics.registry.get_sample_value(name, labels or {})
 
 
@@ -328,9 +330,9 @@ def test_dead_decode_worker_retries_waiting_requests_and_ends_streams_with_an_er
     assert error["code"] == "worker_failed" and "decode worker" in error["message"] and "Traceback" not in error["message"]
     assert metric(ingress, "moray_failovers_total", {"result": "retried"}) == 1
     assert metric(ingress, "moray_failovers_total", {"result": "failed"}) == 1
-    assert metric(ingress, "moray_requests_total", {"api": "completions", "outcome": "error"}) == 1
-    assert metric(ingress, "moray_running_requests", {"worker": "d0", "role": "decode"}) is None  # its series left
-    assert metric(ingress, "moray_running_requests", {"worker": "d1", "role": "decode"}) == 0
+    assert metric(ingress, "moray_request_failures_total", {"api": "completions", "outcome": "error"}) == 1
+    assert metric(ingress, "vllm:num_requests_running", {"engine": "d0", "role": "decode"}) is None  # its series left
+    assert metric(ingress, "vllm:num_requests_running", {"engine": "d1", "role": "decode"}) == 0
 
 
 def test_a_stream_that_ends_unfinished_is_a_failed_worker(model_dir):
@@ -517,7 +519,7 @@ def test_stream_past_the_timeout_ends_with_a_timeout_chunk_and_an_error_event(mo
     assert events[-3]["choices"][0]["finish_reason"] == "timeout"
     assert events[-2]["error"]["code"] == "request_timeout"
     assert slow.cancelled == slow.started
-    assert metric(ingress, "moray_requests_total", {"api": "completions", "outcome": "timeout"}) == 1
+    assert metric(ingress, "moray_request_failures_total", {"api": "completions", "outcome": "timeout"}) == 1
 
 
 # ============================================================================ a real local Ray cluster
@@ -683,13 +685,15 @@ def test_killed_decode_replica_fails_over(cluster):
                 for log in wait_logs
             ]
             # The streams fill every slot for a while yet: the new requests wait in the decode engines'
-            # queues (as the workers report: moray_queue_depth). The streams are long, so that they outlast
+            # queues (as the workers report: vllm:num_requests_waiting). The streams are long, so that they outlast
             # the time the waiting requests need to reach those queues on a loaded machine.
             deadline = time.monotonic() + 30
             while True:
                 text = (await asyncio.to_thread(http_json, base + "/metrics", None, None))[1]
                 queued = sum(
-                    float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("moray_queue_depth{") and 'role="decode"' in l
+                    float(l.rsplit(" ", 1)[1])
+                    for l in text.splitlines()
+                    if l.startswith("vllm:num_requests_waiting{") and 'role="decode"' in l
                 )
                 if queued >= 16:
                     break

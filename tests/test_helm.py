@@ -342,6 +342,7 @@ EXTRA_KINDS = [
     "ingress.host=llm.example.com",
     "monitoring.serviceMonitor.enabled=true",
     "monitoring.podMonitoring.enabled=true",
+    "monitoring.grafanaDashboard.enabled=true",
     "apiKeys.keys={key-aaaaaaaa,key-bbbbbbbb}",
     "redis.enabled=true",
     "redis.persistence.enabled=true",
@@ -381,14 +382,24 @@ def test_kubernetes_validate_is_strict():
 
 def test_monitoring_and_gateway_objects():
     docs = render([], EXTRA_KINDS)
-    (pm,) = by_kind(docs, "PodMonitoring")
-    assert pm["apiVersion"] == "monitoring.googleapis.com/v1"
-    assert pm["spec"]["endpoints"][0]["port"] == "metrics"
-    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/instance": "t", "moray.dev/component": "ray"}
+    ray_pods, serve = sorted(by_kind(docs, "PodMonitoring"), key=lambda d: d["metadata"]["name"])
+    assert ray_pods["apiVersion"] == "monitoring.googleapis.com/v1"
+    assert ray_pods["spec"]["endpoints"][0]["port"] == "metrics"
+    assert ray_pods["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/instance": "t", "moray.dev/component": "ray"}
+    # Moray's /metrics (vLLM's names): the head pod only, whose container names the serving port.
+    assert serve["spec"]["selector"]["matchLabels"] == {**ray_pods["spec"]["selector"]["matchLabels"], "ray.io/node-type": "head"}
+    assert serve["spec"]["endpoints"] == [{"port": "serve", "path": "/metrics", "interval": "30s"}]
+    head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert any(p["name"] == "serve" for p in head["ports"])
     (sm,) = by_kind(docs, "ServiceMonitor")
     metrics_svc = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "t-moray-metrics"][0]
     assert all(metrics_svc["metadata"]["labels"][k] == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
-    assert sm["spec"]["endpoints"][0]["port"] == metrics_svc["spec"]["ports"][0]["name"] == "metrics"
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == [p["name"] for p in metrics_svc["spec"]["ports"]] == ["metrics", "serve"]
+    assert sm["spec"]["endpoints"][1]["path"] == "/metrics"
+    # The network policy lets the scrapers reach both ports.
+    (ray_np,) = [d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"] == "t-moray-ray"]
+    scrape_rule = [r for r in ray_np["spec"]["ingress"] if {"port": 8080, "protocol": "TCP"} in r.get("ports", [])][0]
+    assert {"port": 8000, "protocol": "TCP"} in scrape_rule["ports"]
     for route in by_kind(docs, "HTTPRoute") + by_kind(docs, "GRPCRoute"):
         assert route["spec"]["parentRefs"] == [{"name": "gw"}]
         assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == "t-moray"
@@ -737,3 +748,43 @@ def test_install_script_skips_without_npm(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "'npm' is not installed" in proc.stderr
     assert not (tmp_path / "tools" / "bin" / "helm").exists()
+
+
+def test_grafana_dashboard_is_current_valid_json_and_shipped_in_a_labelled_configmap():
+    import json
+
+    sys.path.insert(0, str(ROOT / "helm"))
+    import gen_dashboard
+
+    path = CHART / "dashboards" / "moray.json"
+    assert path.read_text() == gen_dashboard.render(), "stale dashboard: run `make helm-dashboard`"
+    board = json.loads(path.read_text())
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    titles = {p["title"] for p in panels}
+    for wanted in (
+        "Token throughput",
+        "Time to first token",
+        "Inter-token latency",
+        "Queue",
+        "KV cache usage by pool",
+        "Prefix-cache hit rate by tier",
+        "Router decisions",
+        "KV handoff",
+        "Redis KV index health",
+    ):
+        assert wanted in titles, wanted
+    assert all(p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]) for p in panels)
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    # Panels do not overlap on Grafana's 24-column grid.
+    cells = set()
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, p["title"]
+        cells |= mine
+    assert not by_kind(render(), "ConfigMap"), "the dashboard is off by default"
+    docs = render([], ["monitoring.grafanaDashboard.enabled=true", "monitoring.grafanaDashboard.namespace=monitoring"])
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "t-moray-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "monitoring"
+    assert json.loads(cm["data"]["moray.json"]) == board

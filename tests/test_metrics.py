@@ -1,6 +1,7 @@
 """Front-end and router metrics (issue #13): workers' running totals are counters (`_total`), a worker that
 leaves (failed call, expired heartbeat) takes its series with it, router load gauges follow heartbeats
-between decisions, and `moray_requests_total` tells errors from cancellations from finished requests."""
+between decisions, and finished requests (`vllm:request_success_total`) are told from errors and cancellations
+(`moray_request_failures_total`). Issue #18: what vLLM also measures carries vLLM's names, types and buckets."""
 
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ def report(worker: str, role: str = "decode", ts: float | None = None, **kw) -> 
 
 def samples(registry, worker: str | None = None) -> list[str]:
     lines = [l for l in generate_latest(registry).decode().splitlines() if l and not l.startswith("#")]
-    return [l for l in lines if worker is None or f'worker="{worker}"' in l]
+    return [l for l in lines if worker is None or f'worker="{worker}"' in l or f'engine="{worker}"' in l]
+
+
+VLLM = {"model_name": "moray"}  # FrontendMetrics' default model name
 
 
 def test_worker_running_totals_are_counters_named_total():
@@ -59,19 +63,25 @@ def test_worker_running_totals_are_counters_named_total():
     m.observe_worker(report("d0"))
     m.observe_worker(report("d0", prefix_cache_hits=70, handoff_bytes=1500, misrouted=1))
     value = m.registry.get_sample_value
-    assert value("moray_prefix_cache_hit_tokens_total", {"worker": "d0", "role": "decode"}) == 70
-    assert value("moray_prefix_cache_query_tokens_total", {"worker": "d0", "role": "decode"}) == 100
+    assert value("vllm:prefix_cache_hits_total", {**VLLM, "engine": "d0", "role": "decode"}) == 70
+    assert value("vllm:prefix_cache_queries_total", {**VLLM, "engine": "d0", "role": "decode"}) == 100
     assert value("moray_kv_handoff_bytes_total", {"worker": "d0"}) == 1500
     assert value("moray_kv_handoff_seconds_total", {"worker": "d0"}) == 0.5
     assert value("moray_kv_handoffs_total", {"worker": "d0"}) == 2
     assert value("moray_misrouted_requests_total", {"worker": "d0", "role": "decode"}) == 1
     text = generate_latest(m.registry).decode()
-    for name in ("moray_prefix_cache_hit_tokens", "moray_kv_handoff_bytes", "moray_kv_handoffs", "moray_misrouted_requests"):
+    for name in (
+        "vllm:prefix_cache_hits",
+        "vllm:prefix_cache_queries",
+        "moray_kv_handoff_bytes",
+        "moray_kv_handoffs",
+        "moray_misrouted_requests",
+    ):
         assert f"# TYPE {name}_total counter" in text or f"# TYPE {name} counter" in text, name
         assert f"# TYPE {name} gauge" not in text
     # A worker whose totals went back (its counters restarted) counts on from there, never down.
     m.observe_worker(report("d0", prefix_cache_hits=5))
-    assert value("moray_prefix_cache_hit_tokens_total", {"worker": "d0", "role": "decode"}) == 75
+    assert value("vllm:prefix_cache_hits_total", {**VLLM, "engine": "d0", "role": "decode"}) == 75
     # Prefill workers have no handoff series.
     m.observe_worker(report("p0", role="prefill"))
     assert value("moray_kv_handoff_bytes_total", {"worker": "p0"}) is None
@@ -86,7 +96,7 @@ def test_forgotten_worker_takes_every_series_with_it():
     m.forget_worker("d0")
     assert samples(m.registry, "d0") == []
     # The cluster-wide sum counts only requests that exist.
-    assert sum(float(l.rsplit(" ", 1)[1]) for l in samples(m.registry) if l.startswith("moray_running_requests{")) == 2
+    assert sum(float(l.rsplit(" ", 1)[1]) for l in samples(m.registry) if l.startswith("vllm:num_requests_running{")) == 2
     m.observe_worker(report("d0", ts=sent_before_death))  # a report in flight when it died
     assert samples(m.registry, "d0") == [] and m.workers() == ["d1"]
     m.observe_worker(report("d0", ts=time.time() + 1))  # measured later: it is alive after all
@@ -145,7 +155,7 @@ def test_expired_worker_leaves_and_router_gauges_follow_heartbeats():
     assert samples(r.router.metrics.registry, "d1") == [] and gone == ["d0", "d1"]
 
 
-# ------------------------------------------------------------------ moray_requests_total outcomes
+# ------------------------------------------------------------------ finished vs failed requests
 
 
 class ScriptedOrchestrator:
@@ -200,6 +210,11 @@ def test_requests_total_tells_finished_from_error_from_cancelled(ingress, monkey
     asyncio.run(consume([tok, RuntimeError("worker crashed")]))
     asyncio.run(consume([tok, tok, done], stop_after=1))
     value = ingress.metrics.registry.get_sample_value
-    assert value("moray_requests_total", {"api": "completions", "outcome": "length"}) == 1
-    assert value("moray_requests_total", {"api": "completions", "outcome": "error"}) == 1
-    assert value("moray_requests_total", {"api": "completions", "outcome": "cancelled"}) == 1
+    assert value("vllm:request_success_total", {"model_name": "tiny", "finished_reason": "length"}) == 1
+    assert value("moray_request_failures_total", {"api": "completions", "outcome": "error"}) == 1
+    assert value("moray_request_failures_total", {"api": "completions", "outcome": "cancelled"}) == 1
+    assert value("vllm:request_success_total", {"model_name": "tiny", "finished_reason": "error"}) is None
+    # Tokens and latencies of all three (the cancelled one got one token, its stream closed after it).
+    assert value("vllm:generation_tokens_total", {"model_name": "tiny"}) == 2 + 1 + 1
+    assert value("vllm:prompt_tokens_total", {"model_name": "tiny"}) == 3 * 3
+    assert value("vllm:e2e_request_latency_seconds_count", {"model_name": "tiny"}) == 3

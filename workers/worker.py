@@ -129,6 +129,7 @@ class EngineWorker:
             "host_blocks_evicted": s.host_blocks_evicted,
             "host_copy_seconds": s.host_copy_seconds,
             "evicted_live_session_blocks": s.evicted_live_session_blocks,
+            "num_preemptions": s.num_preemptions,
             "num_held": s.num_held,
             "num_importing": s.num_importing,
             "num_requests": len(self.engine.core.scheduler.requests),

@@ -119,6 +119,7 @@ class EngineStats:
     # Cached blocks evicted (device and host tier) while the session that last used them was live: the
     # retention order's last resort (retention.py); growing fast means the tiers are too small.
     evicted_live_session_blocks: int = 0
+    num_preemptions: int = 0  # running requests restarted for room (running total)
 
 
 @dataclass
@@ -408,6 +409,7 @@ class EngineCore:
             ),
             num_held=len(self.scheduler.held),
             num_importing=len(self.scheduler.importing),
+            num_preemptions=self.scheduler.num_preemptions,
             **self._host_stats(),
         )
 
