@@ -28,8 +28,11 @@ GRPC_SERVICERS = [
 ]
 
 
-# Quiet by default: no per-call access log lines (workers report to the router several times a second).
-LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
+def serve_logging(cfg: ClusterConfig) -> dict[str, Any]:
+    """Serve's own logging of the deployments. Quiet: no per-call access log lines (workers report to the
+    router several times a second); JSON lines when the cluster's Moray records are (cluster/logs.py)."""
+    encoding = "JSON" if cfg.observability.log_format == "json" else "TEXT"
+    return {"enable_access_log": False, "log_level": "WARNING", "encoding": encoding}
 
 
 def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
@@ -51,7 +54,7 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "request_router_config": RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS),
-        "logging_config": LOGGING,
+        "logging_config": serve_logging(cfg),
         **placement_options(pool),
     }
     if pool.autoscaling is not None:
@@ -80,7 +83,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         name="Ingress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1000,
-        logging_config=LOGGING,
+        logging_config=serve_logging(cfg),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     )
     return ingress.bind(cfg_dict, prefill, decode)

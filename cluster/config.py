@@ -6,6 +6,7 @@ Unknown keys are rejected and every error names the field path (e.g. `decode.rep
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -181,6 +182,45 @@ class ServerConfig(_Strict):
     )
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+class ObservabilityConfig(_Strict):
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Moray's log records in the replicas and `moray serve`: text lines, or one JSON object per line "
+        "(timestamp, level, logger, message, request_id, replica); json also switches Serve's own replica logs to JSON",
+    )
+    tracing: bool = Field(
+        default=False,
+        description="OpenTelemetry spans for every request: ingress, router, prefill, KV handoff, decode (cluster/tracing.py)",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="where spans go: an OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces "
+        "(needs the `tracing` extra: pip install 'moray[tracing]')",
+    )
+    trace_sample_ratio: float = Field(default=1.0, ge=0, le=1, description="fraction of requests traced (decided at the ingress)")
+    trace_file: str | None = Field(
+        default=None, description="also append finished spans as JSON lines to this file on each replica's node (tests, debugging)"
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _exporter_installed(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL (OTLP over HTTP), got {v!r}")
+        if not _importable("opentelemetry.exporter.otlp.proto.http"):
+            raise ValueError("the OTLP exporter is not installed: pip install 'moray[tracing]' (opentelemetry-exporter-otlp-proto-http)")
+        return v
+
+
 class ClusterConfig(_Strict):
     name: str = Field(default="moray", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
     engine: EngineConfig
@@ -190,6 +230,7 @@ class ClusterConfig(_Strict):
     router: RouterConfig = RouterConfig()
     kv_index: KVIndexConfig = KVIndexConfig()
     server: ServerConfig = ServerConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
     # KV handoff granularity: layers per chunk sent from a prefill to a decode worker.
     handoff_layers_per_chunk: int = Field(default=1, ge=1)
     # Serve lifecycle: model load and compile can take minutes on TPU.

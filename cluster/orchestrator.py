@@ -43,6 +43,7 @@ from workers.engine.async_engine import EngineDeadError
 from workers.engine.block_hash import block_hashes
 from workers.engine.sampling_params import SamplingParams
 
+from . import tracing
 from .openai_api import APIError
 from .router.types import NoWorkersAvailable, RouteDecision, RouteRequest
 
@@ -74,6 +75,8 @@ class RequestTrace:
     decision: RouteDecision | None = None
     remote_prefill: bool = False
     attempts: int = 0  # workers tried (more than one after a failover)
+    stage: str = "route"  # where the request is: route, prefill, decode (named when it fails)
+    span: Any = None  # the request's ingress span (cluster.tracing), parent of the router and worker spans
 
 
 class Overloaded(APIError):
@@ -180,12 +183,13 @@ class Orchestrator:
         if self.metrics is not None:
             self.metrics.queued.set(len(self._queued))
 
-    async def route(self, request_id: str, prompt: list[int], session_id: str | None) -> RouteDecision:
+    async def route(self, request_id: str, prompt: list[int], session_id: str | None, span=None) -> RouteDecision:
         """Admits the request (raises `Overloaded`) and routes it (raises `NoWorkersAvailable` when no
-        worker has registered yet). An admitted request must be run with `stream`."""
+        worker has registered yet). An admitted request must be run with `stream`. `span`: the request's
+        ingress span, parent of the router span."""
         self._admit(request_id)
         try:
-            return await self._route(request_id, prompt, session_id)
+            return await self._route(request_id, prompt, session_id, span)
         except BaseException:
             self._started(request_id)
             raise
@@ -239,9 +243,9 @@ class Orchestrator:
                 trace.decision = decision
                 try:
                     if handoff is None and decision.prefill_worker is not None:
-                        stage = "prefill"
+                        stage = trace.stage = "prefill"
                         trace.remote_prefill = True
-                        result = await self._prefill(request_id, prompt, params, decision, deadline, session_id)
+                        result = await self._prefill(request_id, prompt, params, decision, deadline, session_id, trace.span)
                         trace.first_token = time.perf_counter()
                         self._started(request_id)
                         first_logprobs = [result.first_logprobs] if result.first_logprobs else None
@@ -260,9 +264,10 @@ class Orchestrator:
                             return
                         handoff = result
                         yield last
-                    stage = "decode"
+                    stage = trace.stage = "decode"
                     # aclosing: a client that leaves at a yield below cancels the decode call at once.
-                    async with aclosing(self._decode(request_id, prompt, params, decision, handoff, deadline, session_id)) as decoder:
+                    decoder = self._decode(request_id, prompt, params, decision, handoff, deadline, session_id, trace.span)
+                    async with aclosing(decoder):
                         async for chunk in decoder:
                             if trace.first_token is None:
                                 trace.first_token = time.perf_counter()
@@ -279,7 +284,7 @@ class Orchestrator:
                     retry = sent_decode == 0 and trace.attempts < MAX_ATTEMPTS
                     if retry:
                         try:
-                            fresh = await self._route(request_id, prompt, None)
+                            fresh = await self._route(request_id, prompt, None, trace.span)
                             # With no decode worker left the router offers any live one; the decode
                             # pool cannot run on a prefill worker.
                             retry = self._role(fresh.decode_worker) != "prefill"
@@ -296,7 +301,9 @@ class Orchestrator:
                         raise WorkerFailed(f"{message} and no other worker could take it; retry shortly") from None
                     if self.metrics is not None:
                         self.metrics.failovers.labels("retried").inc()
-                    log.warning("request %s: %s; retrying on %s", request_id, f, fresh.decode_worker)
+                    # ERROR although the request goes on: a worker failed under it (`moray serve` shows it).
+                    context = {"request_id": request_id, "stage": f.stage}
+                    log.error("request %s failed during %s: %s; retrying on %s", request_id, f.stage, f, fresh.decode_worker, extra=context)
                     # After a remote prefill whose token went out, only the decode side moves.
                     decision = replace(fresh, prefill_worker=None) if handoff is not None else fresh
         except RequestTimedOut:
@@ -314,9 +321,11 @@ class Orchestrator:
                 # frees the KV it holds now, not at its hold timeout, whatever the decode side got to.
                 self._release_later(request_id, handoff.worker_id)
 
-    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline, session_id=None):
+    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline, session_id=None, span=None):
         worker = decision.prefill_worker
-        response = self.prefill.prefill.remote(request_id, prompt, params, target_replica=worker, session_id=session_id)
+        response = self.prefill.prefill.remote(
+            request_id, prompt, params, target_replica=worker, session_id=session_id, **tracing.call_kwargs(span)
+        )
         try:
             return await _until(_cancellable(response), deadline, "prefill")
         except (asyncio.CancelledError, RequestTimedOut):
@@ -330,14 +339,15 @@ class Orchestrator:
             raise
 
     async def _decode(
-        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None
+        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None, span=None
     ) -> AsyncIterator[Chunk]:
         worker = decision.decode_worker
         decode = self.decode.options(stream=True)
+        routing = {"target_replica": worker, "session_id": session_id, **tracing.call_kwargs(span)}
         if handoff is not None:
-            gen = decode.generate_from_prefill.remote(request_id, prompt, params, handoff, target_replica=worker, session_id=session_id)
+            gen = decode.generate_from_prefill.remote(request_id, prompt, params, handoff, **routing)
         else:
-            gen = decode.generate.remote(request_id, prompt, params, target_replica=worker, session_id=session_id)
+            gen = decode.generate.remote(request_id, prompt, params, **routing)
         finished = False
         try:
             while not finished:

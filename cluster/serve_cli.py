@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import logs
 from .config import ClusterConfig, ConfigError, load_cluster_config, parse_cluster_config
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -212,7 +213,8 @@ def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
     from .launch import StartupError
 
     verbose = getattr(args, "verbose", False)
-    # Quiet by default: replica logs stay in Ray's log directory unless -v.
+    # Quiet by default: replica logs stay in Ray's log directory unless -v (their errors reach the console
+    # through cluster/logs.py's ErrorConsole).
     opts = {"logging_level": "INFO" if verbose else "WARNING", "log_to_driver": verbose}
     if args.address is None:
         stale = os.environ.pop("RAY_ADDRESS", None)  # nor may the local Ray's processes see it
@@ -327,12 +329,16 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     ensure_local_env()
+    logs.configure(cfg.observability, forward_errors=False)
     guard = SignalGuard(grace_s=cfg.graceful_shutdown_timeout_s + 40)  # a safety net: cleanup is bounded below it
     phase = "starting"
     deployed = owns_serve = local = False
+    console = None
     rc = 0
     try:
         local = connect_ray(args, guard, say)
+        # Before deploying: the replicas look for it when they start. With -v Ray streams their output already.
+        console = None if getattr(args, "verbose", False) else _error_console(cfg.name, say)
         problems = placement_problems(cfg, cluster_nodes())
         if problems and local:
             # A local Ray never grows: these replicas would wait forever.
@@ -370,8 +376,22 @@ def run(args: argparse.Namespace) -> int:
         # replicas still in their constructors would only stop at Serve's graceful timeout; a local Ray's
         # shutdown stops them (and Serve) at once.
         serving = phase == "serving"
+        if console is not None:
+            console.stop()
         _cleanup(deployed and (serving or not local), owns_serve, cfg.name, cfg.graceful_shutdown_timeout_s + 10, serving, rc)
     return rc
+
+
+def _error_console(app_name: str, say) -> logs.ErrorConsole | None:
+    """The replicas' errors on this console; serving goes on without it."""
+    try:
+        return logs.ErrorConsole(app_name)
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        say(f"warning: the replicas' errors will be in Ray's logs only (no console for them: {cause})")
+        return None
 
 
 RAY_SHUTDOWN_TIMEOUT_S = 15.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from contextlib import aclosing
 from typing import Awaitable, Callable, TypeVar
 
 from ray import serve
@@ -17,6 +18,7 @@ from ray import serve
 from workers.engine.sampling_params import SamplingParams
 from workers.worker import DecodeWorker, EngineWorker, PrefillResult, PrefillWorker, StreamUpdate
 
+from . import logs, tracing
 from .config import ClusterConfig, parse_cluster_config
 from .reporting import WorkerReporter
 
@@ -46,6 +48,8 @@ class _WorkerServer:
 
     def _start(self, cluster_config: dict, make_worker):
         self.config: ClusterConfig = parse_cluster_config(cluster_config)
+        logs.configure(self.config.observability)
+        tracing.configure(self.config.observability, self.pool)
         context = serve.get_replica_context()
         self.worker_id = context.replica_id.unique_id
         engine_config = self.config.engine_for(self.pool, self.worker_id)
@@ -76,11 +80,26 @@ class _WorkerServer:
             self.worker.counters.misrouted += 1
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None, session_id: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        target_replica: str | None = None,
+        session_id: str | None = None,
+        trace_context: dict[str, str] | None = None,
     ):
+        """Prefill and decode here (colocated, or a prompt the router found not worth a remote prefill)."""
         self._arrived(target_replica)
-        async for out in self.worker.generate(request_id, prompt, params, session_id=session_id):
-            yield StreamUpdate.of(out)
+        logs.current_request_id.set(request_id)
+        span = self._decode_span(request_id, prompt, trace_context, remote_prefill=False)
+        outputs = self.worker.generate(request_id, prompt, params, session_id=session_id)
+        async with aclosing(_traced_updates(outputs, span)) as updates:
+            async for update in updates:
+                yield update
+
+    def _decode_span(self, request_id: str, prompt: list[int], trace_context, remote_prefill: bool):
+        attributes = {"moray.request_id": request_id, "moray.worker": self.worker_id, "moray.prompt_tokens": len(prompt)}
+        return tracing.start_span("decode", tracing.extract(trace_context), {**attributes, "moray.remote_prefill": remote_prefill})
 
     def __del__(self):
         try:
@@ -99,10 +118,21 @@ class PrefillServer(_WorkerServer):
         self._start(cluster_config, lambda cfg, engine: PrefillWorker(cfg, engine=engine))
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, target_replica: str | None = None, session_id: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        target_replica: str | None = None,
+        session_id: str | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> PrefillResult:
         self._arrived(target_replica)
-        return await self.worker.prefill(request_id, prompt, params, session_id=session_id)
+        logs.current_request_id.set(request_id)
+        attributes = {"moray.request_id": request_id, "moray.worker": self.worker_id, "moray.prompt_tokens": len(prompt)}
+        with tracing.span("prefill", tracing.extract(trace_context), attributes) as span:
+            result = await self.worker.prefill(request_id, prompt, params, session_id=session_id)
+            tracing.set_attributes(span, {"moray.cached_tokens": result.num_cached_tokens, "moray.finished": result.finished})
+        return result
 
     async def kv_chunk(self, request_id: str, layer_start: int, layer_end: int, target_replica: str | None = None):
         return await self.worker.kv_chunk(request_id, layer_start, layer_end)
@@ -128,8 +158,11 @@ class DecodeServer(_WorkerServer):
         handoff: PrefillResult,
         target_replica: str | None = None,
         session_id: str | None = None,
+        trace_context: dict[str, str] | None = None,
     ):
         self._arrived(target_replica)
+        logs.current_request_id.set(request_id)
+        span = self._decode_span(request_id, prompt, trace_context, remote_prefill=True)
         source = handoff.worker_id
 
         async def fetch_chunk(layer_start: int, layer_end: int):
@@ -140,7 +173,27 @@ class DecodeServer(_WorkerServer):
             # Serve cancels a cancelled request's child calls (the prefill side would keep the KV).
             return detached(lambda: self.prefill_handle.release.remote(request_id, target_replica=source))
 
-        async for out in self.worker.generate_from_prefill(
-            request_id, prompt, params, handoff, fetch_chunk, release, session_id=session_id
-        ):
-            yield StreamUpdate.of(out)
+        fetch = tracing.traced_fetch(fetch_chunk, span, handoff.num_layers)  # the kv_handoff span
+        outputs = self.worker.generate_from_prefill(request_id, prompt, params, handoff, fetch, release, session_id=session_id)
+        async with aclosing(_traced_updates(outputs, span)) as updates:
+            async for update in updates:
+                yield update
+
+
+async def _traced_updates(outputs, span):
+    """The engine's outputs as `StreamUpdate`s; the decode span (None: tracing off) ends with the stream,
+    carrying the tokens generated and the finish reason."""
+    last = None
+    failure = None
+    try:
+        async with aclosing(outputs):  # closed (the request aborted, its KV freed) with the stream, not by the GC
+            async for out in outputs:
+                last = StreamUpdate.of(out)
+                yield last
+    except BaseException as e:
+        failure = e
+        raise
+    finally:
+        if span is not None:
+            done = {} if last is None else {"moray.completion_tokens": last.num_tokens, "moray.cached_tokens": last.num_cached_tokens}
+            tracing.end_span(span, {**done, "moray.finish_reason": last.finish_reason if last else None}, error=failure)

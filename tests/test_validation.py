@@ -446,7 +446,7 @@ class FakeOrchestrator:
         self.error, self.tokens, self.delay = error, tokens, delay
         self.ids: list[str] = []
 
-    async def route(self, request_id, prompt, session_id):
+    async def route(self, request_id, prompt, session_id, span=None):
         return SimpleNamespace(prefill_worker=None, decode_worker="d")
 
     async def stream(self, request_id, prompt, params, decision, trace, session_id=None):
