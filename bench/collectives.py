@@ -36,6 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.report import add_report_argument, report_if_asked
+
 MODES = {
     # name: (dispatch, gather dtype)
     "flat": ("flat", "model"),
@@ -60,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--processes", type=int, default=None, help="local processes (default: the mesh's host size)")
     p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    add_report_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{processes} processes and {args.tokens} tokens must both divide the {devices} devices evenly")
     command = [sys.executable, "-m", "bench.collectives", *_worker_argv(args)]
     _log(f"mesh {args.mesh}: {processes} process(es) x {devices // processes} CPU devices")
-    return launch_local_processes(command, processes, devices // processes, timeout=3600)
+    rc = launch_local_processes(command, processes, devices // processes, timeout=3600)
+    if rc == 0:  # the workers wrote the JSON (process 0); the report is drawn here, not in every worker
+        report_if_asked(args, "collectives", json.loads(args.json.read_text()))
+    return rc
 
 
 def _worker_argv(args) -> list[str]:

@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.report import add_report_argument, report_if_asked
 from bench.sizes import PRESET_CONFIGS
 
 # Targets from the issue, recorded in the JSON next to the measurements.
@@ -94,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also time engine start-up (default config) in fresh processes: cold (empty compilation cache) and warm",
     )
     p.add_argument("--seed", type=int, default=0)
+    add_report_argument(p)
     sizes = p.add_argument_group("sizes only (no weights loaded, nothing timed)")
     sizes.add_argument(
         "--sizes-only",
@@ -160,6 +162,7 @@ def run_sizes(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text)
+    report_if_asked(args, "engine", result)
     return 0
 
 
@@ -540,6 +543,7 @@ class _Bench:
         args.json.write_text(json.dumps(result, indent=2))
         _log(f"wrote {args.json}")
         _log(_summary(result))
+        report_if_asked(args, "engine", result)
         return 0
 
     def load_peers(self) -> tuple[dict, dict]:

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from bench.report import add_report_argument, report_if_asked
+
 SERVER_ERROR_GRPC_CODES = ("UNKNOWN", "INTERNAL", "DATA_LOSS", "UNAVAILABLE")
 REJECT_GRPC_CODES = (
     "INVALID_ARGUMENT",
@@ -68,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=90.0, help="seconds to wait afterwards for the workers' KV use to reach 0 (reported)"
     )
     p.add_argument("--json", help="also write the JSON report here")
+    add_report_argument(p)
 
 
 # ------------------------------------------------------------------------------------ loopback only
@@ -2194,6 +2197,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     print(text)
+    report_if_asked(args, "fuzz", report)
     summary = ", ".join(f"{p}: {report['cases_run'][p]} cases {report[p]['by_status']}" for p in ("http", "grpc") if report["cases_run"][p])
     _progress(f"{summary}; {'PASSED' if report['passed'] else 'FAILED: ' + '; '.join(report['failures'])}")
     return 0 if report["passed"] else 1

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import add_report_argument, report_if_asked
+
 SCHEMES = ("w4a16", "fp8", "mxfp8")
 REFERENCE = "bf16"
 
@@ -40,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=8, help="prompts in the quality set")
     p.add_argument("--seed", type=int, default=0)
+    add_report_argument(p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,4 +199,5 @@ def run(args: argparse.Namespace) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+    report_if_asked(args, "memory", report)
     return 0

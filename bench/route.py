@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.report import add_report_argument, report_if_asked
+
 TARGETS = {
     "memory": {"p99_ms": 1.0, "decisions_per_s": 5000},
     "redis": {"p99_ms": 3.0, "decisions_per_s": 5000},
@@ -53,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also write the JSON here")
+    add_report_argument(p)
 
 
 # ---------------------------------------------------------------- workload
@@ -379,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    report_if_asked(args, "route", result)
     return 0
 
 

@@ -31,6 +31,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from bench.report import add_report_argument, report_if_asked
+
 WORKLOADS = ("shared-prefix", "multi-turn", "long-in-short-out", "short-in-long-out", "tiered")
 
 
@@ -53,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, help="output file")
     p.add_argument("--structured", action="store_true", help="compare JSON-schema constrained requests with free ones")
     p.add_argument("--runs", type=int, default=3, help="with --structured: alternating runs of each kind (default 3)")
+    add_report_argument(p)
 
 
 # ------------------------------------------------------------------------------------ workloads
@@ -252,6 +255,8 @@ def summarise(results: list[Result], wall: float, before: dict, after: dict) -> 
         "kv_handoff_seconds": handoff_s,
         "kv_handoff_bytes_per_s": handoff_bytes / handoff_s if handoff_s else 0.0,
         "kv_handoff_share_of_ttft": handoff_s / sum(ttft) if ttft else 0.0,
+        # Every request's own figures, for the report's CDFs (a few KB: percentiles alone hide the shape).
+        "samples": {name: [round(x, 6) for x in xs] for name, xs in (("ttft_s", ttft), ("tpot_s", tpot), ("e2e_s", e2e))},
     }
 
 
@@ -493,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         print(json.dumps(out, indent=2))
+        report_if_asked(args, "serve", out)
         return 0
     groups = make_workload(args.workload, args.requests, args.seed)
     out = {"workload": args.workload, "concurrency": args.concurrency, "requests": args.requests}
@@ -520,4 +526,5 @@ def run(args: argparse.Namespace) -> int:
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps(out, indent=2))
+    report_if_asked(args, "serve", out)
     return 0

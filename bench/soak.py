@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from bench.fuzz import check_grpc_address, check_url
+from bench.report import add_report_argument, report_if_asked
 from bench.serve import pct
 
 RSS_INTERVAL_S = 30.0
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take before it counts as failed")
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for KV use to reach 0 after the load")
     p.add_argument("--json", help="also write the JSON report here")
+    add_report_argument(p)
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -735,6 +737,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     print(text)
+    report_if_asked(args, "soak", report)
     _progress(
         f"{report['requests']} requests, {report['failures']} failed, {report['cancelled']} cancelled; KV drained: "
         f"{report['kv_after_drain'].get('drained')} ({report['kv_after_drain']['drain_s']}s); {'PASSED' if report['passed'] else 'FAILED'}"

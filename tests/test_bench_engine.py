@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench_report import check_report
 
 from cluster.cli import main as moray_main
 from workers.models.make_model import HYBRID_PRESETS, PRESETS, make_model
@@ -71,6 +72,8 @@ def run_bench(tmp: Path, arch: str) -> tuple[dict, str, Path]:
             batches,
             "--bandwidth-mib",
             "8",
+            "--report",
+            str(tmp / "report"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -107,6 +110,15 @@ def test_decode_and_prefill(result):
     assert data["prefill"]["prompt_len"] == PREFILL
     assert positive(data["prefill"]["tokens_per_s"]) and len(data["prefill"]["samples_tokens_per_s"]) == RUNS
     assert set(data["warmup_s"]) == {"1", "2", "prefill"}
+
+
+def test_report(result):
+    data, stderr = result
+    (line,) = [l for l in stderr.splitlines() if l.startswith("[bench engine] report: ")]
+    report = Path(line.rsplit(" and ", 1)[1]).parent  # the progress line names the report's index.html
+    assert set(check_report(report, min_plots=2)) == {"roofline.png", "tokens_per_s.png"}
+    page = (report / "index.html").read_text()
+    assert all(f"roofline.{b}.ratio" in page and f"decode.{b}.tokens_per_s" in page for b in BATCHES)
 
 
 def test_bandwidth_and_roofline(result):

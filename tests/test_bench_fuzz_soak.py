@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
+from test_bench_report import check_report  # noqa: E402
+
 from bench import fuzz  # noqa: E402
 from bench.soak import Record, _label, kv_state, parse_metrics, per_minute, rss_growth  # noqa: E402
 from cluster.cli import main as moray_main  # noqa: E402
@@ -257,6 +259,8 @@ def test_fuzz_end_to_end(cluster, tmp_path):
             "10",
             "--json",
             str(out),
+            "--report",
+            str(tmp_path / "report"),
         ]
     )
     r = json.loads(out.read_text())
@@ -289,6 +293,7 @@ def test_fuzz_end_to_end(cluster, tmp_path):
     server_errors = r["http"]["server_error_examples"] + r["grpc"]["server_error_examples"]
     assert not server_errors, json.dumps(server_errors[:5], indent=1)
     assert rc == 0 and r["passed"], r["failures"]
+    assert set(check_report(tmp_path / "report", min_plots=2)) == {"answers.png", "by_kind.png"}
 
 
 def test_soak_end_to_end(cluster, tmp_path):
@@ -311,6 +316,8 @@ def test_soak_end_to_end(cluster, tmp_path):
             "0.2",
             "--json",
             str(out),
+            "--report",
+            str(tmp_path / "report"),
         ]
     )
     r = json.loads(out.read_text())
@@ -335,3 +342,4 @@ def test_soak_end_to_end(cluster, tmp_path):
     assert kv["drained"] and kv["workers"], kv
     assert all(w["kv_cache_usage_ratio"] == 0 and w.get("kv_blocks_in_use", 0) == 0 for w in kv["workers"].values()), kv
     assert rc == 0 and r["passed"]
+    assert set(check_report(tmp_path / "report", min_plots=2)) == {"per_minute.png", "rss.png"}

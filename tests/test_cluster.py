@@ -371,12 +371,15 @@ def test_structured_outputs_with_the_openai_client(cluster):
     assert obj.choices[0].finish_reason in ("stop", "length")
 
 
-def test_bench_serve_structured_against_the_cluster(cluster):
+def test_bench_serve_structured_against_the_cluster(cluster, tmp_path):
     """`moray bench serve --structured` end to end on a few requests: both kinds run without errors and
-    every figure is there."""
+    every figure is there; its report has the latency CDFs of the real requests."""
     import argparse
 
+    from test_bench_report import check_report
+
     from bench import serve as bench_serve
+    from bench.report import write_report
 
     args = argparse.Namespace(
         url=cluster["base"], model=None, api_key=API_KEY, workload="short-in-long-out", requests=4, concurrency=2, seed=0, runs=1
@@ -386,6 +389,9 @@ def test_bench_serve_structured_against_the_cluster(cluster):
         (run,) = out[kind]["runs"]
         assert run["errors"] == 0 and run["requests"] == 4 and out[kind]["throughput_tokens_per_s"] > 0
     assert out["ratio_structured_over_free"]["throughput"] > 0 and "met" in out["target"]
+    assert len(out["free"]["runs"][0]["samples"]["ttft_s"]) == 4
+    write_report("serve", {"workload": args.workload, "concurrency": 2, "requests": 4, "structured": out}, tmp_path)
+    assert {"latency_cdf.png", "throughput.png"} <= set(check_report(tmp_path, min_plots=2))
 
 
 TOOLS = [
