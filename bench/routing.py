@@ -31,11 +31,14 @@ import sys
 import tempfile
 import time
 
+from bench.report import add_report_argument, report_if_asked
 from bench.serve import Item, Result, conversation, one_request, pct
 
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
-WORKLOADS = ("shared-prefix", "multi-turn")
+WORKLOADS = ("shared-prefix", "multi-turn", "chat")
 TARGETS = {"hit_rate_vs_round_robin": 2.0, "hit_rate_vs_oracle": 0.9, "max_over_mean_load": 1.3}
+# Against the peer router (issue #19): reuse at least as much, balance within 1.2, TTFT p99 no worse than round-robin's.
+PEER_TARGETS = {"hit_rate_vs_peer": 1.0, "max_over_mean_load": 1.2, "ttft_p99_vs_round_robin": 1.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,34 +55,79 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--slack-divisor",
         type=float,
         default=2.0,
-        help="router.load_slack_blocks = kv_blocks / this (the default 64 blocks is sized for production pools)",
+        help="router.load_slack_blocks = min(64, kv_blocks / this): the production default, or a share of pools too small for it",
     )
     p.add_argument(
         "--session-idle-s", type=float, help="router.session_idle_s (default: 3x the think time; the 60 s default is sized for human users)"
     )
     p.add_argument("--repeats", type=int, default=3, help="fresh apps per policy; figures are medians over them (machines are noisy)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--peer",
+        choices=["sglang-router"],
+        help="also run a peer router over the same workloads: sglang-router (cache_aware) in front of --workers "
+        "single-worker `moray serve` processes (bench extra: pip install sglang-router==0.3.2)",
+    )
     p.add_argument("--json", help="also write the JSON result here")
+    add_report_argument(p)
 
 
 # ---------------------------------------------------------------- workloads
 
 
-def make_workload(name: str, n: int, seed: int, vocab: int, block_size: int) -> list[list[Item]]:
-    """Groups of items; a group's items run in order (the turns of a conversation). Sizes are in blocks
-    so the pressure on the KV pools does not depend on --block-size."""
-    rng = random.Random(f"{name}-{seed}")
-    tok = lambda k: [rng.randrange(3, vocab) for _ in range(k * block_size)]  # noqa: E731 - k blocks
+class TextSegments:
+    """Random text segments sized in KV blocks of the model's own tokenizer, so that routers that only see
+    request text (the peer) and Moray's (which sees token blocks) get the same requests.
+
+    Each segment starts with a newline: the tokenizer's pre-tokenizer splits there, so a conversation's
+    next prompt (history + new segment) tokenises to the previous prompt's tokens plus the segment's, and
+    a prefix shared in text is shared in tokens (checked by `prompt_ids` users: the oracle reads the ids).
+    """
+
+    def __init__(self, model: str, rng: random.Random, block_size: int):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+        self.rng, self.block_size = rng, block_size
+
+    def __call__(self, blocks: int) -> str:
+        want = blocks * self.block_size
+        words = []
+        text = "\n"
+        while len(self.tokenizer.encode(text, add_special_tokens=False).ids) < want:
+            words.append("".join(self.rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(self.rng.randint(2, 7))))
+            text = "\n" + " ".join(words)
+        return text
+
+    def ids(self, text: str) -> list[int]:
+        """The prompt's token ids as the server's tokenizer makes them (a completions prompt: special tokens added)."""
+        return self.tokenizer.encode(text).ids
+
+
+def make_workload(name: str, n: int, seed: int, seg, block_size: int) -> list[list[Item]]:
+    """Groups of items; a group's items run in order (the turns of a conversation). `seg(k)` makes a
+    k-block piece of prompt (text, see TextSegments; or token ids), so the pressure on the KV pools does
+    not depend on --block-size."""
     if name == "shared-prefix":
         # n/6 system prompts of 12 blocks, each used by ~6 requests with a 2-block question, in random order.
-        prefixes = [tok(12) for _ in range(max(1, n // 6))]
-        items = [[Item(prefixes[i % len(prefixes)] + tok(2), 4)] for i in range(n)]
-        rng.shuffle(items)
+        prefixes = [seg(12) for _ in range(max(1, n // 6))]
+        items = [[Item(prefixes[i % len(prefixes)] + seg(2), 4)] for i in range(n)]
+        random.Random(f"{name}-{seed}-order").shuffle(items)
         return items
     if name == "multi-turn":
         # n/4 conversations of 4 turns: each turn adds a 2-block user message to the history, plus a
         # 1-block stand-in for the previous reply.
-        return [conversation(tok, f"{seed}-s{s}", opening=4, user=2, reply=1, turns=4, max_tokens=4) for s in range(max(1, n // 4))]
+        return [conversation(seg, f"{seed}-s{s}", opening=4, user=2, reply=1, turns=4, max_tokens=4) for s in range(max(1, n // 4))]
+    if name == "chat":
+        # Chat traffic (issue #19): n/5 conversations of 5 turns over 4 shared 8-block system prompts; each
+        # turn adds a 2-block user message after a 1-block reply stand-in. Users think between turns.
+        systems = [seg(8) for _ in range(4)]
+        groups = []
+        for c in range(max(1, n // 5)):
+            start = systems[c % len(systems)]
+            groups.append(conversation(seg, f"{seed}-chat{c}", opening=0, user=2, reply=1, turns=5, max_tokens=4, start=start))
+        random.Random(f"{name}-{seed}-order").shuffle(groups)
+        return groups
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -97,7 +145,7 @@ def replay_order(groups: list[list[Item]], concurrency: int) -> list[Item]:
 # ---------------------------------------------------------------- oracle
 
 
-def oracle(groups: list[list[Item]], workers: int, kv_blocks: int, block_size: int, concurrency: int) -> dict:
+def oracle(groups: list[list[Item]], workers: int, kv_blocks: int, block_size: int, concurrency: int, ids=lambda p: p) -> dict:
     """Hit rate and load balance of routing that sees every cache exactly (see the module docstring)."""
     from collections import deque
 
@@ -113,24 +161,30 @@ def oracle(groups: list[list[Item]], workers: int, kv_blocks: int, block_size: i
         if len(in_flight) >= concurrency:
             kv, r = in_flight.popleft()
             kv.free(r)
-        requests = [Request(f"o{i}", list(item.prompt), SamplingParams()) for _ in caches]
+        tokens = ids(item.prompt)
+        requests = [Request(f"o{i}", list(tokens), SamplingParams()) for _ in caches]
         hits = [len(kv.cached_prefix(r)) for kv, r in zip(caches, requests)]
         w = max(range(workers), key=lambda k: (hits[k], -tokens_given[k]))
         kv, r = caches[w], requests[w]
         prefix = kv.cached_prefix(r)
-        r.num_computed_tokens = min(len(prefix) * block_size, len(item.prompt) - 1)
-        while kv.allocate(r, len(item.prompt) - r.num_computed_tokens, prefix) is None:
+        r.num_computed_tokens = min(len(prefix) * block_size, len(tokens) - 1)
+        while kv.allocate(r, len(tokens) - r.num_computed_tokens, prefix) is None:
             if not in_flight:
-                raise ValueError(f"a {len(item.prompt)}-token prompt does not fit in {kv_blocks} KV blocks")
+                raise ValueError(f"a {len(tokens)}-token prompt does not fit in {kv_blocks} KV blocks")
             old_kv, old = in_flight.popleft()  # the engine would wait for a running request to finish
             old_kv.free(old)
         cached += r.num_computed_tokens
-        prompt += len(item.prompt)
-        tokens_given[w] += len(item.prompt)
-        r.num_computed_tokens = len(item.prompt)
+        prompt += len(tokens)
+        tokens_given[w] += len(tokens)
+        r.num_computed_tokens = len(tokens)
         kv.cache_full_blocks(r)
         in_flight.append((kv, r))
-    return {"hit_rate": cached / prompt, "max_over_mean_load": _max_over_mean(tokens_given)}
+    return {
+        "hit_rate": cached / prompt,
+        "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "max_over_mean_load": _max_over_mean(tokens_given),
+    }
 
 
 def _max_over_mean(values) -> float:
@@ -142,18 +196,30 @@ def _max_over_mean(values) -> float:
 # ---------------------------------------------------------------- the live runs
 
 
+# The router's own account of each decision's cached prefix tokens (cluster/router/metrics.py): on the
+# best live candidate, on the worker it chose, and what the engine then reported reusing.
+DECISION_TOKENS = {
+    "moray_router_cached_tokens_best_total": "best",
+    "moray_router_cached_tokens_chosen_total": "chosen",
+    "moray_router_reused_tokens_total": "reused",
+}
+
+
 def _router_counters(url: str) -> dict[str, dict[str, float]]:
-    """From /metrics (cumulative): "worker" -> {worker: prompt tokens the router sent it}, and
-    "branch" -> {deciding branch: decisions}."""
+    """From /metrics (cumulative): "worker" -> {worker: prompt tokens the router sent it}, "branch" ->
+    {deciding branch: decisions}, "tokens" -> {best, chosen, reused: cached prefix tokens}."""
     import urllib.request
 
-    out: dict[str, dict[str, float]] = {"worker": {}, "branch": {}}
+    out: dict[str, dict[str, float]] = {"worker": {}, "branch": {}, "tokens": {}}
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
             for prefix, label in (("moray_router_routed_prompt_tokens_total{", "worker"), ("moray_router_decisions_total{", "branch")):
                 if line.startswith(prefix):
                     key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
                     out[label][key] = out[label].get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            name = line.split(" ", 1)[0]
+            if name in DECISION_TOKENS:
+                out["tokens"][DECISION_TOKENS[name]] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -173,14 +239,17 @@ def _wait_for_workers(url: str, n: int, timeout_s: float = 900) -> None:
     raise TimeoutError(f"{url}: {n} decode workers did not register within {timeout_s:.0f}s")
 
 
-async def _run_items(url: str, groups: list[list[Item]], concurrency: int, think_time_s: float = 0.0, seed: int = 0) -> list[Result]:
+async def _run_items(
+    url: str, groups: list[list[Item]], concurrency: int, think_time_s: float = 0.0, seed: int = 0, models_url: str | None = None
+) -> list[Result]:
+    """Runs the groups against `url`; the model name comes from `models_url` (default `url`)/v1/models."""
     import aiohttp
 
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     results: list[Result] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        async with session.get(url + "/v1/models") as r:
+        async with session.get((models_url or url) + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
 
         async def group(g: list[Item]) -> None:
@@ -203,12 +272,17 @@ def summarise(results: list[Result], before: dict, after: dict, workers: int) ->
     ttft = [r.ttft for r in results]
     return {
         "requests": len(results),
+        "prompt_tokens": sum(r.prompt_tokens for r in results),
         "hit_rate": sum(r.cached_tokens for r in results) / sum(r.prompt_tokens for r in results),
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
         "max_over_mean_load": _max_over_mean(given.values()),
         "prompt_tokens_per_worker": dict(sorted(given.items())),
         "decisions_by_branch": {b: int(n - before["branch"].get(b, 0.0)) for b, n in sorted(after["branch"].items())},
+        "decision_tokens": {
+            k: after.get("tokens", {}).get(k, 0.0) - before.get("tokens", {}).get(k, 0.0) for k in DECISION_TOKENS.values()
+        },
+        "samples": {"ttft_s": [round(t, 6) for t in ttft]},
     }
 
 
@@ -233,9 +307,12 @@ def start_ray() -> int:
 
 
 def router_settings(args) -> dict:
-    """Router settings scaled to the benchmark: its pools are tiny and its users think for a second."""
+    """Router settings scaled to the benchmark: its pools are tiny and its users think for a second. The
+    load slack is the production default (64 blocks) or, in pools too small for that, a share of a pool:
+    at half of a 320-block pool a worker could run ~11 requests above the mean before load counted, and
+    the hot system prompts' workers did (issue #19: max/mean 1.28, and their queues set TTFT p99)."""
     idle = args.session_idle_s if args.session_idle_s is not None else max(1.0, 3 * args.think_time_ms / 1000)
-    return {"load_slack_blocks": args.kv_blocks / args.slack_divisor, "session_idle_s": idle}
+    return {"load_slack_blocks": min(64.0, args.kv_blocks / args.slack_divisor), "session_idle_s": idle}
 
 
 def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, list[list[Item]]]) -> dict:
@@ -247,16 +324,7 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
     cfg = {
         "name": name,
         "mode": "colocated",
-        "engine": {
-            "model": model,
-            "block_size": args.block_size,
-            "num_kv_blocks": args.kv_blocks,
-            "max_num_seqs": 4,
-            "max_num_batched_tokens": 128,
-            "max_model_len": 256,
-            "token_buckets": [8, 32, 128],
-            "page_buckets": [4, 16, 32],
-        },
+        "engine": engine_settings(model, args),
         "decode": {"replicas": args.workers, "resources": {"cpus": 0.1}},
         # Load above the mean is free up to load_slack_blocks; the default (64) is sized for production
         # pools of thousands of blocks, so it is scaled to these small pools (half a pool by default:
@@ -298,10 +366,20 @@ def run(args: argparse.Namespace) -> int:
 
         tmp = tempfile.mkdtemp(prefix="moray-bench-routing-")
         model = str(make_model(os.path.join(tmp, "tiny"), "qwen3_moe", "tiny", seed=0))
-    from workers.models import load_config
+    seg = TextSegments(model, random.Random(args.seed), args.block_size)
+    workloads = {w: make_workload(w, args.requests, args.seed, seg, args.block_size) for w in args.workloads}
+    longest = max(len(seg.ids(item.prompt)) + item.max_tokens for groups in workloads.values() for g in groups for item in g)
+    args.max_model_len = -(-longest // args.block_size) * args.block_size
+    if args.max_model_len > args.kv_blocks * args.block_size:
+        print(f"moray bench routing: a {longest}-token request does not fit in --kv-blocks {args.kv_blocks}", file=sys.stderr)
+        return 2
+    if args.peer:
+        from bench.routing_peer import peer_available
 
-    vocab = load_config(model)[1].vocab_size
-    workloads = {w: make_workload(w, args.requests, args.seed, min(vocab, 500), args.block_size) for w in args.workloads}
+        why = peer_available(args.peer)
+        if why:
+            print(f"moray bench routing: --peer {args.peer}: {why}", file=sys.stderr)
+            return 2
     result: dict = {
         "workers": args.workers,
         "kv_blocks_per_worker": args.kv_blocks,
@@ -309,10 +387,11 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_workload": args.requests,
         "concurrency": args.concurrency,
         "targets": TARGETS,
+        "peer_targets": PEER_TARGETS if args.peer else None,
         "router": router_settings(args),
         "think_time_ms": args.think_time_ms,
         "repeats": args.repeats,
-        "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency) for w, g in workloads.items()},
+        "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency, seg.ids) for w, g in workloads.items()},
         "policies": {},
     }
     port = start_ray()
@@ -326,16 +405,107 @@ def run(args: argparse.Namespace) -> int:
 
         serve.shutdown()
         ray.shutdown()
+    if args.peer:
+        runs = [run_peer(args.peer, os.path.abspath(model), args, workloads) for _ in range(args.repeats)]
+        result["policies"][args.peer] = {wl: median_of([r[wl] for r in runs]) for wl in workloads}
+    for per_workload in result["policies"].values():
+        for wl, figures in per_workload.items():
+            orc = result["oracle"][wl]["hit_rate"]
+            figures["hit_rate_vs_oracle"] = figures["hit_rate"] / orc if orc else None
+    if "kv-aware" in result["policies"]:
+        result["kv_aware_losses"] = {wl: losses(result, wl) for wl in workloads}
     result["verdict"] = verdict(result)
+    print(table(result), file=sys.stderr)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    report_if_asked(args, "routing", result)
     return 0
 
 
 MEDIAN_FIELDS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "max_over_mean_load", "wall_s")
+
+
+def engine_settings(model: str, args) -> dict:
+    """The workers' engine settings: the same for Moray's policies and the peer's servers. max_model_len:
+    the longest request of the workloads (a pool must hold one sequence of it)."""
+    return {
+        "model": model,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.kv_blocks,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 128,
+        "max_model_len": args.max_model_len,
+        "token_buckets": [8, 32, 128],
+        "page_buckets": [4, 16, 64],
+    }
+
+
+def run_peer(peer: str, model: str, args, workloads: dict[str, list[list[Item]]]) -> dict:
+    """The workloads through the peer router over fresh single-worker servers (see bench/routing_peer.py)."""
+    from bench import routing_peer
+
+    t0 = time.perf_counter()
+    cluster = routing_peer.start(model, args.workers, engine_settings(model, args))
+    print(f"[{peer}] {args.workers} servers and the router up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    out = {}
+    try:
+        for wl, groups in workloads.items():
+            before = {"worker": routing_peer.prompt_tokens_per_worker(cluster), "branch": {}}
+            t1 = time.perf_counter()
+            # The servers name the model: sglang-router's /v1/models says "unknown" without a tokenizer path.
+            results = asyncio.run(
+                _run_items(cluster.url, groups, args.concurrency, args.think_time_ms / 1000, args.seed, models_url=cluster.worker_urls[0])
+            )
+            after = {"worker": routing_peer.prompt_tokens_per_worker(cluster), "branch": {}}
+            out[wl] = summarise(results, before, after, args.workers)
+            out[wl]["wall_s"] = time.perf_counter() - t1
+            print(
+                f"[{peer}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        cluster.stop()
+    return out
+
+
+def losses(result: dict, workload: str) -> dict:
+    """Where kv-aware's prefix hits went, per workload, as fractions of the prompt tokens: the oracle's
+    reachable hits; what the index said the best live worker held (below the oracle: the history of
+    placements, evictions the index had not seen); what the chosen worker held (below best: the load term
+    or a session hint moved the request); what the engine reused (below chosen: blocks evicted between
+    decision and prefill, or speculative entries that never materialised)."""
+    kv = result["policies"]["kv-aware"][workload]
+    tokens = kv.get("decision_tokens") or {}
+    prompt = kv.get("prompt_tokens") or 0
+    if not prompt or not tokens:
+        return {}
+    frac = {k: v / prompt for k, v in tokens.items()}
+    orc = result["oracle"][workload]["hit_rate"]
+    return {
+        "oracle": orc,
+        **frac,
+        "lost_before_decision": orc - frac.get("best", 0.0),
+        "lost_to_choice": frac.get("best", 0.0) - frac.get("chosen", 0.0),
+        "lost_after_decision": frac.get("chosen", 0.0) - frac.get("reused", 0.0),
+    }
+
+
+def table(result: dict) -> str:
+    """The side-by-side table, one line per workload and policy."""
+    lines = [f"{'workload':<14} {'policy':<14} {'hit':>6} {'/oracle':>8} {'ttft p50':>9} {'ttft p99':>9} {'max/mean':>9}"]
+    for wl in result["oracle"]:
+        lines.append(f"{wl:<14} {'oracle':<14} {result['oracle'][wl]['hit_rate']:>6.3f} {1.0:>8.2f}")
+        for policy, per in result["policies"].items():
+            f = per[wl]
+            lines.append(
+                f"{'':<14} {policy:<14} {f['hit_rate']:>6.3f} {f.get('hit_rate_vs_oracle') or 0:>8.2f} "
+                f"{f['ttft_p50_s']:>9.3f} {f['ttft_p99_s']:>9.3f} {f['max_over_mean_load']:>9.2f}"
+            )
+    return "\n".join(lines)
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -346,6 +516,9 @@ def median_of(runs: list[dict]) -> dict:
         return runs[0]
     out = {k: statistics.median(r[k] for r in runs) for k in MEDIAN_FIELDS}
     out["requests"] = runs[0]["requests"]
+    out["prompt_tokens"] = statistics.median(r.get("prompt_tokens", 0) for r in runs)
+    keys = runs[0].get("decision_tokens", {})
+    out["decision_tokens"] = {k: statistics.median(r["decision_tokens"][k] for r in runs) for k in keys}
     out["prompt_tokens_per_worker"] = runs[-1]["prompt_tokens_per_worker"]  # the last run's, for a look
     out["decisions_by_branch"] = runs[-1]["decisions_by_branch"]
     out["runs"] = [{k: r[k] for k in (*MEDIAN_FIELDS, "decisions_by_branch")} for r in runs]
@@ -367,6 +540,15 @@ def verdict(result: dict) -> dict:
         }
         if rr is not None:
             v["hit_rate_vs_round_robin"] = kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+            v["ttft_p99_vs_round_robin"] = kv["ttft_p99_s"] / rr["ttft_p99_s"] if rr["ttft_p99_s"] else float("inf")
+        peer = next((pol[p][wl] for p in pol if p not in POLICIES), None)
+        if peer is not None:
+            v["hit_rate_vs_peer"] = kv["hit_rate"] / peer["hit_rate"] if peer["hit_rate"] else float("inf")
+            v["meets_peer_targets"] = (
+                v["hit_rate_vs_peer"] >= PEER_TARGETS["hit_rate_vs_peer"]
+                and kv["max_over_mean_load"] <= PEER_TARGETS["max_over_mean_load"]
+                and v.get("ttft_p99_vs_round_robin", 0.0) <= PEER_TARGETS["ttft_p99_vs_round_robin"]
+            )
         v["meets_targets"] = (
             (v["hit_rate_vs_oracle"] or 0) >= TARGETS["hit_rate_vs_oracle"]
             and v["max_over_mean_load"] <= TARGETS["max_over_mean_load"]

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Item:
-    prompt: list[int]
+    prompt: list[int] | str  # token ids, or text the server tokenises
     max_tokens: int
     session: str | None = None
     turn: int = 0
@@ -86,14 +86,15 @@ def make_workload(name: str, n: int, seed: int, vocab: int = 500) -> list[list[I
     return [[Item(tok(16), 64)] for _ in range(n)]
 
 
-def conversation(tok, session: str, *, opening: int, user: int, reply: int, turns: int, max_tokens: int) -> list[Item]:
+def conversation(tok, session: str, *, opening: int, user: int, reply: int, turns: int, max_tokens: int, start=None) -> list[Item]:
     """One conversation's turns, in `tok`'s units: each turn adds a `user`-sized message to the history;
     a `reply`-sized stand-in for the assistant's reply follows it (outputs vary, so the real reply is not
-    fed back)."""
-    history, items = tok(opening), []
+    fed back). `tok` makes token-id lists or text (bench.routing.TextSegments); `start`, if given, opens
+    the history instead of `tok(opening)` (a shared system prompt)."""
+    history, items = (tok(opening) if start is None else start), []
     for t in range(turns):
         history = history + tok(user)
-        items.append(Item(list(history), max_tokens, session=session, turn=t))
+        items.append(Item(history[:], max_tokens, session=session, turn=t))
         history = history + tok(reply)
     return items
 

@@ -149,6 +149,9 @@ class Orchestrator:
         self.max_queued_requests: int = getattr(server, "max_queued_requests", 0) or 0
         self.metrics = metrics
         self._queued: dict[str, float] = {}  # admitted request -> when (monotonic); until its first token
+        # Routed requests without a first token: their speculative index entries are kept alive meanwhile.
+        self._unstarted: dict[str, tuple[RouteRequest, RouteDecision]] = {}
+        self._renewer: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ admission and routing
@@ -176,8 +179,34 @@ class Orchestrator:
         self._observe_queue()
 
     def _started(self, request_id: str) -> None:
+        self._unstarted.pop(request_id, None)
         if self._queued.pop(request_id, None) is not None:
             self._observe_queue()
+
+    def _hold_speculative(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """Until the request's first token (its prefill is done and the worker's KV events are on their
+        way), its speculative entries are renewed: a request queued on a busy worker keeps attracting the
+        requests that share its prefix to that worker."""
+        every = getattr(self.router, "speculative_renew_s", 0.0)
+        if not every:
+            return
+        self._unstarted[request.request_id] = (request, decision)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_speculative(every))
+
+    async def _renew_speculative(self, every: float) -> None:
+        while self._unstarted:
+            await asyncio.sleep(every)
+            stale = time.monotonic() - (self.request_timeout_s or 600.0) - 1.0
+            for request_id, (request, decision) in list(self._unstarted.items()):
+                since = self._queued.get(request_id)
+                if since is None or since < stale:  # started or gone without a word, or never streamed
+                    self._unstarted.pop(request_id, None)
+                    continue
+                try:
+                    self.router.renew_speculative(request, decision)
+                except Exception:  # noqa: BLE001 - best effort: the entries only lapse early
+                    log.debug("renewing speculative entries of %s failed", request_id, exc_info=True)
 
     def _observe_queue(self) -> None:
         if self.metrics is not None:
@@ -194,11 +223,16 @@ class Orchestrator:
             self._started(request_id)
             raise
 
-    async def _route(self, request_id: str, prompt: list[int], session_id: str | None) -> RouteDecision:
-        hashes = block_hashes(prompt, self.block_size, self.model_name)
-        decision = await self.router.aroute(RouteRequest(request_id, hashes, len(prompt), session_id))
-        if self.colocated and decision.prefill_worker is not None:
-            decision = replace(decision, prefill_worker=None)
+    async def _route(self, request_id: str, prompt: list[int], session_id: str | None, span=None) -> RouteDecision:
+        with tracing.span("router", span, {"moray.request_id": request_id}) as router_span:
+            hashes = block_hashes(prompt, self.block_size, self.model_name)
+            route_request = RouteRequest(request_id, hashes, len(prompt), session_id)
+            decision = await self.router.aroute(route_request)
+            if self.colocated and decision.prefill_worker is not None:
+                decision = replace(decision, prefill_worker=None)
+            if request_id in self._queued:
+                self._hold_speculative(route_request, decision)
+            tracing.set_attributes(router_span, tracing.decision_attributes(decision))
         return decision
 
     def _role(self, worker: str) -> str | None:

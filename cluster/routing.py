@@ -59,6 +59,15 @@ class ClusterRouter:
     async def aroute(self, request: RouteRequest) -> RouteDecision:
         return await self.router.aroute(request)
 
+    @property
+    def speculative_renew_s(self) -> float:
+        """How often a request still waiting for its first token has its speculative entries renewed
+        (0: never): half their lifetime, so they never lapse in between."""
+        return self.router.config.speculative_ttl_s / 2
+
+    def renew_speculative(self, request: RouteRequest, decision: RouteDecision) -> None:
+        self.router.renew_speculative(request, decision)
+
     # ------------------------------------------------------------------ membership
 
     def on_worker_gone(self, listener: Callable[[str], None]) -> None:

@@ -307,6 +307,13 @@ class Router:
         except IndexUnavailable:
             self.metrics.index_errors.labels("record").inc()
 
+    def renew_speculative(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """Records a routed request's speculative entries again: its worker has not computed the prompt
+        yet (it is queued behind others), so the next request with this prefix should still follow it.
+        Without this they lapsed after speculative_ttl_s while the worker had not even started, and a
+        burst on a new prefix scattered over workers, each computing it (issue #19)."""
+        self.on_decision(request, decision)
+
     def _observe(self, request: RouteRequest, d: RouteDecision, lookup: Lookup, seconds: float) -> None:
         m = self.metrics
         m.decision_seconds.observe(seconds)
