@@ -405,9 +405,15 @@ def run(args: argparse.Namespace) -> int:
 
         serve.shutdown()
         ray.shutdown()
+    rc = 0
     if args.peer:
-        runs = [run_peer(args.peer, os.path.abspath(model), args, workloads) for _ in range(args.repeats)]
-        result["policies"][args.peer] = {wl: median_of([r[wl] for r in runs]) for wl in workloads}
+        try:
+            runs = [run_peer(args.peer, os.path.abspath(model), args, workloads) for _ in range(args.repeats)]
+            result["policies"][args.peer] = {wl: median_of([r[wl] for r in runs]) for wl in workloads}
+        except (RuntimeError, TimeoutError, OSError) as e:  # keep the policies' figures: they took minutes
+            print(f"moray bench routing: the peer run failed: {e}", file=sys.stderr)
+            result["peer_error"] = str(e)
+            rc = 1
     for per_workload in result["policies"].values():
         for wl, figures in per_workload.items():
             orc = result["oracle"][wl]["hit_rate"]
@@ -422,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     report_if_asked(args, "routing", result)
-    return 0
+    return rc
 
 
 MEDIAN_FIELDS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "max_over_mean_load", "wall_s")

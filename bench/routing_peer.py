@@ -88,6 +88,61 @@ def _wait(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: 
     raise TimeoutError(f"{what}: {url} did not answer within {timeout_s:.0f}s")
 
 
+PORT_TAKEN = ("Failed to bind", "Address already in use", "address already in use")
+
+
+def _launch_worker(i: int, model: str, engine: dict, tmp: Path, env: dict, attempt: int) -> tuple[subprocess.Popen, str, Path]:
+    """One single-worker `moray serve` on fresh ports: (process, its URL, its log)."""
+    cfg = {
+        "name": f"peer{i}",
+        "mode": "colocated",
+        "engine": {**engine, "model": model},
+        "decode": {"replicas": 1, "resources": {"cpus": 0.1}},
+        "server": {"http_port": _free_port(), "grpc_port": _free_port(), "host": "127.0.0.1"},
+    }
+    path = tmp / f"worker{i}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp / f"worker{i}.{attempt}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path), "--num-cpus", "1"],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**env, "RAY_TMPDIR": str(tmp / f"ray{i}")},
+        cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,
+    )
+    return proc, f"http://127.0.0.1:{cfg['server']['http_port']}", log
+
+
+def _start_workers(cluster: "PeerCluster", model: str, workers: int, engine: dict, tmp: Path, env: dict, timeout_s: float) -> None:
+    """Starts the servers together; one whose port was taken meanwhile (free ports are picked before the
+    servers and their local Rays bind theirs, so several starting at once can collide) starts again."""
+    slots = [_launch_worker(i, model, engine, tmp, env, 0) for i in range(workers)]
+    attempts = [0] * workers
+    deadline = time.monotonic() + timeout_s
+    ready = [False] * workers
+    while not all(ready):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peer workers did not answer within {timeout_s:.0f}s; logs in {tmp}")
+        for i, (proc, url, log) in enumerate(slots):
+            if ready[i]:
+                continue
+            if _get(url + "/health")[0] == 200:
+                ready[i] = True
+            elif proc.poll() is not None:
+                text = log.read_text()
+                if attempts[i] < 3 and any(m in text for m in PORT_TAKEN):
+                    attempts[i] += 1
+                    slots[i] = _launch_worker(i, model, engine, tmp, env, attempts[i])
+                    continue
+                cluster.procs = [p for p, _, _ in slots]
+                raise RuntimeError(f"a peer worker exited with {proc.returncode}; its log ({log}):\n{text[-2000:]}")
+        time.sleep(1.0)
+    cluster.procs = [p for p, _, _ in slots]
+    cluster.worker_urls = [u for _, u, _ in slots]
+    cluster.logs = [log for _, _, log in slots]
+
+
 def start(model: str, workers: int, engine: dict, policy: str = "cache_aware", timeout_s: float = 900) -> PeerCluster:
     """Starts `workers` single-worker Moray servers (concurrently) and sglang-router over them."""
     tmp = Path(tempfile.mkdtemp(prefix="moray-bench-peer-"))
@@ -95,31 +150,7 @@ def start(model: str, workers: int, engine: dict, policy: str = "cache_aware", t
     env.pop("RAY_ADDRESS", None)
     cluster = PeerCluster(url="", worker_urls=[])
     try:
-        for i in range(workers):
-            cfg = {
-                "name": f"peer{i}",
-                "mode": "colocated",
-                "engine": {**engine, "model": model},
-                "decode": {"replicas": 1, "resources": {"cpus": 0.1}},
-                "server": {"http_port": _free_port(), "grpc_port": _free_port(), "host": "127.0.0.1"},
-            }
-            path = tmp / f"worker{i}.yaml"
-            path.write_text(yaml.safe_dump(cfg))
-            log = tmp / f"worker{i}.log"
-            cluster.logs.append(log)
-            cluster.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path), "--num-cpus", "1"],
-                    stdout=log.open("w"),
-                    stderr=subprocess.STDOUT,
-                    env={**env, "RAY_TMPDIR": str(tmp / f"ray{i}")},
-                    cwd=Path(__file__).resolve().parent.parent,
-                    start_new_session=True,
-                )
-            )
-            cluster.worker_urls.append(f"http://127.0.0.1:{cfg['server']['http_port']}")
-        for url in cluster.worker_urls:
-            _wait(url + "/health", cluster.procs, cluster.logs, timeout_s, "a peer worker")
+        _start_workers(cluster, model, workers, engine, tmp, env, timeout_s)
         port = _free_port()
         log = tmp / "router.log"
         cluster.logs.append(log)
