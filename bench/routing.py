@@ -315,6 +315,20 @@ def router_settings(args) -> dict:
     return {"load_slack_blocks": min(64.0, args.kv_blocks / args.slack_divisor), "session_idle_s": idle}
 
 
+def measure(label: str, workload: str, url: str, groups: list[list[Item]], args, counters, models_url: str | None = None) -> dict:
+    """One workload through `url`: its summary, `counters()` (cumulative per-worker prompt tokens and
+    deciding branches) read before and after to get this workload's share."""
+    before = counters()
+    t0 = time.perf_counter()
+    results = asyncio.run(_run_items(url, groups, args.concurrency, args.think_time_ms / 1000, args.seed, models_url))
+    out = summarise(results, before, counters(), args.workers)
+    out["wall_s"] = time.perf_counter() - t0
+    print(
+        f"[{label}] {workload}: hit rate {out['hit_rate']:.3f}, max/mean load {out['max_over_mean_load']:.2f}", file=sys.stderr, flush=True
+    )
+    return out
+
+
 def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, list[list[Item]]]) -> dict:
     from ray import serve
 
@@ -343,16 +357,7 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
                 # Each workload starts from a quiet router: its memory of the last one (work a worker was
                 # attracting, live conversations; see cluster/router/policy.py) is let fade first.
                 time.sleep(3 * router_settings(args)["session_idle_s"])
-            before = _router_counters(url)
-            t1 = time.perf_counter()
-            results = asyncio.run(_run_items(url, groups, args.concurrency, args.think_time_ms / 1000, args.seed))
-            out[wl] = summarise(results, before, _router_counters(url), args.workers)
-            out[wl]["wall_s"] = time.perf_counter() - t1
-            print(
-                f"[{policy}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
+            out[wl] = measure(policy, wl, url, groups, args, lambda: _router_counters(url))
     finally:
         serve.delete(name)
     return out
@@ -456,23 +461,15 @@ def run_peer(peer: str, model: str, args, workloads: dict[str, list[list[Item]]]
     t0 = time.perf_counter()
     cluster = routing_peer.start(model, args.workers, engine_settings(model, args))
     print(f"[{peer}] {args.workers} servers and the router up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    def counters() -> dict:  # the peer's load split: what each single-worker server counted
+        return {"worker": routing_peer.prompt_tokens_per_worker(cluster), "branch": {}}
+
     out = {}
     try:
         for wl, groups in workloads.items():
-            before = {"worker": routing_peer.prompt_tokens_per_worker(cluster), "branch": {}}
-            t1 = time.perf_counter()
             # The servers name the model: sglang-router's /v1/models says "unknown" without a tokenizer path.
-            results = asyncio.run(
-                _run_items(cluster.url, groups, args.concurrency, args.think_time_ms / 1000, args.seed, models_url=cluster.worker_urls[0])
-            )
-            after = {"worker": routing_peer.prompt_tokens_per_worker(cluster), "branch": {}}
-            out[wl] = summarise(results, before, after, args.workers)
-            out[wl]["wall_s"] = time.perf_counter() - t1
-            print(
-                f"[{peer}] {wl}: hit rate {out[wl]['hit_rate']:.3f}, max/mean load {out[wl]['max_over_mean_load']:.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
+            out[wl] = measure(peer, wl, cluster.url, groups, args, counters, models_url=cluster.worker_urls[0])
     finally:
         cluster.stop()
     return out

@@ -44,6 +44,29 @@ def cluster_config(model_dir: Path, **overrides) -> dict:
     return cfg
 
 
+def worker_load(worker: str, role: str = "decode", **overrides) -> dict:
+    """A worker's heartbeat (`workers.worker.EngineWorker.load`), idle unless told otherwise: what the
+    ingress's `report` takes from a fake worker."""
+    return {
+        "worker_id": worker,
+        "role": role,
+        "num_running": 0,
+        "num_waiting": 0,
+        "kv_usage": 0.0,
+        "num_free_blocks": 100,
+        "num_total_blocks": 100,
+        "pending_prefill_tokens": 0,
+        "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0,
+        "num_held": 0,
+        "epoch": 1,
+        "last_seq": -1,
+        "healthy": True,
+        "ts": time.time(),
+        **overrides,
+    }
+
+
 def http_json(url: str, body: dict | None = None, key: str | None = API_KEY, timeout: float = 120, raw: bytes | None = None, headers=None):
     """(status, parsed JSON body) of a request; never raises on HTTP errors."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)

@@ -23,7 +23,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy  # noqa: E402
+from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy, worker_load  # noqa: E402
 
 from cluster import openai_api as oa  # noqa: E402
 from protos.moray.v1 import moray_pb2  # noqa: E402
@@ -181,26 +181,6 @@ class FakeHandle:
         return Method()
 
 
-def load(worker: str, role: str) -> dict:
-    return {
-        "worker_id": worker,
-        "role": role,
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_usage": 0.0,
-        "num_free_blocks": 100,
-        "num_total_blocks": 100,
-        "pending_prefill_tokens": 0,
-        "prefix_cache_queries": 0,
-        "prefix_cache_hits": 0,
-        "num_held": 0,
-        "epoch": 1,
-        "last_seq": -1,
-        "healthy": True,
-        "ts": time.time(),
-    }
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from workers.models.make_model import make_model
@@ -217,9 +197,9 @@ async def make_ingress(model_dir, prefill: list[FakeWorker], decode: list[FakeWo
     cls = Ingress.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
     ingress = cls(cfg, FakeHandle(*prefill) if prefill else None, FakeHandle(*decode))
     for w in prefill:
-        await ingress.report(load(w.id, "prefill"), [])
+        await ingress.report(worker_load(w.id, "prefill"), [])
     for w in decode:
-        await ingress.report(load(w.id, "decode"), [])
+        await ingress.report(worker_load(w.id, "decode"), [])
     return ingress
 
 

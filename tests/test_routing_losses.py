@@ -13,39 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cluster_harness import cluster_config  # noqa: E402
+from cluster_harness import cluster_config, worker_load  # noqa: E402
 
 from cluster.config import parse_cluster_config  # noqa: E402
 from cluster.orchestrator import Orchestrator  # noqa: E402
 from cluster.routing import ClusterRouter  # noqa: E402
 
 BLOCK = 8
-
-
-def worker_load(worker: str, **kw) -> dict:
-    """A decode worker's heartbeat (`workers.worker.EngineWorker.load`), idle unless told otherwise."""
-    return {
-        "worker_id": worker,
-        "role": "decode",
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_usage": 0.0,
-        "num_free_blocks": 100,
-        "num_total_blocks": 100,
-        "pending_prefill_tokens": 0,
-        "prefix_cache_queries": 0,
-        "prefix_cache_hits": 0,
-        "num_held": 0,
-        "epoch": 1,
-        "last_seq": -1,
-        "healthy": True,
-        "ts": time.time(),
-        **kw,
-    }
 
 
 def orchestrator(speculative_ttl_s: float, workers=("d0", "d1")) -> tuple[Orchestrator, ClusterRouter]:

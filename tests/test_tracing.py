@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
-from cluster_harness import API_KEY, cluster_config, http_json
+from cluster_harness import API_KEY, cluster_config, http_json, worker_load
 
 from cluster import logs, tracing
 from cluster.config import ConfigError, ObservabilityConfig, parse_cluster_config
@@ -311,26 +311,6 @@ def _servers(fail_decode: bool = False, strict: bool = False):
     return _Handle({"p0": prefill}, strict), _Handle({"d0": decode}, strict)
 
 
-def _load(worker: str, role: str) -> dict:
-    return {
-        "worker_id": worker,
-        "role": role,
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_usage": 0.0,
-        "num_free_blocks": 100,
-        "num_total_blocks": 100,
-        "pending_prefill_tokens": 0,
-        "prefix_cache_queries": 0,
-        "prefix_cache_hits": 0,
-        "num_held": 0,
-        "epoch": 1,
-        "last_seq": -1,
-        "healthy": True,
-        "ts": time.time(),
-    }
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from workers.models.make_model import make_model
@@ -343,8 +323,8 @@ async def _ingress(model_dir, prefill, decode, observability: dict):
 
     cfg = cluster_config(model_dir, name="traced", observability=observability)
     ingress = Ingress.func_or_class.__bases__[0](cfg, prefill, decode)  # the class under Serve's ASGI wrapper
-    await ingress.report(_load("p0", "prefill"), [])
-    await ingress.report(_load("d0", "decode"), [])
+    await ingress.report(worker_load("p0", "prefill"), [])
+    await ingress.report(worker_load("d0", "decode"), [])
     return ingress
 
 
