@@ -1,12 +1,17 @@
 """Prefill and decode workers: one engine each, with the handoff protocol between them.
 
-These classes know nothing of Ray Serve; `cluster/app.py` wraps them in deployments and supplies the
-transport (how a decode worker fetches a KV chunk from a prefill worker).
+These classes know nothing of Ray Serve; `cluster/servers.py` wraps them in deployments and supplies the
+transport (how a decode worker pulls a KV chunk from a prefill worker, how its channels reach the front
+ends). What they send and receive are the messages of `workers/messages.py`.
 
-Handoff: the prefill worker computes the uncached part of the prompt, samples the first token and
-holds the prompt's KV blocks. The decode worker allocates blocks, fetches the KV in chunks of layers
-(all chunk requests in flight at once, each imported as it arrives) and continues decoding. Held KV
-that nobody fetches is released after `hold_timeout_s`, so a vanished decode side leaks nothing.
+Handoff: the prefill worker computes the uncached part of the prompt, samples the first token and holds
+the prompt's KV blocks (`PrefillHandoff`). The decode worker allocates blocks, pulls the KV in chunks of
+layers (all chunk requests in flight at once, each checked against its header and imported as it arrives)
+and continues decoding. Held KV that nobody pulls is released after `hold_timeout_s`, so a vanished
+decode side leaks nothing.
+
+Channels: a decode worker sends a front end's tokens on one channel per front-end replica, one
+`TokenDeltaBatch` per engine step with every one of its requests' new tokens (`workers/outbox.py`).
 """
 
 from __future__ import annotations
@@ -18,80 +23,58 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 import jax
-import numpy as np
 
-from workers.engine.async_engine import AsyncEngine
+from workers.engine.async_engine import AsyncEngine, Sink
 from workers.engine.config import EngineConfig
-from workers.engine.engine import KVImport, RequestOutput
+from workers.engine.engine import KVImport
 from workers.engine.sampler import check_stop
-from workers.engine.sampling_params import SamplingParams
+from workers.messages import (
+    DecodeRequest,
+    HandoffCounters,
+    KVChunk,
+    KVChunkCorrupt,
+    PrefillHandoff,
+    PrefillRequest,
+    TokenDelta,
+    TokenDeltaBatch,
+    WorkerHeartbeat,
+    WorkerReport,
+    WorkerState,
+)
+
+from .outbox import ChannelClosed, Outbox
 
 log = logging.getLogger("moray.worker")
 
-FetchChunk = Callable[[int, int], Awaitable[np.ndarray]]
-
-
-@dataclass
-class PrefillResult:
-    request_id: str
-    worker_id: str
-    first_token: int
-    text: str  # the first token's text (trimmed if it completed a stop string)
-    finished: bool  # the first token already ends the request
-    finish_reason: str | None
-    num_cached_tokens: int
-    prompt_len: int
-    num_layers: int
-    first_logprobs: dict[int, float] | None = None
-    prefill_time_s: float = 0.0
-
-
-@dataclass
-class StreamUpdate:
-    """What a worker streams to the front end per engine output: only what changed, so an update costs
-    the same to send at the 1st token as at the 1000th, whatever the prompt's length (a `RequestOutput`
-    carries the prompt and everything produced so far)."""
-
-    new_token_ids: list[int]
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    num_tokens: int  # output tokens so far
-    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
-
-    @staticmethod
-    def of(out: RequestOutput) -> "StreamUpdate":
-        new = len(out.new_token_ids)
-        return StreamUpdate(
-            list(out.new_token_ids),
-            out.delta_text,
-            out.finished,
-            out.finish_reason,
-            out.num_cached_tokens,
-            len(out.token_ids),
-            out.logprobs[-new:] if (out.logprobs and new) else None,
-        )
-
-
-@dataclass
-class HandoffStats:
-    bytes: int = 0  # everything moved: attention KV plus linear-attention state
-    seconds: float = 0.0
-    chunks: int = 0
-    state_bytes: int = 0  # of `bytes`, the linear-attention state (hybrid models)
+FetchChunk = Callable[[int, int], Awaitable[KVChunk]]
+Release = Callable[[], Awaitable[object]]
+OnEnd = Callable[[TokenDelta | None, BaseException | None], None]
 
 
 @dataclass
 class WorkerCounters:
+    """Running totals a worker reports (mutable here; sent as `HandoffCounters`)."""
+
     handoffs: int = 0
     handoff_bytes: int = 0
     handoff_state_bytes: int = 0
     handoff_seconds: float = 0.0
     held_released_by_timeout: int = 0
     import_failures: int = 0
+    corrupt_chunks: int = 0
     misrouted: int = 0  # requests that reached this worker although the router chose another
-    history: list[HandoffStats] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # the last handoffs: bytes, seconds, chunks
+
+    def handoff(self) -> HandoffCounters:
+        return HandoffCounters(
+            self.handoffs,
+            self.handoff_bytes,
+            self.handoff_state_bytes,
+            self.handoff_seconds,
+            self.import_failures,
+            self.corrupt_chunks,
+            self.held_released_by_timeout,
+        )
 
 
 class EngineWorker:
@@ -102,77 +85,67 @@ class EngineWorker:
         self.worker_id = engine_config.worker_id
         self.engine = engine or AsyncEngine(engine_config, show_progress=show_progress)
         self.counters = WorkerCounters()
+        self.state = WorkerState.ALIVE
+        self._events = self.engine.core.events.subscribe()
 
     @property
-    def num_layers(self) -> int:
+    def num_handoff_units(self) -> int:
         """Units of a KV handoff: full-attention layers, plus the packed state of a hybrid model."""
         return self.engine.core.num_handoff_layers
 
-    def load(self) -> dict:
-        s = self.engine.stats()
-        return {
-            "worker_id": self.worker_id,
-            "role": self.role,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_usage": s.kv_usage,
-            "num_free_blocks": s.num_free_blocks,
-            "num_total_blocks": s.num_total_blocks,
-            "tokens_in_flight": s.num_tokens_in_flight,
-            "pending_prefill_tokens": s.num_pending_prefill_tokens,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_cache_host_hits": s.host_hit_tokens,
-            "host_kv_usage": s.host_blocks_used / s.host_blocks_total if s.host_blocks_total else 0.0,
-            "host_blocks_saved": s.host_blocks_saved,
-            "host_blocks_loaded": s.host_blocks_loaded,
-            "host_blocks_evicted": s.host_blocks_evicted,
-            "host_copy_seconds": s.host_copy_seconds,
-            "evicted_live_session_blocks": s.evicted_live_session_blocks,
-            "num_preemptions": s.num_preemptions,
-            "num_held": s.num_held,
-            "num_importing": s.num_importing,
-            "num_requests": len(self.engine.core.scheduler.requests),
-            "epoch": self.engine.core.events.epoch,
-            "last_seq": self.engine.core.events.last_seq,
-            "handoffs": self.counters.handoffs,
-            "handoff_bytes": self.counters.handoff_bytes,
-            "handoff_state_bytes": self.counters.handoff_state_bytes,
-            "handoff_seconds": self.counters.handoff_seconds,
-            # KV bytes one token takes over all layers (MLA: one latent row per layer, no head axis).
-            "kv_bytes_per_token": self.engine.core.runner.kv_bytes_per_block // self.engine.core.config.block_size,
-            "misrouted": self.counters.misrouted,
-            "healthy": self.engine.healthy,
-            "num_processes": jax.process_count(),  # > 1: one engine over several hosts
-            "sparse_blocks": self.engine.core.cfg.is_hybrid,  # publishes only block boundaries (the router's lookup)
-            "ts": time.time(),  # when this was measured (a router tells a dead worker's last report by it)
-        }
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            worker_id=self.worker_id,
+            role=self.role,
+            ts=time.time(),
+            state=self.state,
+            engine=self.engine.stats(),
+            handoff=self.counters.handoff(),
+            misrouted=self.counters.misrouted,
+            healthy=self.engine.healthy,
+            num_processes=jax.process_count(),
+        )
 
-    async def _add(self, request_id: str, prompt: list[int], params: SamplingParams, **kw):
-        """`engine.add_request`, safe against cancellation: a call cancelled (the client left) just as the
+    def report(self, with_events: bool = True) -> WorkerReport:
+        """The heartbeat and the KV events since the last report (dropped when `with_events` is False: the
+        cluster's Redis index gets them from the worker's own event sink)."""
+        events = self._events.drain()
+        return WorkerReport(self.heartbeat(), events if with_events else [])
+
+    def drain(self) -> None:
+        """Takes no new requests from now on (the registry tells the routers); running ones finish."""
+        self.state = WorkerState.DRAINING
+
+    def kv_events(self):
+        """The engine's KV event publisher (a Redis sink attaches to it)."""
+        return self.engine.core.events
+
+    async def _add(self, request_id: str, prompt: list[int], params, sink: Sink, **kw) -> None:
+        """`engine.start_request`, safe against cancellation: a call cancelled (the client left) just as the
         engine thread took the request would leave it there with nobody to abort it (running to its end,
         holding KV, or waiting forever for an import); abort it then (a no-op if it never got in)."""
         try:
-            return await self.engine.add_request(request_id, prompt, params, **kw)
+            await self.engine.start_request(request_id, prompt, params, sink, **kw)
         except asyncio.CancelledError:
             if self.engine.healthy:
                 self.engine.submit(lambda core: core.abort(request_id))
             raise
 
-    async def _outputs(self, request_id: str, prompt: list[int], params: SamplingParams, **kw) -> AsyncIterator[RequestOutput]:
-        stream = await self._add(request_id, prompt, params, **kw)
+    async def _deltas(self, request_id: str, prompt: list[int], params, **kw) -> AsyncIterator[TokenDelta]:
+        q: asyncio.Queue = asyncio.Queue()
+        await self._add(request_id, prompt, params, q.put_nowait, **kw)
+        finished = False
         try:
-            async for out in stream:
-                yield out
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
         finally:
-            await stream.aclose()  # before the end: aborts the request and frees its blocks
-
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Prefill and decode locally (colocated mode, or a short uncached prompt)."""
-        async for out in self._outputs(request_id, prompt, params, session_id=session_id):
-            yield out
+            if not finished:
+                self.engine.forget(request_id, q.put_nowait)  # left early: abort it and free its blocks
 
 
 class PrefillWorker(EngineWorker):
@@ -185,33 +158,35 @@ class PrefillWorker(EngineWorker):
         # the KV as soon as the prefill ends instead of holding it for nobody. request -> when (monotonic)
         self._unwanted: dict[str, float] = {}
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, session_id: str | None = None) -> PrefillResult:
+    async def prefill(self, request: PrefillRequest) -> PrefillHandoff:
         start = time.perf_counter()
+        params = request.params
         first_only = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1), "stop": ()})
-        out = None
-        async for out in self._outputs(request_id, prompt, first_only, hold_kv=True, session_id=session_id):  # noqa: B007 - the last one
-            pass
-        token = out.token_ids[0]
-        eos = self.engine.core.eos_token_ids
-        stop = check_stop([token], "", out.text, params, eos)
-        result = PrefillResult(
-            request_id=request_id,
-            worker_id=self.worker_id,
-            first_token=token,
-            text=stop.text,
-            finished=stop.finished,
-            finish_reason=stop.reason,
-            num_cached_tokens=out.num_cached_tokens,
-            prompt_len=len(prompt),
-            num_layers=self.num_layers,
-            first_logprobs=out.logprobs[0] if out.logprobs else None,
-            prefill_time_s=time.perf_counter() - start,
+        deltas = [
+            d async for d in self._deltas(request.request_id, request.prompt, first_only, hold_kv=True, session_id=request.session_id)
+        ]
+        token = deltas[0].token_ids[0]
+        text = "".join(d.text for d in deltas)
+        stop = check_stop([token], "", text, params, self.engine.core.eos_token_ids)
+        last = deltas[-1]
+        first = TokenDelta(
+            request.request_id,
+            [token],
+            stop.text,
+            1,
+            last.num_cached_tokens,
+            stop.reason if stop.finished else None,
+            deltas[0].logprobs,
+            deltas[0].prompt_logprobs,
         )
-        if result.finished or self._unwanted.pop(request_id, None) is not None:
-            await self.engine.release_kv(request_id)
+        handoff = PrefillHandoff(
+            request.request_id, self.worker_id, first, len(request.prompt), self.num_handoff_units, time.perf_counter() - start
+        )
+        if first.finished or self._unwanted.pop(request.request_id, None) is not None:
+            await self.engine.release_kv(request.request_id)
         else:
-            asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, request_id)
-        return result
+            asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, request.request_id)
+        return handoff
 
     def _expire_hold(self, request_id: str) -> None:
         def release(core):
@@ -222,8 +197,9 @@ class PrefillWorker(EngineWorker):
         if self.engine.healthy:
             self.engine.submit(release)
 
-    async def kv_chunk(self, request_id: str, layer_start: int, layer_end: int) -> np.ndarray:
-        return await self.engine.export_kv(request_id, layer_start, layer_end)
+    async def kv_chunk(self, request_id: str, unit_start: int, unit_end: int) -> KVChunk:
+        data = await self.engine.export_kv(request_id, unit_start, unit_end)
+        return KVChunk.of(request_id, unit_start, unit_end, data)
 
     async def release(self, request_id: str) -> bool:
         """Frees the KV held for a handoff (idempotent). Called before the hold exists (the client left
@@ -237,79 +213,169 @@ class PrefillWorker(EngineWorker):
         return await self.engine.release_kv(request_id)  # held in the meantime
 
 
+@dataclass
+class _Running:
+    """A request this decode worker runs: where its deltas go, and its KV import while one runs."""
+
+    sink: Sink
+    outbox: Outbox | None = None
+    importer: asyncio.Task | None = None
+    release: Release | None = None
+    on_end: OnEnd | None = None
+
+
 class DecodeWorker(EngineWorker):
     role = "decode"
 
-    def __init__(self, engine_config: EngineConfig, layers_per_chunk: int = 1, **kw):
+    def __init__(
+        self, engine_config: EngineConfig, layers_per_chunk: int = 1, channel_linger_s: float = 2.0, stream_interval_s: float = 0.0, **kw
+    ):
         super().__init__(engine_config, **kw)
         self.layers_per_chunk = layers_per_chunk
+        self.channel_linger_s = channel_linger_s
+        self.stream_interval_s = stream_interval_s
+        self.channels: dict[str, Outbox] = {}
+        self._running: dict[str, _Running] = {}
 
-    async def generate_from_prefill(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        handoff: PrefillResult,
-        fetch_chunk: FetchChunk,
-        release: Callable[[], Awaitable[object]] | None = None,
-        session_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Continues a request prefilled elsewhere: imports its KV chunk by chunk, then decodes."""
-        kv_import = KVImport(handoff.first_token, handoff.num_cached_tokens, handoff.first_logprobs)
+    # ---------------------------------------------------------------- channels
+
+    async def channel(self, channel_id: str) -> AsyncIterator[TokenDeltaBatch]:
+        """One front end's channel: a handshake batch (the channel is open), then one batch per step with
+        every new delta of its requests. It ends (after a `closing` batch) once none of its requests has run
+        for `channel_linger_s`; leaving it early (the front end went away) aborts the requests still on it."""
+        old = self.channels.get(channel_id)
+        if old is not None:
+            # The front end opened it again, so it gave up on the old stream and its requests: end both.
+            old.close()
+        outbox = self.channels[channel_id] = Outbox(
+            self.worker_id, self.channel_linger_s, lambda: self._running_on(outbox), self.stream_interval_s
+        )
         try:
-            stream = await self._add(request_id, prompt, params, kv_import=kv_import, session_id=session_id)
-        except BaseException:
-            # Refused or cancelled before the import began: nobody else will free the prefill side's KV.
-            await asyncio.shield(_release_quietly(release))
-            raise
-        importer = asyncio.create_task(self._import_all(request_id, fetch_chunk, release))
-        try:
-            async for out in stream:
-                yield out
+            async for batch in outbox.batches():
+                yield batch
         finally:
-            await stream.aclose()
-            if not importer.done():
-                importer.cancel()
-                # Cancelled mid-transfer: still tell the prefill side to let go (idempotent there).
-                await _release_quietly(release)
+            outbox.close()
+            if self.channels.get(channel_id) is outbox:
+                del self.channels[channel_id]
+            for request_id in [r for r, run in self._running.items() if run.outbox is outbox]:
+                self.abort(request_id)
 
-    async def _import_all(self, request_id: str, fetch_chunk: FetchChunk, release) -> None:
+    def _running_on(self, outbox: Outbox) -> bool:
+        return any(run.outbox is outbox for run in self._running.values())
+
+    async def start(self, request: DecodeRequest, fetch_chunk: FetchChunk | None = None, release: Release | None = None, on_end=None):
+        """Starts a request whose deltas go out on its channel (`ChannelClosed` if that is not open here)."""
+        outbox = self.channels.get(request.channel)
+        if outbox is None or outbox.closed:
+            # The prefill side keeps its hold: the front end opens the channel and sends this request again.
+            raise ChannelClosed(f"channel {request.channel!r} is not open on {self.worker_id}")
+        await self._begin(request, outbox.put, fetch_chunk, release, on_end, outbox)
+
+    async def stream(self, request: DecodeRequest, fetch_chunk: FetchChunk | None = None, release: Release | None = None):
+        """The request's deltas as an async iterator, without a channel (in-process callers and tests)."""
+        q: asyncio.Queue = asyncio.Queue()
+        await self._begin(request, q.put_nowait, fetch_chunk, release, None, None)
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request (the client left, the front end timed it out or gave it to another worker)."""
+        run = self._running.get(request_id)
+        if run is not None:
+            self.engine.forget(request_id, run.sink)
+            self._ended(request_id, None, None)
+
+    # ---------------------------------------------------------------- running a request
+
+    async def _begin(self, request: DecodeRequest, deliver, fetch_chunk, release, on_end, outbox) -> None:
+        rid = request.request_id
+
+        def sink(item: TokenDelta | BaseException) -> None:
+            deliver(item)
+            if isinstance(item, BaseException):
+                self._ended(rid, None, item)
+            elif item.finished:
+                self._ended(rid, item, None)
+
+        run = self._running[rid] = _Running(sink, outbox, release=release, on_end=on_end)
+        handoff = request.handoff
+        kv_import = KVImport(handoff.first.token_ids[0], handoff.first.num_cached_tokens) if handoff is not None else None
+        try:
+            await self._add(rid, request.prompt, request.params, sink, kv_import=kv_import, session_id=request.session_id)
+        except BaseException as e:
+            # Refused or cancelled before the import began: nobody else will free the prefill side's KV.
+            if self._running.get(rid) is run:
+                del self._running[rid]
+            if release is not None:
+                await asyncio.shield(_release_quietly(release))
+            if on_end is not None:
+                on_end(None, e)
+            raise
+        if handoff is not None and rid in self._running:
+            run.importer = asyncio.create_task(self._import_all(rid, handoff, fetch_chunk, release))
+
+    def _ended(self, request_id: str, last: TokenDelta | None, error: BaseException | None) -> None:
+        run = self._running.pop(request_id, None)
+        if run is None:
+            return
+        if run.importer is not None and not run.importer.done():
+            run.importer.cancel()  # its own `finally` still tells the prefill side to let go (shielded)
+        if run.outbox is not None:
+            run.outbox.request_ended()
+        if run.on_end is not None:
+            run.on_end(last, error)
+
+    async def _import_all(self, request_id: str, handoff: PrefillHandoff, fetch_chunk: FetchChunk, release) -> None:
         start = time.perf_counter()
-        stats = HandoffStats()
-
+        moved = {"bytes": 0, "state_bytes": 0, "chunks": 0}
         core = self.engine.core
 
-        async def one(layer_start: int, layer_end: int) -> None:
-            data = await fetch_chunk(layer_start, layer_end)
-            stats.bytes += data.nbytes
-            if layer_start >= core.cfg.num_kv_layers:
-                stats.state_bytes += data.nbytes
-            stats.chunks += 1
-            await self.engine.import_kv(request_id, layer_start, data)
+        async def one(unit_start: int, unit_end: int) -> None:
+            chunk = await fetch_chunk(unit_start, unit_end)
+            try:
+                data = chunk.verified(request_id, unit_start, unit_end)
+            except KVChunkCorrupt:
+                self.counters.corrupt_chunks += 1
+                raise
+            moved["bytes"] += data.nbytes
+            if unit_start >= core.cfg.num_kv_layers:
+                moved["state_bytes"] += data.nbytes
+            moved["chunks"] += 1
+            await self.engine.import_kv(request_id, unit_start, data)
 
         try:
             await asyncio.gather(*(one(a, b) for a, b in core.handoff_chunks(self.layers_per_chunk)))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - any transport failure: recompute locally
+        except Exception as e:  # noqa: BLE001 - any transport failure or damaged chunk: recompute locally
             log.warning("KV import for %s failed (%s); prefilling locally", request_id, e)
             self.counters.import_failures += 1
             self.engine.submit(lambda c: c.recompute_instead_of_import(request_id))
         else:
             # Counted before the release: a short request can finish (and cancel this task) while the
             # release is in flight, and the bytes it moved must still show.
-            stats.seconds = time.perf_counter() - start
-            self._count_handoff(stats)
+            self._count_handoff(moved, time.perf_counter() - start)
         finally:
             # Shielded: the cancellation above must not leave the prefill side holding the blocks.
             await asyncio.shield(_release_quietly(release))
 
-    def _count_handoff(self, stats: HandoffStats) -> None:
-        self.counters.handoffs += 1
-        self.counters.handoff_bytes += stats.bytes
-        self.counters.handoff_state_bytes += stats.state_bytes
-        self.counters.handoff_seconds += stats.seconds
-        self.counters.history = (self.counters.history + [stats])[-256:]
+    def _count_handoff(self, moved: dict, seconds: float) -> None:
+        c = self.counters
+        c.handoffs += 1
+        c.handoff_bytes += moved["bytes"]
+        c.handoff_state_bytes += moved["state_bytes"]
+        c.handoff_seconds += seconds
+        c.history = (c.history + [{**moved, "seconds": seconds}])[-256:]
 
 
 async def _release_quietly(release) -> None:

@@ -1,9 +1,11 @@
 """`AsyncEngine`: the engine core on a background thread, with asyncio streams per request.
 
 The core stays single-threaded: every call from the event loop (add, abort, KV export/import) is
-queued and run on the engine thread between steps. Outputs go back to each request's asyncio queue.
-Leaving a `generate` stream early (client disconnect, cancellation) aborts the request and frees its
-KV blocks at once.
+queued and run on the engine thread between steps. A step's deltas go back to the event loop in one hop
+(one `call_soon_threadsafe` per step, not one per request), where each reaches its request's sink: a
+`RequestStream` (an async iterator per request) or a callable (the decode worker's channel outboxes, which
+send the step's deltas on as one message per front end). Leaving a stream early (client disconnect,
+cancellation) aborts the request and frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import queue
 import threading
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
+from workers.messages import EngineStats, TokenDelta
+
 from .config import EngineConfig
-from .engine import EngineCore, EngineStats, KVImport, RequestOutput
+from .engine import EngineCore, KVImport
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("moray.engine")
 T = TypeVar("T")
+Sink = Callable[[TokenDelta | BaseException], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -31,7 +36,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True, core: EngineCore | None = None):
         self.core = core or EngineCore(config, show_progress=show_progress)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}  # request -> where its deltas go
         self._wake = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
@@ -45,16 +50,16 @@ class AsyncEngine:
             while not self._stopping:
                 self._run_commands()
                 if self.core.has_unfinished():
-                    for out in self.core.step():
-                        self._deliver(out.request_id, out)
+                    deltas = self.core.step()
+                    if deltas:
+                        self._deliver(deltas)
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
             log.exception("engine thread failed")
             self.error = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
+            self._fail_everyone(EngineDeadError(f"engine failed: {e}"))
 
     def _run_commands(self) -> None:
         while True:
@@ -68,11 +73,45 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
 
-    def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        """Hands a step's deltas to the event loop(s) of their requests: one hop per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[TokenDelta]] = {}
+        for delta in deltas:
+            entry = self._sinks.get(delta.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append(delta)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._dispatch, batch)
+            except RuntimeError:  # that loop has closed: nobody is listening there any more
+                pass
+
+    def _dispatch(self, deltas: list[TokenDelta]) -> None:
+        """On the event loop: each delta to its request's sink (a request's last delta retires its sink)."""
+        for delta in deltas:
+            entry = self._sinks.get(delta.request_id)
+            if entry is None:
+                continue
+            if delta.finished:
+                del self._sinks[delta.request_id]
+            entry[1](delta)
+
+    def _fail_everyone(self, error: BaseException) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[str]] = {}
+        for rid, (loop, _) in list(self._sinks.items()):
+            by_loop.setdefault(loop, []).append(rid)
+
+        def fail(rids: list[str]) -> None:
+            for rid in rids:
+                entry = self._sinks.pop(rid, None)
+                if entry is not None:
+                    entry[1](error)
+
+        for loop, rids in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(fail, rids)
+            except RuntimeError:
+                pass
 
     # ---------------------------------------------------------------- event-loop side
 
@@ -95,39 +134,53 @@ class AsyncEngine:
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def add_request(
+    async def start_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
+        sink: Sink,
         hold_kv: bool = False,
         kv_import: KVImport | None = None,
         session_id: str | None = None,
-    ) -> "RequestStream":
-        """Adds a request (ValueError at once for invalid input) and returns its output stream.
+    ) -> None:
+        """Adds a request (ValueError at once for invalid input) whose deltas are passed to `sink` on this
+        event loop, ending with the one whose `finish_reason` is set (or an `EngineDeadError`).
 
-        An id that already has a stream here is refused before anything is touched: a duplicate must never
-        take over (or drop) the running request's stream."""
-        if request_id in self._streams:
+        An id that already has a sink here is refused before anything is touched: a duplicate must never
+        take over (or drop) the running request's deltas."""
+        if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._sinks[request_id] = (asyncio.get_running_loop(), sink)
         try:
+            self.check_health()
             await self.call(lambda c: c.add_request(request_id, prompt_token_ids, params, hold_kv, kv_import, session_id=session_id))
         except BaseException:
-            self._drop_stream(request_id, q)
+            self._drop_sink(request_id, sink)
             raise
+
+    async def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **kw) -> "RequestStream":
+        """`start_request` with the deltas as an async iterator."""
+        q: asyncio.Queue = asyncio.Queue()
+        await self.start_request(request_id, prompt_token_ids, params, q.put_nowait, **kw)
         return RequestStream(self, request_id, q)
 
-    def _drop_stream(self, request_id: str, q: asyncio.Queue) -> None:
-        """Forgets `request_id`'s stream only if it is still the one with queue `q`."""
-        entry = self._streams.get(request_id)
-        if entry is not None and entry[1] is q:
-            del self._streams[request_id]
+    def _drop_sink(self, request_id: str, sink: Sink) -> None:
+        """Forgets `request_id`'s sink only if it is still `sink`."""
+        entry = self._sinks.get(request_id)
+        if entry is not None and entry[1] == sink:
+            del self._sinks[request_id]
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **kw
-    ) -> AsyncIterator[RequestOutput]:
+    def forget(self, request_id: str, sink: Sink) -> None:
+        """Stops passing `request_id`'s deltas to `sink` and aborts the request if it still runs."""
+        entry = self._sinks.get(request_id)
+        if entry is None or entry[1] != sink:
+            return  # finished already (its last delta retired the sink), or not ours
+        del self._sinks[request_id]
+        if self.healthy:
+            self.submit(lambda c: c.abort(request_id))
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **kw) -> AsyncIterator[TokenDelta]:
         stream = await self.add_request(request_id, prompt_token_ids, params, **kw)
         try:
             async for out in stream:
@@ -158,7 +211,7 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; closing it before the end aborts the request."""
+    """Async iterator over one request's deltas; closing it before the end aborts the request."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue):
         self.engine, self.request_id, self._q = engine, request_id, q
@@ -168,7 +221,7 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> TokenDelta:
         if self.finished or self.closed:
             raise StopAsyncIteration
         item = await self._q.get()
@@ -182,6 +235,5 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self.engine._drop_stream(self.request_id, self._q)
-        if not self.finished and self.engine.healthy:
-            self.engine.submit(lambda c: c.abort(self.request_id))
+        if not self.finished:
+            self.engine.forget(self.request_id, self._q.put_nowait)

@@ -9,30 +9,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from workers.messages import EngineStats, TokenDelta
 from workers.models import LoadedModel
 from workers.models.tokenizer import Tokenizer
 from workers.parallel import distributed_settings, init_distributed, load_parallel_model
 
 from .config import EngineConfig
 from .data_parallel import DataParallelKVCacheManager, DataParallelRunner
-from .detokenizer import IncrementalDetokenizer
 from .host_tier import HostKVTier
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
+from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - RequestOutput: the offline result type
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
 from .runner import ModelRunner, kv_bytes_per_block
-from .sampler import SamplerOutput, build_sampling_batch, check_stop, prompt_logprobs, sample
+from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .state_cache import HybridCacheManager
-from .structured import GrammarCompiler, GrammarState, ids_bitmask
+from .structured import GrammarCompiler, ids_bitmask
 
 log = logging.getLogger("moray.engine")
 
@@ -40,86 +41,13 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-class GrowingPrefix(Sequence):
-    """A list's items so far, the list being only ever appended to: an O(1) snapshot of a request's
-    outputs so far (copying the whole list into every per-token update made streaming O(length))."""
-
-    __slots__ = ("_items", "_n")
-
-    def __init__(self, items: list):
-        self._items, self._n = items, len(items)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self._items[i] for i in range(self._n)[index]]
-        return self._items[range(self._n)[index]]
-
-    def __iter__(self):
-        return (self._items[i] for i in range(self._n))
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, (list, tuple, GrowingPrefix)):
-            return len(self) == len(other) and list(self) == list(other)
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-    def __reduce__(self):  # crosses processes as a plain list
-        return (list, (list(self),))
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: Sequence[int]  # every output token so far (a read-only view)
-    new_token_ids: list[int]  # the tokens this update adds
-    text: str  # the whole output text so far (empty without a tokenizer)
-    delta_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_cached_tokens: int
-    logprobs: Sequence[dict[int, float]] | None = None  # per output token: {token id: logprob}, top-N + chosen
-    prompt_logprobs: list | None = None  # per prompt position (None at 0): {token id: Logprob}
-
-
 @dataclass(frozen=True)
 class KVImport:
-    """The decode side of a prefill -> decode handoff: the prefill worker's first token and its hit."""
+    """The decode side of a prefill -> decode handoff: the prefill worker's first token and its hit (the
+    token itself, its text and logprobs reached the client from the prefill side)."""
 
     first_token: int
     num_cached_tokens: int = 0
-    first_logprobs: dict[int, float] | None = None
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    num_tokens_in_flight: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_pending_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
-    num_held: int = 0  # finished prefills whose KV awaits export
-    num_importing: int = 0  # handoffs whose KV is still arriving
-    host_hit_tokens: int = 0  # of prefix_cache_hits, tokens copied back from the host tier
-    host_blocks_used: int = 0
-    host_blocks_total: int = 0
-    host_blocks_saved: int = 0  # device blocks copied to the host tier on eviction (running total)
-    host_blocks_loaded: int = 0  # host blocks copied back for a prefix hit (running total)
-    host_blocks_evicted: int = 0  # host blocks dropped for room (running total)
-    host_copy_seconds: float = 0.0  # host time spent on the tier's copies (running total)
-    # Cached blocks evicted (device and host tier) while the session that last used them was live: the
-    # retention order's last resort (retention.py); growing fast means the tiers are too small.
-    evicted_live_session_blocks: int = 0
-    num_preemptions: int = 0  # running requests restarted for room (running total)
 
 
 @dataclass
@@ -129,16 +57,6 @@ class _InFlight:
 
     requests: list[Request]
     sampled: dict
-
-
-@dataclass
-class _RequestState:
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None
-    prompt_logprobs: list | None = None
-    pending: list[int] = field(default_factory=list)  # new tokens not yet reported
-    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
-    bad_words: list[list[int]] = field(default_factory=list)  # token ids of each bad word (both spellings)
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -172,6 +90,7 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.grammars, self.max_model_len)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -223,8 +142,7 @@ class EngineCore:
         if config.host_kv.enabled and not isinstance(getattr(self.kv, "host", None), HostKVTier):
             raise ValueError("host_kv: the host KV tier is not supported yet with data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self._states: dict[str, _RequestState] = {}
-        self._finished_outside_step: list[RequestOutput] = []
+        self._finished_outside_step: list[TokenDelta] = []
         self._step_counter = 0
         self._inflight: _InFlight | None = None  # the step launched last, whose outputs are not read yet
         # One engine over several processes runs every step in lockstep on all of them: kept synchronous
@@ -276,29 +194,19 @@ class EngineCore:
         prompt = [int(t) for t in prompt_token_ids]
         self.validate(prompt, params)
         request = Request(request_id, prompt, params, hold_kv=hold_kv, session_id=session_id)
-        state = self._states[request_id] = _RequestState(
-            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            [] if params.logprobs is not None else None,
-            grammar=self.grammars.new_state(params.structured) if params.structured is not None else None,
-            bad_words=self._bad_word_ids(params.bad_words),
-        )
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
+        prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs) if params.prompt_logprobs is not None else None
+        self.outputs.add(request_id, params, prompt_logprobs)
         if kv_import is None:
             self.scheduler.add(request)
         else:
-            self._start_import(request, state, kv_import)
+            self._start_import(request, kv_import)
 
     # ---------------------------------------------------------------- KV handoff
 
-    def _start_import(self, request: Request, state: _RequestState, kv_import: KVImport) -> None:
+    def _start_import(self, request: Request, kv_import: KVImport) -> None:
         """Allocates the prompt's blocks (reusing our own cached prefix) and waits for the rest."""
         request.output_token_ids = [int(kv_import.first_token)]
-        state.detokenizer.update(request.output_token_ids)  # already streamed by the prefill side
-        if state.grammar is not None:
-            state.grammar.accept(kv_import.first_token)  # sampled under the same grammar there
-        if state.logprobs is not None and kv_import.first_logprobs:
-            state.logprobs.append(dict(kv_import.first_logprobs))
+        self.outputs.continue_from(request, kv_import.first_token)  # already streamed by the prefill side
         prompt_len = request.num_prompt_tokens
         prefix = self.kv.cached_prefix(request)[: prompt_len // self.kv.block_size]
         request.num_computed_tokens = len(prefix) * self.kv.block_size
@@ -381,8 +289,7 @@ class EngineCore:
         if request is None:
             return
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self._finished_outside_step.append(self._output(request, [], ""))
-        self._states.pop(request_id, None)
+        self._finished_outside_step.append(self.outputs.aborted(request))
 
     @property
     def preemptions(self) -> int:
@@ -409,7 +316,12 @@ class EngineCore:
             ),
             num_held=len(self.scheduler.held),
             num_importing=len(self.scheduler.importing),
+            num_requests=len(self.scheduler.requests),
             num_preemptions=self.scheduler.num_preemptions,
+            kv_event_epoch=self.events.epoch,
+            kv_event_last_seq=self.events.last_seq,
+            kv_bytes_per_token=self.runner.kv_bytes_per_block // self.config.block_size,
+            sparse_blocks=bool(self.cfg.is_hybrid),
             **self._host_stats(),
         )
 
@@ -519,25 +431,43 @@ class EngineCore:
 
     # ---------------------------------------------------------------- the step
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step. With asynchronous scheduling (the default) it launches this step's program and
-        then, while the device runs it, reads the previous step's sampled tokens and turns them into
-        outputs: the host's work (schedule, prepare, detokenise, stop checks) overlaps the device's, and a
-        step's outputs come back from the next call. Without it, each call waits for its own step."""
-        outputs, self._finished_outside_step = self._finished_outside_step, []
+    def step(self) -> list[TokenDelta]:
+        """One engine step, in three calls: schedule, run, post-process. The step's deltas (every request's
+        new tokens, or its end) come back as one list: the batch a decode worker sends its front end.
+
+        With asynchronous scheduling (the default) `run` launches this step's program and returns at once;
+        `postprocess` then reads the *previous* step's sampled tokens while the device runs this one, so the
+        host's work (schedule, prepare, detokenise, stop checks) overlaps the device's, and a step's deltas
+        come back from the next call. Without it, each call waits for its own step."""
+        deltas = self._schedule_prelude()
+        sched = self._schedule()
+        launched = self._run(sched) if sched.scheduled else None
+        return deltas + self._postprocess(launched)
+
+    def _schedule_prelude(self) -> list[TokenDelta]:
+        """What must be known before planning: requests ended from outside the step (aborts), and the tokens
+        the step in flight is sampling when planning the next one depends on them."""
+        deltas, self._finished_outside_step = self._finished_outside_step, []
         if self._inflight is not None and self._needs_pending_tokens():
-            outputs += self._process(self._take_inflight())
+            deltas += self._process(self._take_inflight())
+        return deltas
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan, with the host tier's copies around it: finished saves stored, staged loads
+        admitted, then evicted blocks copied out and reused ones in (even when only loads started)."""
         self._finish_host_saves()
         self._admit_loaded()
         sched = self.scheduler.schedule()
-        self._dispatch_host_copies()  # evicted blocks out and reused ones in, even when only loads started
-        launched = self._launch(sched) if sched.scheduled else None
-        if self._inflight is not None:
-            outputs += self._process(self._take_inflight())
+        self._dispatch_host_copies()
+        return sched
+
+    def _postprocess(self, launched: _InFlight | None) -> list[TokenDelta]:
+        """The previous step's tokens (async) or this one's (sync) turned into deltas."""
+        deltas = self._process(self._take_inflight()) if self._inflight is not None else []
         self._inflight = launched
         if launched is not None and not (self.config.async_scheduling and self.single_process):
-            outputs += self._process(self._take_inflight())
-        return outputs
+            deltas += self._process(self._take_inflight())
+        return deltas
 
     def _needs_pending_tokens(self) -> bool:
         """Whether planning the next step needs tokens the step in flight is still sampling: penalties count
@@ -558,7 +488,7 @@ class EngineCore:
         inflight, self._inflight = self._inflight, None
         return inflight
 
-    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+    def _run(self, sched: SchedulerOutput) -> _InFlight:
         """Dispatches the step's program and its sampling, and returns without waiting for either."""
         self.runner.copy_blocks(sched.block_copies)
         prev = self._inflight.sampled.get("token_ids") if self._inflight is not None else None
@@ -574,21 +504,19 @@ class EngineCore:
         self._step_counter += 1
         return _InFlight(requests, sampled)
 
-    def _process(self, inflight: _InFlight) -> list[RequestOutput]:
+    def _process(self, inflight: _InFlight) -> list[TokenDelta]:
         """The step's sampled tokens on the host, appended to their requests (skipping requests that ended
         meanwhile: aborted, or stopped by the token before, whose step ran ahead of knowing it)."""
         if not inflight.requests:
             return []
         sampled = jax.device_get(inflight.sampled)
-        outputs = []
+        deltas = []
         for j, request in enumerate(inflight.requests):
             request.num_pending_outputs -= 1
-            if request.status.finished or request.request_id not in self._states:
+            if request.status.finished or not self.outputs.has(request.request_id):
                 continue
-            out = self._append_token(request, sampled, j)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+            deltas.append(self._append_token(request, sampled, j))
+        return deltas
 
     def _sample(self, logits: jax.Array, requests: list[Request], rows: list[int]) -> dict:
         bucket = logits.shape[0]
@@ -597,7 +525,7 @@ class EngineCore:
         params = [r.sampling_params for r in requests]
         uses_penalties = any(p.uses_penalties for p in params)
         # The step's program is already dispatched: the grammar masks are computed while the device runs it.
-        grammars = [(j, self._states[r.request_id].grammar) for j, r in enumerate(requests) if r.sampling_params.structured is not None]
+        grammars = [(j, self.outputs.grammar(r.request_id)) for j, r in enumerate(requests) if r.sampling_params.structured is not None]
         batch = build_sampling_batch(
             params,
             [len(r.output_token_ids) + r.num_pending_outputs for r in requests],
@@ -608,7 +536,7 @@ class EngineCore:
             step_seed=int(self._rng.integers(0, 2**63)),
             eos_token_ids=self.eos_token_ids,
             allowed_bitmask=self._allowed_bitmask(params, grammars, bucket),
-            extra_banned=self._bad_word_bans(requests),
+            extra_banned=self.outputs.bad_word_bans(requests),
         )
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
         out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
@@ -618,29 +546,6 @@ class EngineCore:
         for array in wanted.values():
             array.copy_to_host_async()
         return wanted
-
-    def _bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
-        """Each bad word's token ids, as written and after a space (vLLM bans both spellings)."""
-        out = []
-        for word in words:
-            for text in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
-
-    def _bad_word_bans(self, requests: list[Request]) -> dict[int, list[int]] | None:
-        """Per row: the last token of each bad word whose other tokens end the output so far."""
-        bans = {}
-        for j, request in enumerate(requests):
-            state = self._states.get(request.request_id)
-            if state is None or not state.bad_words:
-                continue
-            out = request.output_token_ids
-            ids = [w[-1] for w in state.bad_words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1 :] == w[:-1])]
-            if ids:
-                bans[j] = ids
-        return bans or None
 
     def _allowed_bitmask(self, params: list[SamplingParams], grammars: list, bucket: int) -> np.ndarray | None:
         """The step's token bitmask: the grammars' masks, and allowed_token_ids; None when nothing is
@@ -653,70 +558,25 @@ class EngineCore:
             mask[j] &= ids_bitmask(ids, mask.shape[1])
         return mask
 
-    def _append_token(self, request: Request, sampled: dict, j: int) -> RequestOutput | None:
-        state = self._states[request.request_id]
+    def _append_token(self, request: Request, sampled: dict, j: int) -> TokenDelta:
+        """Row `j`'s token appended to its request; the output processor makes its delta, and a delta that
+        ends the request finishes it in the scheduler."""
         token = int(sampled["token_ids"][j])
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += max(request.num_cached_tokens, 0)
         request.output_token_ids.append(token)
-        state.pending.append(token)
-        params = request.sampling_params
-        if state.logprobs is not None:
-            top = {
-                int(t): float(lp)
-                for t, lp in zip(sampled["top_logprob_ids"][j][: params.logprobs], sampled["top_logprobs"][j][: params.logprobs])
-            }
-            top[token] = float(sampled["token_logprob"][j])
-            state.logprobs.append(top)
-        before = state.detokenizer.text
-        delta = state.detokenizer.update(request.output_token_ids)
-        stop = check_stop(request.output_token_ids, before, delta, params, self.eos_token_ids)
-        if state.grammar is not None and not stop.finished and self._grammar_done(state.grammar, token):
-            stop = stop._replace(finished=True, reason="stop")
-        if not stop.finished and request.num_tokens >= self.max_model_len:
-            stop = stop._replace(finished=True, reason="length")
-        if stop.finished:
-            state.detokenizer.text = stop.text
-            if stop.reason == "stop":
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            else:
-                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-            delta = stop.text[len(before) :] if stop.text.startswith(before) else ""
-        out = self._output(request, state.pending, delta)
-        state.pending = []
-        if stop.finished:
-            self._states.pop(request.request_id, None)
-        return out
-
-    @staticmethod
-    def _grammar_done(grammar: GrammarState, token: int) -> bool:
-        """Advances the grammar past `token`; True once it is complete (only EOS could follow), so the
-        request ends there instead of spending a step on the EOS. A token the grammar rejects cannot be
-        sampled under its mask; were it to happen, the request ends rather than leave its grammar."""
-        if not grammar.accept(token):
-            log.warning("a sampled token broke its request's grammar: %s", grammar.matcher.get_error())
-            return True
-        return grammar.finished
-
-    def _output(self, request: Request, new_tokens: list[int], delta: str) -> RequestOutput:
-        """O(new tokens) while streaming (views of the lists so far); plain lists in the final output."""
-        state = self._states.get(request.request_id)
-        finished = request.status.finished
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids) if finished else GrowingPrefix(request.output_token_ids),
-            new_token_ids=new_tokens,
-            text=state.detokenizer.text if state else "",
-            delta_text=delta,
-            finished=finished,
-            finish_reason=request.status.value if finished else None,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            logprobs=None if not state or state.logprobs is None else list(state.logprobs) if finished else GrowingPrefix(state.logprobs),
-            prompt_logprobs=state.prompt_logprobs if state else None,
-        )
+        logprobs = None
+        k = request.sampling_params.logprobs
+        if k is not None:
+            logprobs = {int(t): float(lp) for t, lp in zip(sampled["top_logprob_ids"][j][:k], sampled["top_logprobs"][j][:k])}
+            logprobs[token] = float(sampled["token_logprob"][j])
+        delta = self.outputs.append(request, token, logprobs)
+        if delta.finish_reason is not None:
+            status = RequestStatus.FINISHED_STOPPED if delta.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+            self.scheduler.finish(request, status)
+        return delta
 
     def _prompt_logprobs(self, prompt: list[int], k: int):
         """Logprobs of each prompt token given its prefix, from a contiguous forward over the prompt."""

@@ -9,37 +9,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
-from enum import Enum
 from typing import Callable
 
-
-class KVEventKind(str, Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-    CLEARED = "cleared"
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    worker_id: str
-    epoch: int
-    seq: int
-    kind: KVEventKind
-    block_hash: int | None = None
-    parent_hash: int | None = None
-    num_tokens: int = 0
-    tier: str = "device"
-    timestamp: float = 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["kind"] = self.kind.value
-        return d
-
-    @staticmethod
-    def from_dict(d: dict) -> "KVEvent":
-        return KVEvent(**{**d, "kind": KVEventKind(d["kind"])})
+from workers.messages import KVEvent, KVEventKind  # the event is a message (it crosses to the router)
 
 
 class KVEventSubscription:

@@ -6,7 +6,8 @@ import itertools
 from typing import Sequence
 
 from .config import EngineConfig
-from .engine import EngineCore, RequestOutput
+from .engine import EngineCore
+from .output_processor import RequestOutput
 from .sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -48,12 +49,13 @@ class LLM:
             self.engine.validate(token_ids, params)
         for rid, token_ids, params in zip(ids, token_lists, sampling_params):
             self.engine.add_request(rid, token_ids, params, session_id=session_id)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+        outputs = {rid: RequestOutput(rid, token_ids) for rid, token_ids in zip(ids, token_lists)}
+        left = len(ids)
+        while left:
+            for delta in self.engine.step():
+                out = outputs[delta.request_id].add(delta)
+                left -= out.finished
+        return list(outputs.values())
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

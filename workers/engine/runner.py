@@ -516,6 +516,17 @@ class ModelRunner:
             shapes += [(n, p, True) for n in self.token_buckets if n <= largest_decode for p in self.page_buckets]
         return shapes
 
+    def _warm_token_merges(self) -> None:
+        """Compiles the asynchronous step's token merge for every (input bucket, previous step's sampled rows)
+        pair: each is a program of its own, and compiling one the first time a pair meets cost a served
+        engine ~100 ms in the middle of decoding (seen in `moray bench serve --vs-engine` profiles)."""
+        p = self.page_buckets[0]
+        inputs = [self.dummy_inputs(n, p) for n in self.token_buckets]
+        for rows in sorted({len(i.logits_indices) for i in inputs}):
+            prev = jax.device_put(np.zeros((rows,), np.int32), jax.devices()[0])  # committed, as a step's output is
+            for i in inputs:
+                _merge_tokens_jit(i.tokens, prev, np.full(i.tokens.shape, -1, np.int32))
+
     def warmup(self, sample_fn=None, show_progress: bool = True, background: bool = False) -> float:
         """Compiles every step program (`step_shapes`), and the sampler per sequence bucket. `background`:
         only the smallest program now (the engine can serve), the rest on a background thread."""
@@ -528,6 +539,7 @@ class ModelRunner:
             if sample_fn is not None:
                 sample_fn(self._dummy_logits(shape))
             progress(1)
+        self._warm_token_merges()
         if self.num_state_slots:  # the slot set-up programs (nothing real: every destination is padding)
             for n in self.init_buckets:
                 self.state_pools = _init_slots_jit(

@@ -1,0 +1,175 @@
+"""Output processing: a step's sampled tokens -> the step's `TokenDelta`s.
+
+The engine's step is schedule -> run -> post-process (nano-vllm's shape); this is the post-process half
+that is not scheduling: detokenise (incrementally: O(1) per token), check stops (EOS, stop tokens, stop
+strings, max_tokens, max_model_len), advance each constrained request's grammar, gather logprobs. It owns
+every request's output-side state and never touches the scheduler: it tells the engine which requests a
+token finished, and the engine finishes them there.
+
+`RequestOutput` is the offline API's whole-request result (`LLM.generate`), accumulated from deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from workers.messages import TokenDelta
+
+from .detokenizer import IncrementalDetokenizer
+from .request import Request
+from .sampler import check_stop
+from .sampling_params import SamplingParams
+from .structured import GrammarCompiler, GrammarState
+
+log = logging.getLogger("moray.engine")
+
+
+@dataclass
+class _OutputState:
+    detokenizer: IncrementalDetokenizer
+    logprobs: bool  # the request asked for logprobs
+    prompt_logprobs: list | None = None  # sent with the request's first delta, then dropped
+    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
+    bad_words: list[list[int]] = field(default_factory=list)  # token ids of each bad word (both spellings)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], grammars: GrammarCompiler, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+        self.max_model_len = max_model_len
+        self._states: dict[str, _OutputState] = {}
+
+    # ---------------------------------------------------------------- requests
+
+    def add(self, request_id: str, params: SamplingParams, prompt_logprobs: list | None = None) -> None:
+        self._states[request_id] = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            params.logprobs is not None,
+            prompt_logprobs,
+            grammar=self.grammars.new_state(params.structured) if params.structured is not None else None,
+            bad_words=self._bad_word_ids(params.bad_words),
+        )
+
+    def continue_from(self, request: Request, first_token: int) -> None:
+        """The decode side of a handoff: the prefill worker already sampled (and streamed) the first token
+        under the same grammar; the output state takes it as its own."""
+        state = self._states[request.request_id]
+        state.detokenizer.update(request.output_token_ids)
+        if state.grammar is not None:
+            state.grammar.accept(first_token)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def grammar(self, request_id: str) -> GrammarState | None:
+        state = self._states.get(request_id)
+        return state.grammar if state else None
+
+    # ---------------------------------------------------------------- per token
+
+    def append(self, request: Request, token: int, logprobs: dict[int, float] | None) -> TokenDelta:
+        """The delta of `token`, just appended to `request.output_token_ids`; its `finish_reason` is set when
+        the token ends the request (the engine then finishes it in the scheduler)."""
+        state = self._states[request.request_id]
+        params = request.sampling_params
+        before = state.detokenizer.text
+        text = state.detokenizer.update(request.output_token_ids)
+        stop = check_stop(request.output_token_ids, before, text, params, self.eos_token_ids)
+        reason = stop.reason if stop.finished else None
+        if state.grammar is not None and reason is None and _grammar_done(state.grammar, token):
+            reason = "stop"
+        if reason is None and request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if stop.finished:
+            state.detokenizer.text = stop.text
+            text = stop.text[len(before) :] if stop.text.startswith(before) else ""
+        delta = TokenDelta(
+            request.request_id,
+            [token],
+            text,
+            len(request.output_token_ids),
+            max(request.num_cached_tokens, 0),
+            reason,
+            [logprobs] if state.logprobs and logprobs is not None else None,
+            state.prompt_logprobs,
+        )
+        state.prompt_logprobs = None
+        if reason is not None:
+            del self._states[request.request_id]
+        return delta
+
+    def aborted(self, request: Request) -> TokenDelta:
+        """The last delta of a request stopped from outside (abort): nothing new, reason "abort"."""
+        self._states.pop(request.request_id, None)
+        return TokenDelta(request.request_id, [], "", len(request.output_token_ids), max(request.num_cached_tokens, 0), "abort")
+
+    # ---------------------------------------------------------------- what the sampler needs
+
+    def bad_word_bans(self, requests: Sequence[Request]) -> dict[int, list[int]] | None:
+        """Per row: the last token of each bad word whose other tokens end the output so far."""
+        bans = {}
+        for j, request in enumerate(requests):
+            state = self._states.get(request.request_id)
+            if state is None or not state.bad_words:
+                continue
+            out = request.output_token_ids
+            ids = [w[-1] for w in state.bad_words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1 :] == w[:-1])]
+            if ids:
+                bans[j] = ids
+        return bans or None
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (vLLM bans both spellings)."""
+        out = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+
+def _grammar_done(grammar: GrammarState, token: int) -> bool:
+    """Advances the grammar past `token`; True once it is complete (only EOS could follow), so the request
+    ends there instead of spending a step on the EOS. A token the grammar rejects cannot be sampled under
+    its mask; were it to happen, the request ends rather than leave its grammar."""
+    if not grammar.accept(token):
+        log.warning("a sampled token broke its request's grammar: %s", grammar.matcher.get_error())
+        return True
+    return grammar.finished
+
+
+@dataclass
+class RequestOutput:
+    """One request's whole output (the offline API's result), accumulated from its deltas."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None  # per output token: {token id: logprob}, top-N + chosen
+    prompt_logprobs: list | None = None  # per prompt position (None at 0): {token id: Logprob}
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: TokenDelta) -> RequestOutput:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        return self

@@ -1,0 +1,314 @@
+"""Every message that crosses a process, in one place.
+
+    worker --WorkerReport(WorkerHeartbeat, [KVEvent])--------------------> membership registry
+    pipeline --PrefillRequest--> prefill worker --PrefillHandoff--> pipeline
+    pipeline --DecodeRequest(PrefillHandoff | None)--> decode worker
+    decode worker --KVChunk(KVChunkHeader, data) pulled from--> prefill worker
+    decode worker --TokenDeltaBatch (one per step, per channel)--> pipeline --TokenDelta--> front end
+
+`TokenDelta` is the one type a request's new tokens travel in, from the engine's output processor to the
+protocol front end that writes them to the client; nothing converts it on the way. Messages are frozen or
+slotted dataclasses of plain values (Ray pickles them); a field added here is added for every sender and
+receiver at once, and `tests/test_messages.py` checks each one's shape.
+
+This module imports nothing heavy (no JAX, no Ray): the router, the front end and the CLI load it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from workers.engine.sampling_params import SamplingParams
+
+Role = Literal["prefill", "decode", "both"]
+
+# ---------------------------------------------------------------------------------------- tokens out
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """What one request gained in one step: its new tokens and their text, or its end.
+
+    Made by the engine's output processor (`workers/engine/output_processor.py`); a request's last delta
+    has `finish_reason` set (stop, length, abort; the pipeline adds error and timeout). The pipeline sends a
+    prefill worker's first token in the same type."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens this delta adds
+    text: str  # their text (a stop string's trimmed tail: the text up to it)
+    num_output_tokens: int  # output tokens so far, these included
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # one per new token when the request asked: {token id: logprob}
+    prompt_logprobs: list | None = None  # on the first delta of a request that asked
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class TokenDeltaBatch:
+    """A decode worker's deltas for one channel (one front-end replica) since its last batch: one message
+    per engine step, whatever the number of requests. `closing`: the worker ends the channel after this
+    batch because no request of it is left (a channel that ends without it ended because the worker died)."""
+
+    worker_id: str
+    deltas: list[TokenDelta]
+    closing: bool = False
+
+    # On the wire a batch is bytes: its deltas as plain tuples, pickled (C pickle of tuples costs ~20 us for
+    # 64 deltas against ~240 us for Ray's cloudpickle of the objects, and it is paid once per step).
+    def encode(self) -> bytes:
+        rows = [
+            (d.request_id, d.token_ids, d.text, d.num_output_tokens, d.num_cached_tokens, d.finish_reason, d.logprobs, d.prompt_logprobs)
+            for d in self.deltas
+        ]
+        return pickle.dumps((self.worker_id, self.closing, rows), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def decode(data: bytes) -> TokenDeltaBatch:
+        worker_id, closing, rows = pickle.loads(data)
+        return TokenDeltaBatch(worker_id, [TokenDelta(*row) for row in rows], closing)
+
+
+# ---------------------------------------------------------------------------------------- requests in
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """A prompt for a prefill worker: compute it, sample the first token, hold the KV for the handoff."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    trace_context: dict[str, str] | None = None  # W3C traceparent of the caller's span (cluster/tracing.py)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillHandoff:
+    """The prefill worker's answer: the first token and where the prompt's KV waits to be pulled.
+
+    `num_units`: handoff units (one per full-attention layer, plus one for a hybrid model's packed
+    linear-attention state), pulled as `KVChunk`s in ranges of units."""
+
+    request_id: str
+    worker_id: str  # the prefill worker holding the KV
+    first: TokenDelta  # the first output token (finished: the request ended there, nothing is held)
+    prompt_len: int
+    num_units: int
+    prefill_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    """A request for a decode worker. Without a handoff the worker prefills the prompt itself. Its deltas go
+    out on `channel` (the front-end replica that sent it)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    channel: str
+    handoff: PrefillHandoff | None = None
+    session_id: str | None = None
+    trace_context: dict[str, str] | None = None
+
+
+# ---------------------------------------------------------------------------------------- KV transfer
+
+
+class KVChunkCorrupt(ValueError):
+    """A KV chunk does not match its header (wrong request, range, shape, dtype or checksum)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunkHeader:
+    """What a chunk of a request's KV claims to be; checked by the receiver before anything is written."""
+
+    request_id: str
+    unit_start: int  # handoff units [unit_start, unit_end)
+    unit_end: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    checksum: int  # CRC-32 of the data's bytes
+
+    @staticmethod
+    def of(request_id: str, unit_start: int, unit_end: int, data: np.ndarray) -> KVChunkHeader:
+        return KVChunkHeader(request_id, unit_start, unit_end, tuple(data.shape), str(data.dtype), int(data.nbytes), _crc(data))
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunk:
+    header: KVChunkHeader
+    data: np.ndarray
+
+    @staticmethod
+    def of(request_id: str, unit_start: int, unit_end: int, data: np.ndarray) -> KVChunk:
+        return KVChunk(KVChunkHeader.of(request_id, unit_start, unit_end, data), data)
+
+    def verified(self, request_id: str, unit_start: int, unit_end: int) -> np.ndarray:
+        """The data, once it is what was asked for and what the sender sent; else `KVChunkCorrupt`."""
+        h, data = self.header, self.data
+        wanted = (request_id, unit_start, unit_end)
+        if (h.request_id, h.unit_start, h.unit_end) != wanted:
+            raise KVChunkCorrupt(f"KV chunk is {(h.request_id, h.unit_start, h.unit_end)}, asked for {wanted}")
+        if tuple(data.shape) != h.shape or str(data.dtype) != h.dtype or data.nbytes != h.nbytes:
+            raise KVChunkCorrupt(f"KV chunk of {request_id} arrived as {data.dtype}{list(data.shape)}, sent as {h.dtype}{list(h.shape)}")
+        if _crc(data) != h.checksum:
+            raise KVChunkCorrupt(f"KV chunk of {request_id} units [{unit_start}, {unit_end}) fails its checksum")
+        return data
+
+
+def _crc(data: np.ndarray) -> int:
+    import numpy as np
+
+    return zlib.crc32(memoryview(np.ascontiguousarray(data)).cast("B"))
+
+
+# ---------------------------------------------------------------------------------------- membership
+
+
+class WorkerState(str, Enum):
+    """What a worker says of itself. The registry adds DEAD (a failed call, or no heartbeat for a TTL)."""
+
+    ALIVE = "alive"  # takes new requests
+    DRAINING = "draining"  # finishes what it has, takes nothing new (scale-down, shutdown)
+    DEAD = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's own figures, read from its thread without stopping it (counters may be a step stale)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_usage: float = 0.0
+    num_tokens_in_flight: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_pending_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
+    num_held: int = 0  # finished prefills whose KV awaits export
+    num_importing: int = 0  # handoffs whose KV is still arriving
+    num_requests: int = 0  # every request the scheduler knows
+    host_hit_tokens: int = 0  # of prefix_cache_hits, tokens copied back from the host tier
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+    host_blocks_saved: int = 0  # device blocks copied to the host tier on eviction (running total)
+    host_blocks_loaded: int = 0  # host blocks copied back for a prefix hit (running total)
+    host_blocks_evicted: int = 0  # host blocks dropped for room (running total)
+    host_copy_seconds: float = 0.0  # host time spent on the tier's copies (running total)
+    # Cached blocks evicted (device and host tier) while the session that last used them was live: the
+    # retention order's last resort (retention.py); growing fast means the tiers are too small.
+    evicted_live_session_blocks: int = 0
+    num_preemptions: int = 0  # running requests restarted for room (running total)
+    kv_event_epoch: int = 0  # the KV event stream's epoch and last sequence number (the index's consistency)
+    kv_event_last_seq: int = -1
+    kv_bytes_per_token: int = 0  # KV bytes one token takes over all layers (MLA: one latent row per layer)
+    sparse_blocks: bool = False  # publishes only resumable block boundaries (hybrid models; the router's lookup)
+
+    @property
+    def host_kv_usage(self) -> float:
+        return self.host_blocks_used / self.host_blocks_total if self.host_blocks_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffCounters:
+    """A worker's KV handoff totals (running totals since it started)."""
+
+    handoffs: int = 0
+    bytes: int = 0  # everything imported: attention KV plus linear-attention state
+    state_bytes: int = 0  # of `bytes`, the linear-attention state (hybrid models)
+    seconds: float = 0.0
+    import_failures: int = 0  # handoffs recomputed locally instead (the KV did not arrive, or arrived damaged)
+    corrupt_chunks: int = 0  # chunks refused because they failed their header check or checksum
+    held_released_by_timeout: int = 0  # prefill side: held KV nobody pulled within the hold timeout
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHeartbeat:
+    """A worker's state, sent with every report (a few times a second)."""
+
+    worker_id: str
+    role: Role
+    ts: float  # when the worker measured it (its clock): a report in flight when it died is older than the failure
+    state: WorkerState = WorkerState.ALIVE
+    engine: EngineStats = field(default_factory=EngineStats)
+    handoff: HandoffCounters = field(default_factory=HandoffCounters)
+    misrouted: int = 0  # requests that reached this worker although the router chose another (running total)
+    healthy: bool = True  # its engine thread is running
+    num_processes: int = 1  # > 1: one engine over several hosts
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What a worker sends the membership registry: its heartbeat and the KV events since its last report
+    (none when the cluster's KV index is Redis, which the worker writes itself)."""
+
+    heartbeat: WorkerHeartbeat
+    events: list[KVEvent] = field(default_factory=list)
+
+
+class KVEventKind(str, Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A change to what a worker's prefix cache holds (workers/engine/kv_events.py publishes them)."""
+
+    worker_id: str
+    epoch: int
+    seq: int
+    kind: KVEventKind
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    num_tokens: int = 0
+    tier: str = "device"
+    timestamp: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "kind": self.kind.value,
+            "block_hash": self.block_hash,
+            "parent_hash": self.parent_hash,
+            "num_tokens": self.num_tokens,
+            "tier": self.tier,
+            "timestamp": self.timestamp,
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> KVEvent:
+        return KVEvent(**{**d, "kind": KVEventKind(d["kind"])})
+
+
+# Every message type, for the shape tests.
+MESSAGES = (
+    TokenDelta,
+    TokenDeltaBatch,
+    PrefillRequest,
+    PrefillHandoff,
+    DecodeRequest,
+    KVChunkHeader,
+    KVChunk,
+    EngineStats,
+    HandoffCounters,
+    WorkerHeartbeat,
+    WorkerReport,
+    KVEvent,
+)
