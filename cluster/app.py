@@ -1,6 +1,8 @@
 """The Serve application, built from one `ClusterConfig`.
 
-    Ingress (HTTP + gRPC, router) --> PrefillServer pool --KV chunks--> DecodeServer pool --> stream back
+    Frontend (HTTP + gRPC; the request pipeline) --> PrefillServer pool --KV chunks--> DecodeServer pool
+        ^---------------- TokenDeltaBatch per step, one channel per front end ----------------/
+    Registry (membership, worker metrics, the in-memory KV index) <-- every worker's reports
 
 `build_app(args)` is the application builder used by `moray serve`, `cluster.deploy` and the Serve
 config `moray serve-config` prints (import path `cluster.app:build_app`, args = the cluster config).
@@ -15,8 +17,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from .config import ClusterConfig, PoolConfig, parse_cluster_config
-from .ingress import Ingress
+from .frontend import Frontend
 from .multihost import placement_options
+from .registry import REGISTRY_DEPLOYMENT, Registry
 from .servers import DecodeServer, PrefillServer
 from .targeting import REQUEST_ROUTER_CLASS
 
@@ -30,7 +33,7 @@ GRPC_SERVICERS = [
 
 def serve_logging(cfg: ClusterConfig) -> dict[str, Any]:
     """Serve's own logging of the deployments. Quiet: no per-call access log lines (workers report to the
-    router several times a second); JSON lines when the cluster's Moray records are (cluster/logs.py)."""
+    registry several times a second); JSON lines when the cluster's Moray records are (cluster/logs.py)."""
     encoding = "JSON" if cfg.observability.log_format == "json" else "TEXT"
     return {"enable_access_log": False, "log_level": "WARNING", "encoding": encoding}
 
@@ -79,14 +82,25 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         prefill_deployment = serve.deployment(PrefillServer).options(name="PrefillServer", **pool_options(cfg, cfg.prefill))
         prefill = prefill_deployment.bind(cfg_dict)
         decode = decode_deployment.bind(cfg_dict, prefill)
-    ingress = Ingress.options(
-        name="Ingress",
+    registry = (
+        serve.deployment(Registry)
+        .options(
+            name=REGISTRY_DEPLOYMENT,
+            num_replicas=1,  # the one owner of liveness
+            ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=10_000,  # reports and lookups are short; none may wait behind another
+            logging_config=serve_logging(cfg),
+        )
+        .bind(cfg_dict)
+    )
+    frontend = Frontend.options(
+        name="Frontend",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1000,
         logging_config=serve_logging(cfg),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     )
-    return ingress.bind(cfg_dict, prefill, decode)
+    return frontend.bind(cfg_dict, prefill, decode, registry)
 
 
 def serve_config(cfg: ClusterConfig) -> dict[str, Any]:

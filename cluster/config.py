@@ -233,6 +233,13 @@ class ClusterConfig(_Strict):
     observability: ObservabilityConfig = ObservabilityConfig()
     # KV handoff granularity: layers per chunk sent from a prefill to a decode worker.
     handoff_layers_per_chunk: int = Field(default=1, ge=1)
+    stream_interval_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=1000,
+        description="a decode worker sends each front end at most one token batch per this many ms (every step's "
+        "tokens since the last batch go together); 0: one batch per engine step",
+    )
     # Serve lifecycle: model load and compile can take minutes on TPU.
     health_check_period_s: float = Field(default=10.0, gt=0)
     health_check_timeout_s: float = Field(default=60.0, gt=0)

@@ -5,7 +5,7 @@
 sent. Decoding them there means a request that is not a valid GenerateRequest is an INVALID_ARGUMENT with
 a one-line message (the generated deserializer fails inside the proxy, which answers UNKNOWN), and the
 size limit (`server.max_body_bytes`) is checked before anything is decoded or tokenised.
-(`Ingress` also accepts parsed messages, so the generated servicer function keeps working.)
+(`Frontend` also accepts parsed messages, so the generated servicer function keeps working.)
 
 Serve logs every exception a deployment raises with its traceback at ERROR, in the replica and again in
 the proxy. A streaming gRPC method can only report a status by raising, so client errors (an `APIError`

@@ -67,7 +67,7 @@ def wait_until_healthy(cfg: ClusterConfig, timeout_s: float = 1800.0, quiet: boo
 
 
 # ---- Can the pools be placed? -------------------------------------------------------------------------
-# Serve's own actors (controller, proxies) and the Ingress ask for no CPU: only the worker pools need room.
+# Serve's own actors (controller, proxies), the Frontend and the Registry ask for no CPU: only the worker pools need room.
 
 
 def pool_demands(cfg: ClusterConfig) -> list[tuple[str, PoolConfig, int]]:
@@ -195,7 +195,7 @@ def cluster_nodes() -> list[dict[str, float]]:
 
 
 # ---- Waiting for the application -------------------------------------------------------------------------
-POOL_OF_DEPLOYMENT = {"DecodeServer": "decode", "PrefillServer": "prefill", "Ingress": "ingress"}
+POOL_OF_DEPLOYMENT = {"DecodeServer": "decode", "PrefillServer": "prefill", "Frontend": "frontend", "Registry": "registry"}
 
 
 def _summary(message: str, limit: int = 400) -> str:

@@ -59,7 +59,7 @@ def _exception_summary(record: logging.LogRecord) -> str | None:
 
 
 class TextFormatter(logging.Formatter):
-    """`2025-01-01 12:00:00,123 ERROR moray.cluster [app Ingress 1a2b] message`; `one_line` leaves out
+    """`2025-01-01 12:00:00,123 ERROR moray.cluster [app Frontend 1a2b] message`; `one_line` leaves out
     the traceback (the exception's type and message instead)."""
 
     def __init__(self, where: dict[str, str], one_line: bool = False):

@@ -1,8 +1,10 @@
-"""Prometheus metrics of the front end: request latencies and outcomes, admission, and the workers' state.
+"""Prometheus metrics: the front end's (`FrontendMetrics`: request latencies and outcomes, admission) and the
+workers' state (`WorkerMetrics`, kept by the membership registry from the heartbeats it receives).
 
 Per-worker series exist while the worker does: `forget_worker` removes every series labelled with a
-worker that left (a failed call dropped it, or its heartbeat expired; see `routing.ClusterRouter`), so a
-cluster-wide sum never counts requests on workers that are gone.
+worker that left (a failed call killed it, or its heartbeat expired; see `membership.Membership`), so a
+cluster-wide sum never counts requests on workers that are gone. A front end's /metrics is its own
+registry, its router's and the registry's worker series, one scrape.
 
 What workers report as running totals (prefix-cache tokens, handoff bytes/seconds/count, misroutes) is
 exposed as counters (`..._total`, monotone): each report adds what the worker's total grew by since its
@@ -63,59 +65,77 @@ def buckets_1_2_5(limit: int) -> list[int]:
         scale *= 10
 
 
-# report field -> (attribute, metric name (`_total` is added), help, roles it applies to)
+# heartbeat field -> (attribute, metric name (`_total` is added), help, roles it applies to)
 _WORKER_COUNTERS = {
-    "prefix_cache_hits": ("prefix_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", None),
-    "prefix_cache_host_hits": (
+    "engine.prefix_cache_hits": ("prefix_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", None),
+    "engine.host_hit_tokens": (
         "prefix_host_hit_tokens",
         "moray_prefix_cache_host_hit_tokens",
         "of the prefix hit tokens, those copied back from a worker's host KV tier",
         None,
     ),
-    "host_blocks_saved": (
+    "engine.host_blocks_saved": (
         "host_saved_blocks",
         "moray_kv_host_saved_blocks",
         "device KV blocks a worker copied to its host tier on eviction",
         None,
     ),
-    "host_blocks_loaded": (
+    "engine.host_blocks_loaded": (
         "host_loaded_blocks",
         "moray_kv_host_loaded_blocks",
         "host-tier KV blocks a worker copied back for a prefix hit",
         None,
     ),
-    "host_blocks_evicted": ("host_evicted_blocks", "moray_kv_host_evicted_blocks", "KV blocks a worker's host tier dropped for room", None),
-    "host_copy_seconds": ("host_copy_seconds", "moray_kv_host_copy_seconds", "host time a worker spent on its host tier's copies", None),
-    "evicted_live_session_blocks": (
+    "engine.host_blocks_evicted": (
+        "host_evicted_blocks",
+        "moray_kv_host_evicted_blocks",
+        "KV blocks a worker's host tier dropped for room",
+        None,
+    ),
+    "engine.host_copy_seconds": (
+        "host_copy_seconds",
+        "moray_kv_host_copy_seconds",
+        "host time a worker spent on its host tier's copies",
+        None,
+    ),
+    "engine.evicted_live_session_blocks": (
         "evicted_live_session_blocks",
         "moray_kv_evicted_live_session_blocks",
         "cached KV blocks (either tier) evicted while their session was live: the retention order's last resort",
         None,
     ),
-    "prefix_cache_queries": (
+    "engine.prefix_cache_queries": (
         "prefix_queries",
         "vllm:prefix_cache_queries",
         "Prefix cache queries, in terms of number of queried tokens.",
         None,
     ),
-    "num_preemptions": ("preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
+    "engine.num_preemptions": ("preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
     "misrouted": ("misrouted", "moray_misrouted_requests", "requests a worker received although the router chose another", None),
-    "handoff_bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),
-    "handoff_state_bytes": (
+    "handoff.bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),
+    "handoff.state_bytes": (
         "handoff_state_bytes",
         "moray_kv_handoff_state_bytes",
         "of the handoff bytes, linear-attention state (hybrid models)",
         "decode",
     ),
-    "handoff_seconds": ("handoff_seconds", "moray_kv_handoff_seconds", "time a decode worker spent importing KV", "decode"),
-    "handoffs": ("handoffs", "moray_kv_handoffs", "KV handoffs a decode worker completed", "decode"),
+    "handoff.seconds": ("handoff_seconds", "moray_kv_handoff_seconds", "time a decode worker spent importing KV", "decode"),
+    "handoff.handoffs": ("handoffs", "moray_kv_handoffs", "KV handoffs a decode worker completed", "decode"),
+    "handoff.corrupt_chunks": (
+        "handoff_corrupt_chunks",
+        "moray_kv_handoff_corrupt_chunks",
+        "KV chunks a decode worker refused: they failed their header check or checksum (the request was recomputed)",
+        "decode",
+    ),
 }
 
 
-class FrontendMetrics:
-    # A report measured this soon after a worker was forgotten is one that was in flight when it died.
-    FORGET_GRACE_S = 0.5
+def _field(hb, path: str):
+    part, _, name = path.partition(".")
+    return getattr(getattr(hb, part), name) if name else getattr(hb, part)
 
+
+class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "moray", max_model_len: int = 4096):
         r = self.registry = registry or CollectorRegistry()
         self.model_name = model_name
@@ -150,6 +170,7 @@ class FrontendMetrics:
             registry=r,
         )
         token_buckets = buckets_1_2_5(max_model_len)
+        self._itl_child = self.itl.labels(model_name)  # observed per streamed delta: looked up once
         self.request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", m, buckets=token_buckets, registry=r
         )
@@ -178,22 +199,6 @@ class FrontendMetrics:
             ["result"],
             registry=r,
         )
-        # Worker state, per live worker: vLLM's engine-level names, a worker being an engine.
-        w = [*m, "engine", "role"]
-        self.queue_depth = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", w, registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", w, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", w, registry=r)
-        self.host_kv_usage = Gauge(
-            "moray_kv_host_tier_usage_ratio", "fraction of a worker's host-tier KV blocks holding a block", ["worker", "role"], registry=r
-        )
-        self.kv_bytes_per_token = Gauge(
-            "moray_kv_cache_bytes_per_token", "KV bytes one token takes over all layers on a worker", ["worker", "role"], registry=r
-        )
-        for _, (attr, name, help_, role) in _WORKER_COUNTERS.items():
-            setattr(self, attr, Counter(name, help_, _worker_label_names(name, role), registry=r))
-        self._totals: dict[str, dict[str, float]] = {}  # worker -> report field -> last total seen
-        self._roles: dict[str, str] = {}
-        self._forgotten: dict[str, float] = {}  # worker -> when (time.time)
 
     # ------------------------------------------------------------------ requests
 
@@ -218,43 +223,73 @@ class FrontendMetrics:
 
     def observe_token_gap(self, seconds: float, new_tokens: int) -> None:
         """A stream chunk after the first: `new_tokens` tokens arrived `seconds` after the previous chunk."""
-        child = self.itl.labels(self.model_name)
+        child = self._itl_child
         per_token = seconds / new_tokens
         for _ in range(new_tokens):
             child.observe(per_token)
 
-    # ------------------------------------------------------------------ workers
+    def render(self, *extra: CollectorRegistry | bytes) -> bytes:
+        """This registry's exposition followed by the others' (registries, or exposition text already made)."""
+        parts = [generate_latest(self.registry)]
+        parts += [r if isinstance(r, bytes) else generate_latest(r) for r in extra]
+        return b"".join(parts)
+
+
+class WorkerMetrics:
+    """Every live worker's state, from its heartbeats: vLLM's engine-level names (a worker is an engine)."""
+
+    # A report measured this soon after a worker was forgotten is one that was in flight when it died.
+    FORGET_GRACE_S = 0.5
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "moray"):
+        r = self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        w = ["model_name", "engine", "role"]
+        self.queue_depth = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", w, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", w, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", w, registry=r)
+        self.host_kv_usage = Gauge(
+            "moray_kv_host_tier_usage_ratio", "fraction of a worker's host-tier KV blocks holding a block", ["worker", "role"], registry=r
+        )
+        self.kv_bytes_per_token = Gauge(
+            "moray_kv_cache_bytes_per_token", "KV bytes one token takes over all layers on a worker", ["worker", "role"], registry=r
+        )
+        for _, (attr, name, help_, role) in _WORKER_COUNTERS.items():
+            setattr(self, attr, Counter(name, help_, _worker_label_names(name, role), registry=r))
+        self._totals: dict[str, dict[str, float]] = {}  # worker -> heartbeat field -> last total seen
+        self._roles: dict[str, str] = {}
+        self._forgotten: dict[str, float] = {}  # worker -> when (time.time)
 
     def _worker_labels(self, worker: str, role: str, name: str, only: str | None) -> tuple[str, ...]:
         if name.startswith("vllm:"):
             return (self.model_name, worker, role)
         return (worker,) if only else (worker, role)
 
-    def observe_worker(self, load: dict) -> None:
-        w, role = load["worker_id"], load["role"]
+    def observe_worker(self, hb) -> None:
+        """One heartbeat (`workers.messages.WorkerHeartbeat`)."""
+        w, role, e = hb.worker_id, hb.role, hb.engine
         forgotten = self._forgotten.get(w)
         if forgotten is not None:
-            if (load.get("ts") or time.time()) < forgotten + self.FORGET_GRACE_S:
+            if hb.ts < forgotten + self.FORGET_GRACE_S:
                 return  # sent before the worker was dropped: do not bring its series back
             del self._forgotten[w]
         self._roles[w] = role
         name = self.model_name
-        self.queue_depth.labels(name, w, role).set(load["num_waiting"])
-        self.running.labels(name, w, role).set(load["num_running"])
-        self.kv_usage.labels(name, w, role).set(load["kv_usage"])
-        self.host_kv_usage.labels(w, role).set(load.get("host_kv_usage", 0.0))
-        if "kv_bytes_per_token" in load:
-            self.kv_bytes_per_token.labels(w, role).set(load["kv_bytes_per_token"])
+        self.queue_depth.labels(name, w, role).set(e.num_waiting)
+        self.running.labels(name, w, role).set(e.num_running)
+        self.kv_usage.labels(name, w, role).set(e.kv_usage)
+        self.host_kv_usage.labels(w, role).set(e.host_kv_usage)
+        self.kv_bytes_per_token.labels(w, role).set(e.kv_bytes_per_token)
         totals = self._totals.setdefault(w, {})
-        for field, (attr, metric, _, only) in _WORKER_COUNTERS.items():
+        for path, (attr, metric, _, only) in _WORKER_COUNTERS.items():
             if only is not None and role != only:
                 continue
-            value = load.get(field, 0) or 0
-            last = totals.get(field, 0)
+            value = _field(hb, path) or 0
+            last = totals.get(path, 0)
             child = getattr(self, attr).labels(*self._worker_labels(w, role, metric, only))
             # A total below the last one means the worker's counters restarted: count it from zero.
             child.inc(value - last if value >= last else value)
-            totals[field] = value
+            totals[path] = value
 
     def forget_worker(self, worker_id: str) -> None:
         """Removes every series labelled with `worker_id` (it failed or its heartbeat expired)."""
@@ -277,8 +312,8 @@ class FrontendMetrics:
         """Workers with series now."""
         return sorted(self._roles)
 
-    def render(self, *extra_registries: CollectorRegistry) -> bytes:
-        return b"".join(generate_latest(r) for r in (self.registry, *extra_registries))
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 FAILED_OUTCOMES = frozenset({"error", "timeout", "cancelled"})

@@ -1,25 +1,25 @@
 """One request's path through the cluster: admit -> route -> (remote prefill -> KV handoff) -> decode -> stream.
 
-Protocol-free: the HTTP and gRPC front ends both call `Orchestrator.route` and `Orchestrator.stream` and
-format its `Chunk`s. Its errors are `APIError`s (an HTTP status the gRPC side maps to a code, and a
-one-line message), so both front ends report them like any other.
+The request pipeline's (cluster/pipeline.py) execution half, protocol-free: it yields the request's
+`TokenDelta`s, which the front end formats. Its errors are `APIError`s (an HTTP status the gRPC side maps to
+a code, and a one-line message), so both protocols report them like any other.
 
 Admission: `route` admits a request only while fewer than `server.max_queued_requests` admitted requests
-of this ingress replica wait for their first token; beyond that it raises `Overloaded` (429 with
+of this front-end replica wait for their first token; beyond that it raises `Overloaded` (429 with
 Retry-After / RESOURCE_EXHAUSTED) instead of letting every request's latency grow.
 
 Timeouts: a request still running `server.request_timeout_s` after it started is aborted (the worker
-calls are cancelled, which frees their KV) and ends with `RequestTimedOut` (504 / DEADLINE_EXCEEDED); if
-tokens went out already, after a final chunk with finish_reason "timeout". The Serve HTTP proxy has
-the same limit end to end, so the ingress acts `_PROXY_MARGIN_S` earlier: the client gets this clear
-error rather than the proxy's bare 408.
+calls are cancelled or the decode worker told to abort, which frees their KV) and ends with
+`RequestTimedOut` (504 / DEADLINE_EXCEEDED); if tokens went out already, after a final delta with
+finish_reason "timeout". The Serve HTTP proxy has the same limit end to end, so the pipeline acts
+`_PROXY_MARGIN_S` earlier: the client gets this clear error rather than the proxy's bare 408.
 
-Worker failures (its actor died, its engine stopped): the router drops the worker at once. A request
-that has sent the client nothing yet is routed again without it and rerun (at most `MAX_ATTEMPTS`
-workers); after a remote prefill whose first token went out, only the decode side is retried, with the
-same handoff (the new decode worker fetches the KV the prefill worker holds, or recomputes the prompt
-when that is gone). A stream whose decode tokens went out ends with a final chunk (finish_reason
-"error") and `WorkerFailed`.
+Worker failures (its actor died, its engine stopped, its channel broke): the membership view drops the
+worker at once and the registry hears of it. A request that has sent the client nothing yet is routed again
+without it and rerun (at most `MAX_ATTEMPTS` workers); after a remote prefill whose first token went out,
+only the decode side is retried, with the same handoff (the new decode worker pulls the KV the prefill
+worker holds, or recomputes the prompt when that is gone). A stream whose decode tokens went out ends with
+a final delta (finish_reason "error") and `WorkerFailed`.
 
 Held KV: when a stream ends early after a remote prefill (client gone, failure, timeout), the prefill
 worker is told to release the KV it holds for the handoff at once (idempotent), whatever stage the
@@ -34,7 +34,7 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
@@ -42,8 +42,12 @@ from ray.serve.exceptions import ReplicaUnavailableError
 from workers.engine.async_engine import EngineDeadError
 from workers.engine.block_hash import block_hashes
 from workers.engine.sampling_params import SamplingParams
+from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, TokenDelta
+from workers.outbox import ChannelClosed
 
 from . import tracing
+from .channels import ChannelFailed, ChannelIdleClosed, DecodeChannels
+from .handles import DecodePool, PrefillPool, WrongReplica, detached
 from .openai_api import APIError
 from .router.types import NoWorkersAvailable, RouteDecision, RouteRequest
 
@@ -52,17 +56,7 @@ log = logging.getLogger("moray.cluster")
 MAX_ATTEMPTS = 3  # workers a request is tried on when they fail under it
 OVERLOAD_RETRY_AFTER_S = 1
 _PROXY_MARGIN_S = 0.5  # at most; 5% of short limits
-
-
-@dataclass
-class Chunk:
-    token_ids: list[int]  # new tokens
-    text: str  # new text
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    completion_tokens: int  # total so far
-    logprobs: list[dict[int, float]] | None = None  # for the new tokens
+_REOPENS = 3  # a channel that closed (idle) just as a request started on it is opened again, this often
 
 
 @dataclass
@@ -76,7 +70,7 @@ class RequestTrace:
     remote_prefill: bool = False
     attempts: int = 0  # workers tried (more than one after a failover)
     stage: str = "route"  # where the request is: route, prefill, decode (named when it fails)
-    span: Any = None  # the request's ingress span (cluster.tracing), parent of the router and worker spans
+    span: Any = None  # the request's front-end span (cluster.tracing), parent of the router and worker spans
 
 
 class Overloaded(APIError):
@@ -102,57 +96,66 @@ class RequestTimedOut(APIError):
 
 
 class WorkerFailed(APIError):
-    """The worker serving the request failed after tokens went out, or no live worker was left to retry on."""
+    """The worker serving the request failed after tokens went out, or no live worker was left to retry on.
+    `detail` (the cause as the worker reported it) is logged, never sent to the client."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, detail: str = ""):
         super().__init__(503, message, "server_error", code="worker_failed")
+        self.detail = detail
 
     def __reduce__(self):
-        return (WorkerFailed, (self.message,))
+        return (WorkerFailed, (self.message, self.detail))
 
 
 def worker_gone(e: BaseException) -> bool:
     """Whether a call failed because the worker is gone (so another worker may serve the request)."""
-    return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError))
-
-
-class StreamEndedEarly(Exception):
-    """A worker's output stream ended before its request finished."""
+    return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError, WrongReplica, ChannelFailed))
 
 
 class _Failure(Exception):
     def __init__(self, worker: str, stage: str, cause: BaseException):
+        if isinstance(cause, ChannelFailed):  # the channel is the messenger: name what broke it
+            cause = cause.cause
         super().__init__(f"{stage} worker {worker} failed: {type(cause).__name__}")
         self.worker, self.stage, self.cause = worker, stage, cause
+
+    @property
+    def detail(self) -> str:
+        return f"{type(self.cause).__name__}: {self.cause}"
 
 
 class Orchestrator:
     def __init__(
         self,
         router,
-        prefill_handle,
-        decode_handle,
+        prefill: PrefillPool | None,
+        decode: DecodePool,
+        channels: DecodeChannels,
         block_size: int,
         model_name: str,
         colocated: bool,
         *,
         server=None,  # cluster.config.ServerConfig: request_timeout_s, max_queued_requests
         metrics=None,  # cluster.metrics.FrontendMetrics
+        on_worker_failed: Callable[[str], None] | None = None,
+        role_of: Callable[[str], str | None] | None = None,
     ):
         self.router = router
-        self.prefill = prefill_handle
-        self.decode = decode_handle
+        self.prefill = prefill
+        self.decode = decode
+        self.channels = channels
         self.block_size = block_size
         self.model_name = model_name
         self.colocated = colocated
         self.request_timeout_s: float | None = getattr(server, "request_timeout_s", None)
         self.max_queued_requests: int = getattr(server, "max_queued_requests", 0) or 0
         self.metrics = metrics
+        self.on_worker_failed = on_worker_failed or (lambda worker: None)
+        self.role_of = role_of or (lambda worker: None)
         self._queued: dict[str, float] = {}  # admitted request -> when (monotonic); until its first token
         # Routed requests without a first token: their speculative index entries are kept alive meanwhile.
         self._unstarted: dict[str, tuple[RouteRequest, RouteDecision]] = {}
         self._renewer: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ admission and routing
 
@@ -187,12 +190,12 @@ class Orchestrator:
         """Until the request's first token (its prefill is done and the worker's KV events are on their
         way), its speculative entries are renewed: a request queued on a busy worker keeps attracting the
         requests that share its prefix to that worker."""
-        every = getattr(self.router, "speculative_renew_s", 0.0)
+        every = self.router.config.speculative_ttl_s / 2  # half their lifetime: they never lapse in between
         if not every:
             return
         self._unstarted[request.request_id] = (request, decision)
         if self._renewer is None or self._renewer.done():
-            self._renewer = asyncio.get_running_loop().create_task(self._renew_speculative(every))
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_speculative(every), context=contextvars.Context())
 
     async def _renew_speculative(self, every: float) -> None:
         while self._unstarted:
@@ -215,7 +218,7 @@ class Orchestrator:
     async def route(self, request_id: str, prompt: list[int], session_id: str | None, span=None) -> RouteDecision:
         """Admits the request (raises `Overloaded`) and routes it (raises `NoWorkersAvailable` when no
         worker has registered yet). An admitted request must be run with `stream`. `span`: the request's
-        ingress span, parent of the router span."""
+        front-end span, parent of the router span."""
         self._admit(request_id)
         try:
             return await self._route(request_id, prompt, session_id, span)
@@ -235,15 +238,6 @@ class Orchestrator:
             tracing.set_attributes(router_span, tracing.decision_attributes(decision))
         return decision
 
-    def _role(self, worker: str) -> str | None:
-        role = getattr(self.router, "role", None)
-        return role(worker) if role is not None else None
-
-    def _worker_failed(self, worker: str) -> None:
-        failed = getattr(self.router, "worker_failed", None)
-        if failed is not None:
-            failed(worker)
-
     # ------------------------------------------------------------------ running
 
     def _deadline(self, trace: RequestTrace) -> float | None:
@@ -261,14 +255,16 @@ class Orchestrator:
         decision: RouteDecision,
         trace: RequestTrace,
         session_id: str | None = None,
-    ) -> AsyncIterator[Chunk]:
-        """Runs the request on the decided workers and yields its chunks; `session_id` (the conversation)
-        goes to the workers, whose caches keep a live session's blocks longest."""
+        whole: bool = False,
+    ) -> AsyncIterator[TokenDelta]:
+        """Runs the request on the decided workers and yields its deltas; `session_id` (the conversation)
+        goes to the workers, whose caches keep a live session's blocks longest. `whole`: the caller wants
+        the output only at the end (non-streamed): after the first token, the rest comes as one delta."""
         deadline = self._deadline(trace)
-        handoff = None  # the remote prefill's result once its first token went out
-        sent_decode = 0  # chunks from the decode side that went out (they cannot be taken back)
-        last: Chunk | None = None
-        finished = False  # the last chunk (finish_reason set) went out
+        handoff: PrefillHandoff | None = None  # the remote prefill's answer once its first token went out
+        sent_decode = 0  # deltas from the decode side that went out (they cannot be taken back)
+        last: TokenDelta | None = None
+        finished = False  # the last delta (finish_reason set) went out
         completed = False  # ... because the request ran to its end (the workers let go of the KV themselves)
         stage = "route"
         try:
@@ -282,46 +278,37 @@ class Orchestrator:
                         result = await self._prefill(request_id, prompt, params, decision, deadline, session_id, trace.span)
                         trace.first_token = time.perf_counter()
                         self._started(request_id)
-                        first_logprobs = [result.first_logprobs] if result.first_logprobs else None
-                        last = Chunk(
-                            [result.first_token],
-                            result.text,
-                            result.finished,
-                            result.finish_reason,
-                            result.num_cached_tokens,
-                            1,
-                            first_logprobs,
-                        )
-                        if result.finished:
+                        last = result.first
+                        if last.finished:
                             finished = completed = True
                             yield last
                             return
                         handoff = result
                         yield last
                     stage = trace.stage = "decode"
-                    # aclosing: a client that leaves at a yield below cancels the decode call at once.
-                    decoder = self._decode(request_id, prompt, params, decision, handoff, deadline, session_id, trace.span)
+                    # aclosing: a client that leaves at a yield below stops the decode side at once.
+                    decoder = self._decode(request_id, prompt, params, decision, handoff, deadline, session_id, trace.span, whole)
                     async with aclosing(decoder):
-                        async for chunk in decoder:
+                        async for delta in decoder:
                             if trace.first_token is None:
                                 trace.first_token = time.perf_counter()
                             self._started(request_id)
-                            finished = completed = chunk.finished
-                            last = chunk
+                            finished = completed = delta.finished
+                            last = delta
                             sent_decode += 1
-                            yield chunk
+                            yield delta
                             if finished:
                                 return
                     return
                 except _Failure as f:
-                    self._worker_failed(f.worker)
+                    self.on_worker_failed(f.worker)
                     retry = sent_decode == 0 and trace.attempts < MAX_ATTEMPTS
                     if retry:
                         try:
                             fresh = await self._route(request_id, prompt, None, trace.span)
                             # With no decode worker left the router offers any live one; the decode
                             # pool cannot run on a prefill worker.
-                            retry = self._role(fresh.decode_worker) != "prefill"
+                            retry = self.role_of(fresh.decode_worker) != "prefill"
                         except NoWorkersAvailable:
                             retry = False
                     if not retry:
@@ -330,9 +317,11 @@ class Orchestrator:
                         message = f"the {f.stage} worker serving this request failed ({type(f.cause).__name__})"
                         if last is not None:
                             finished = True
-                            yield Chunk([], "", True, "error", last.num_cached_tokens, last.completion_tokens)
-                            raise WorkerFailed(f"{message} after {last.completion_tokens} tokens; the stream is incomplete") from None
-                        raise WorkerFailed(f"{message} and no other worker could take it; retry shortly") from None
+                            yield _end(last, "error")
+                            raise WorkerFailed(
+                                f"{message} after {last.num_output_tokens} tokens; the stream is incomplete", f.detail
+                            ) from None
+                        raise WorkerFailed(f"{message} and no other worker could take it; retry shortly", f.detail) from None
                     if self.metrics is not None:
                         self.metrics.failovers.labels("retried").inc()
                     # ERROR although the request goes on: a worker failed under it (`moray serve` shows it).
@@ -345,7 +334,7 @@ class Orchestrator:
                 self.metrics.timeouts.labels(stage).inc()
             if last is not None and not finished:
                 finished = True
-                yield Chunk([], "", True, "timeout", last.num_cached_tokens, last.completion_tokens)
+                yield _end(last, "timeout")
             raise
         finally:
             trace.end = time.perf_counter()
@@ -355,13 +344,11 @@ class Orchestrator:
                 # frees the KV it holds now, not at its hold timeout, whatever the decode side got to.
                 self._release_later(request_id, handoff.worker_id)
 
-    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline, session_id=None, span=None):
+    async def _prefill(self, request_id, prompt, params, decision: RouteDecision, deadline, session_id=None, span=None) -> PrefillHandoff:
         worker = decision.prefill_worker
-        response = self.prefill.prefill.remote(
-            request_id, prompt, params, target_replica=worker, session_id=session_id, **tracing.call_kwargs(span)
-        )
+        request = PrefillRequest(request_id, prompt, params, session_id, tracing.inject(span))
         try:
-            return await _until(_cancellable(response), deadline, "prefill")
+            return await _until(self.prefill.prefill(worker, request), deadline, "prefill")
         except (asyncio.CancelledError, RequestTimedOut):
             # The result may be on its way (the hold already made): let go of it as well.
             self._release_later(request_id, worker)
@@ -373,67 +360,108 @@ class Orchestrator:
             raise
 
     async def _decode(
-        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None, span=None
-    ) -> AsyncIterator[Chunk]:
+        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None, span=None, whole=False
+    ):
+        """The decode worker's deltas for the request, from this front end's channel to it."""
         worker = decision.decode_worker
-        decode = self.decode.options(stream=True)
-        routing = {"target_replica": worker, "session_id": session_id, **tracing.call_kwargs(span)}
-        if handoff is not None:
-            gen = decode.generate_from_prefill.remote(request_id, prompt, params, handoff, **routing)
-        else:
-            gen = decode.generate.remote(request_id, prompt, params, **routing)
-        finished = False
+        request = DecodeRequest(request_id, prompt, params, self.channels.channel_id, handoff, session_id, tracing.inject(span))
+        started = finished = False
         try:
-            while not finished:
+            for _ in range(_REOPENS):
+                tokens = await _until(self._subscribe(worker, request_id), deadline, "decode")
                 try:
-                    out = await _until(anext(gen), deadline, "decode")
-                except StopAsyncIteration:
-                    # A decode worker's stream ends with a finished output. A killed replica's Serve
-                    # stream sometimes just ends instead of raising: the same failure.
-                    finished = True
-                    raise _Failure(worker, "decode", StreamEndedEarly("the stream ended before the request finished")) from None
-                except RequestTimedOut:
+                    await _until(self.decode.start(worker, request), deadline, "decode")
+                except ChannelClosed:  # the channel closed (idle) between opening and this start: again
+                    self.channels.unsubscribe(worker, request_id)
+                    continue
+                except (RequestTimedOut, asyncio.CancelledError):
+                    started = True  # it may have reached the worker: abort it there to be sure
                     raise
                 except Exception as e:
                     if worker_gone(e):
-                        # Nothing to cancel on a dead replica (and cancelling a task of a dead actor can
-                        # hold up this process's Ray RPCs for seconds).
-                        finished = True
+                        finished = True  # nothing to abort on a dead replica
                         raise _Failure(worker, "decode", e) from e
                     raise
-                finished = out.finished  # a `StreamUpdate`
-                yield Chunk(
-                    out.new_token_ids,
-                    out.delta_text,
-                    out.finished,
-                    out.finish_reason,
-                    out.num_cached_tokens,
-                    out.num_tokens,
-                    out.new_logprobs,
-                )
+                started = True
+                # One timer for the whole stream, not one per token: at the deadline it queues a marker.
+                timer = asyncio.get_running_loop().call_at(deadline, tokens.put_nowait, _DEADLINE) if deadline is not None else None
+                try:
+                    while not finished:
+                        item = await tokens.get()
+                        if item is _DEADLINE:
+                            raise _timed_out("decode")
+                        if isinstance(item, BaseException):
+                            finished = True  # the channel is gone: so is the request on the worker
+                            raise _Failure(worker, "decode", item)
+                        item = _merge_waiting(item, tokens)
+                        finished = item.finished
+                        tokens.until_done = whole  # after the first delta (its time is the TTFT)
+                        yield item
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                return
+            raise _Failure(worker, "decode", ChannelFailed(worker, ChannelIdleClosed()))
         finally:
-            if not finished:
-                gen.cancel()  # client gone, failure or timeout: the decode replica aborts and frees the KV blocks
+            self.channels.unsubscribe(worker, request_id)
+            if started and not finished:
+                # Client gone, failure or timeout: the decode worker aborts the request and frees its blocks.
+                detached(lambda: self.decode.abort(worker, request_id))
+
+    async def _subscribe(self, worker: str, request_id: str):
+        try:
+            return await self.channels.subscribe(worker, request_id)
+        except ChannelFailed as e:
+            raise _Failure(worker, "decode", e) from e
 
     def _release_later(self, request_id: str, worker: str | None) -> None:
         """Tells the prefill worker to free the KV it holds for the request (in the background)."""
         if self.prefill is None or worker is None:
             return
-
-        async def release():
-            try:
-                await asyncio.wait_for(self.prefill.release.remote(request_id, target_replica=worker), 30)
-            except Exception:  # noqa: BLE001 - its hold timeout frees it anyway
-                pass
-
         try:
             # A fresh context: made from a request being cancelled, the call would be that request's
             # child, and Serve cancels a cancelled request's children (this one must get through).
-            task = asyncio.get_running_loop().create_task(release(), context=contextvars.Context())
+            detached(lambda: asyncio.wait_for(self.prefill.release(worker, request_id), 30))
         except RuntimeError:  # no loop (interpreter shutdown)
             return
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+
+
+def _end(last: TokenDelta, reason: str) -> TokenDelta:
+    """The final delta of a stream the pipeline ends itself (error, timeout): nothing new."""
+    return TokenDelta(last.request_id, [], "", last.num_output_tokens, last.num_cached_tokens, reason)
+
+
+_DEADLINE = object()  # queued on a request's tokens when its time is up
+
+
+def _merge_waiting(delta: TokenDelta, tokens) -> TokenDelta:
+    """`delta` and the deltas queued behind it, as one: a consumer that fell behind (the client reads slowly,
+    the CPU is busy) catches up in one step instead of one wake-up per engine step (vLLM's output collector
+    does the same)."""
+    more = tokens.take_deltas()
+    if not more:
+        return delta
+    merged = TokenDelta(
+        delta.request_id,
+        list(delta.token_ids),
+        delta.text,
+        delta.num_output_tokens,
+        delta.num_cached_tokens,
+        delta.finish_reason,
+        list(delta.logprobs) if delta.logprobs is not None else None,
+        delta.prompt_logprobs,
+    )
+    for d in more:
+        merged.token_ids += d.token_ids
+        merged.text += d.text
+        merged.num_output_tokens, merged.num_cached_tokens, merged.finish_reason = d.num_output_tokens, d.num_cached_tokens, d.finish_reason
+        if d.logprobs is not None:
+            merged.logprobs = (merged.logprobs or []) + d.logprobs
+    return merged
+
+
+def _timed_out(stage: str) -> RequestTimedOut:
+    return RequestTimedOut(f"the request did not finish within server.request_timeout_s (stopped during {stage}); it was aborted")
 
 
 async def _until(awaitable, deadline: float | None, stage: str) -> Any:
@@ -445,16 +473,5 @@ async def _until(awaitable, deadline: float | None, stage: str) -> Any:
             return await awaitable
     except TimeoutError:
         if cm.expired():
-            raise RequestTimedOut(
-                f"the request did not finish within server.request_timeout_s (stopped during {stage}); it was aborted"
-            ) from None
-        raise
-
-
-async def _cancellable(response) -> Any:
-    """Awaits a Serve response; if our caller is cancelled, the replica-side call is cancelled too."""
-    try:
-        return await response
-    except asyncio.CancelledError:
-        response.cancel()
+            raise _timed_out(stage) from None
         raise

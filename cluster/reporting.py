@@ -1,7 +1,8 @@
-"""Worker -> router reporting: each replica's load and KV events, a few times a second.
+"""Worker -> membership registry reporting: each replica's heartbeat and KV events, a few times a second.
 
-With the in-memory index (one router), reports go to the router's `Ingress.report`; with a Redis index
-the worker writes its events and heartbeat straight to Redis, so any number of routers share them.
+Reports go to the `Registry` deployment (cluster/registry.py), never through the front end that serves
+clients. With a Redis index the worker also writes its events and heartbeat to Redis itself (any number of
+routers read them there) and its reports to the registry carry the heartbeat only.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ import threading
 
 from ray import serve
 
-from workers.engine.kv_events import KVEvent
+from workers.messages import KVEvent
 
 from .config import ClusterConfig
+from .handles import RegistryClient
+from .registry import REGISTRY_DEPLOYMENT
+from .router.types import WorkerLoad
 
 log = logging.getLogger("moray.cluster")
 
 REPORT_INTERVAL_S = 0.1
 MAX_PENDING_EVENTS = 200_000
-INGRESS_DEPLOYMENT = "Ingress"
 
 
 class WorkerReporter:
@@ -27,10 +30,9 @@ class WorkerReporter:
         self.config = config
         self.worker = worker
         self.app_name = app_name
-        self._subscription = worker.engine.core.events.subscribe()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moray-reporter", daemon=True)
-        self._handle = None
+        self._registry: RegistryClient | None = None
         self._pending: list[KVEvent] = []
         self._warned = False
         self._sink = None
@@ -40,7 +42,7 @@ class WorkerReporter:
             self._sink = RedisKVEventSink.from_config(
                 config.kv_index, config.router, config.engine.model_name, worker.worker_id, role=worker.role
             )
-            self._sink.attach(worker.engine.core.events).start()
+            self._sink.attach(worker.kv_events()).start()
 
     def start(self) -> None:
         self._thread.start()
@@ -53,27 +55,25 @@ class WorkerReporter:
     def _run(self) -> None:
         while not self._stop.wait(REPORT_INTERVAL_S):
             try:
-                self._report_once()
-            except Exception as e:  # noqa: BLE001 - the router may be (re)starting; keep trying
+                self.report_once()
+            except Exception as e:  # noqa: BLE001 - the registry may be (re)starting; keep trying
                 if not self._warned:
-                    log.warning("worker %s cannot report to the router yet: %s", self.worker.worker_id, e)
+                    log.warning("worker %s cannot report to the membership registry yet: %s", self.worker.worker_id, e)
                     self._warned = True
 
-    def _report_once(self) -> None:
+    def report_once(self) -> None:
+        report = self.worker.report(with_events=self._sink is None)
         if self._sink is not None:
-            from .routing import worker_load
-
-            self._sink.set_load(worker_load(self.worker.load()))
-            self._subscription.drain()  # events travel through the sink; only health goes to the router
+            self._sink.set_load(WorkerLoad.from_heartbeat(report.heartbeat))
         else:
-            self._pending += self._subscription.drain()
+            self._pending += report.events
             if len(self._pending) > MAX_PENDING_EVENTS:
-                # The router is unreachable for long: drop the backlog; the sequence gap makes the
-                # router purge this worker's entries and rebuild from the events that follow.
+                # The registry is unreachable for long: drop the backlog; the sequence gap makes the index
+                # purge this worker's entries and rebuild from the events that follow.
                 self._pending = []
-        if self._handle is None:
-            self._handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, self.app_name)
-        events = [e.to_dict() for e in self._pending] if self._sink is None else []
-        self._handle.report.remote(self.worker.load(), events).result(timeout_s=5)
+            report.events = self._pending
+        if self._registry is None:
+            self._registry = RegistryClient(serve.get_deployment_handle(REGISTRY_DEPLOYMENT, self.app_name))
+        self._registry.report_sync(report, timeout_s=5)
         self._pending = []  # delivered; on failure they are resent with the next report
         self._warned = False

@@ -1,46 +1,27 @@
 """Serve deployments for the worker pools: each replica is one engine (a `workers.worker` class).
 
 A replica's worker id is its Serve replica id, so the router's choice can be honoured by
-`targeting.TargetedRequestRouter`. Every replica reports its load and KV events to the router
-(`Ingress.report`) a few times a second, or straight to Redis when the cluster uses a Redis index.
+`targeting.TargetedRequestRouter`. Every replica reports its heartbeat and KV events to the membership
+registry (`cluster/registry.py`) a few times a second (and its events straight to Redis when the cluster
+uses a Redis index). What the methods take and return are the messages of `workers/messages.py`; the front
+end calls them through `cluster/handles.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
-from contextlib import aclosing
-from typing import Awaitable, Callable, TypeVar
 
 from ray import serve
 
-from workers.engine.sampling_params import SamplingParams
-from workers.worker import DecodeWorker, EngineWorker, PrefillResult, PrefillWorker, StreamUpdate
+from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, TokenDelta
+from workers.worker import DecodeWorker, EngineWorker, PrefillWorker
 
 from . import logs, tracing
 from .config import ClusterConfig, parse_cluster_config
+from .handles import PrefillPool, WrongReplica, detached
 from .reporting import WorkerReporter
 
 log = logging.getLogger("moray.cluster")
-T = TypeVar("T")
-
-
-def detached(call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
-    """Makes and awaits a Serve handle call in a fresh context, so that it is no child of the request
-    being served (Serve cancels those when that request is cancelled); shielded from our own caller's
-    cancellation too."""
-
-    async def run() -> T:
-        return await call()
-
-    task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
-    _detached_tasks.add(task)  # kept alive even when nobody awaits it any more
-    task.add_done_callback(_detached_tasks.discard)
-    return asyncio.shield(task)
-
-
-_detached_tasks: set[asyncio.Task] = set()
 
 
 class _WorkerServer:
@@ -71,35 +52,21 @@ class _WorkerServer:
         if self.followers is not None:
             await self.followers.acheck()  # every host of a multi-host replica must be alive
 
-    async def load(self, target_replica: str | None = None) -> dict:
-        return self.worker.load()
+    async def heartbeat(self, target_replica: str | None = None):
+        """This replica's heartbeat now (what it reports to the registry; for operators and tests)."""
+        return self.worker.heartbeat()
 
-    def _arrived(self, target_replica: str | None) -> None:
+    async def drain(self, target_replica: str | None = None) -> None:
+        """Takes no new requests from now on: its heartbeats say `draining`, the registry tells the routers,
+        and what it runs finishes (before a scale-down or a restart; mid-stream migration builds on it)."""
+        self.worker.drain()
+
+    def _arrived(self, target_replica: str | None) -> bool:
         """Counts calls meant for another replica (Serve fell back: the target was gone or full)."""
         if target_replica and target_replica != self.worker_id:
             self.worker.counters.misrouted += 1
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        target_replica: str | None = None,
-        session_id: str | None = None,
-        trace_context: dict[str, str] | None = None,
-    ):
-        """Prefill and decode here (colocated, or a prompt the router found not worth a remote prefill)."""
-        self._arrived(target_replica)
-        logs.current_request_id.set(request_id)
-        span = self._decode_span(request_id, prompt, trace_context, remote_prefill=False)
-        outputs = self.worker.generate(request_id, prompt, params, session_id=session_id)
-        async with aclosing(_traced_updates(outputs, span)) as updates:
-            async for update in updates:
-                yield update
-
-    def _decode_span(self, request_id: str, prompt: list[int], trace_context, remote_prefill: bool):
-        attributes = {"moray.request_id": request_id, "moray.worker": self.worker_id, "moray.prompt_tokens": len(prompt)}
-        return tracing.start_span("decode", tracing.extract(trace_context), {**attributes, "moray.remote_prefill": remote_prefill})
+            return False
+        return True
 
     def __del__(self):
         try:
@@ -117,25 +84,17 @@ class PrefillServer(_WorkerServer):
     def __init__(self, cluster_config: dict):
         self._start(cluster_config, lambda cfg, engine: PrefillWorker(cfg, engine=engine))
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        target_replica: str | None = None,
-        session_id: str | None = None,
-        trace_context: dict[str, str] | None = None,
-    ) -> PrefillResult:
+    async def prefill(self, request: PrefillRequest, target_replica: str | None = None) -> PrefillHandoff:
         self._arrived(target_replica)
-        logs.current_request_id.set(request_id)
-        attributes = {"moray.request_id": request_id, "moray.worker": self.worker_id, "moray.prompt_tokens": len(prompt)}
-        with tracing.span("prefill", tracing.extract(trace_context), attributes) as span:
-            result = await self.worker.prefill(request_id, prompt, params, session_id=session_id)
-            tracing.set_attributes(span, {"moray.cached_tokens": result.num_cached_tokens, "moray.finished": result.finished})
-        return result
+        logs.current_request_id.set(request.request_id)
+        attributes = {"moray.request_id": request.request_id, "moray.worker": self.worker_id, "moray.prompt_tokens": len(request.prompt)}
+        with tracing.span("prefill", tracing.extract(request.trace_context), attributes) as span:
+            handoff = await self.worker.prefill(request)
+            tracing.set_attributes(span, {"moray.cached_tokens": handoff.first.num_cached_tokens, "moray.finished": handoff.first.finished})
+        return handoff
 
-    async def kv_chunk(self, request_id: str, layer_start: int, layer_end: int, target_replica: str | None = None):
-        return await self.worker.kv_chunk(request_id, layer_start, layer_end)
+    async def kv_chunk(self, request_id: str, unit_start: int, unit_end: int, target_replica: str | None = None):
+        return await self.worker.kv_chunk(request_id, unit_start, unit_end)
 
     async def release(self, request_id: str, target_replica: str | None = None) -> bool:
         return await self.worker.release(request_id)
@@ -145,55 +104,65 @@ class DecodeServer(_WorkerServer):
     pool = "decode"
 
     def __init__(self, cluster_config: dict, prefill_handle=None):
-        self.prefill_handle = prefill_handle
+        self.prefill = PrefillPool(prefill_handle) if prefill_handle is not None else None
         self._start(
-            cluster_config, lambda cfg, engine: DecodeWorker(cfg, layers_per_chunk=self.config.handoff_layers_per_chunk, engine=engine)
+            cluster_config,
+            lambda cfg, engine: DecodeWorker(
+                cfg,
+                layers_per_chunk=self.config.handoff_layers_per_chunk,
+                stream_interval_s=self.config.stream_interval_ms / 1000,
+                engine=engine,
+            ),
         )
 
-    async def generate_from_prefill(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        handoff: PrefillResult,
-        target_replica: str | None = None,
-        session_id: str | None = None,
-        trace_context: dict[str, str] | None = None,
-    ):
-        self._arrived(target_replica)
-        logs.current_request_id.set(request_id)
-        span = self._decode_span(request_id, prompt, trace_context, remote_prefill=True)
+    async def channel(self, channel_id: str, target_replica: str | None = None):
+        """The front end `channel_id`'s stream of `TokenDeltaBatch`es, encoded (workers/outbox.py)."""
+        if not self._arrived(target_replica):
+            raise WrongReplica(f"channel for {target_replica} reached {self.worker_id}")
+        async for batch in self.worker.channel(channel_id):
+            yield batch.encode()
+
+    async def start(self, request: DecodeRequest, target_replica: str | None = None) -> None:
+        """Starts a request; its deltas go out on its channel. Returns once the engine took it (a
+        `ValueError` for a request the engine refuses)."""
+        if not self._arrived(target_replica):
+            raise WrongReplica(f"request for {target_replica} reached {self.worker_id}")
+        logs.current_request_id.set(request.request_id)
+        span = self._decode_span(request)
+        fetch = release = None
+        if request.handoff is not None:
+            fetch, release = self._pull_from(request.request_id, request.handoff, span)
+        await self.worker.start(request, fetch, release, on_end=lambda last, error: _end_decode_span(span, last, error))
+
+    async def abort(self, request_id: str, target_replica: str | None = None) -> None:
+        self.worker.abort(request_id)
+
+    def _pull_from(self, request_id: str, handoff: PrefillHandoff, span):
         source = handoff.worker_id
 
-        async def fetch_chunk(layer_start: int, layer_end: int):
-            return await self.prefill_handle.kv_chunk.remote(request_id, layer_start, layer_end, target_replica=source)
+        async def fetch_chunk(unit_start: int, unit_end: int):
+            return await self.prefill.kv_chunk(source, request_id, unit_start, unit_end)
 
         def release():
             # Outside this request's context: it runs exactly when this request is being cancelled, and
             # Serve cancels a cancelled request's child calls (the prefill side would keep the KV).
-            return detached(lambda: self.prefill_handle.release.remote(request_id, target_replica=source))
+            return detached(lambda: self.prefill.release(source, request_id))
 
-        fetch = tracing.traced_fetch(fetch_chunk, span, handoff.num_layers)  # the kv_handoff span
-        outputs = self.worker.generate_from_prefill(request_id, prompt, params, handoff, fetch, release, session_id=session_id)
-        async with aclosing(_traced_updates(outputs, span)) as updates:
-            async for update in updates:
-                yield update
+        return tracing.traced_fetch(fetch_chunk, span, handoff.num_units), release  # the kv_handoff span
+
+    def _decode_span(self, request: DecodeRequest):
+        attributes = {
+            "moray.request_id": request.request_id,
+            "moray.worker": self.worker_id,
+            "moray.prompt_tokens": len(request.prompt),
+            "moray.remote_prefill": request.handoff is not None,
+        }
+        return tracing.start_span("decode", tracing.extract(request.trace_context), attributes)
 
 
-async def _traced_updates(outputs, span):
-    """The engine's outputs as `StreamUpdate`s; the decode span (None: tracing off) ends with the stream,
-    carrying the tokens generated and the finish reason."""
-    last = None
-    failure = None
-    try:
-        async with aclosing(outputs):  # closed (the request aborted, its KV freed) with the stream, not by the GC
-            async for out in outputs:
-                last = StreamUpdate.of(out)
-                yield last
-    except BaseException as e:
-        failure = e
-        raise
-    finally:
-        if span is not None:
-            done = {} if last is None else {"moray.completion_tokens": last.num_tokens, "moray.cached_tokens": last.num_cached_tokens}
-            tracing.end_span(span, {**done, "moray.finish_reason": last.finish_reason if last else None}, error=failure)
+def _end_decode_span(span, last: TokenDelta | None, error: BaseException | None) -> None:
+    """The decode span (None: tracing off) ends with the request: tokens generated and finish reason."""
+    if span is None:
+        return
+    done = {} if last is None else {"moray.completion_tokens": last.num_output_tokens, "moray.cached_tokens": last.num_cached_tokens}
+    tracing.end_span(span, {**done, "moray.finish_reason": last.finish_reason if last else None}, error=error)

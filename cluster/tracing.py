@@ -1,6 +1,6 @@
 """OpenTelemetry spans along a request's path, behind `observability.tracing` (off by default).
 
-    ingress      the HTTP/gRPC request (Ingress replica): request id, model, prompt tokens, outcome
+    ingress      the HTTP/gRPC request (the Frontend replica): request id, model, prompt tokens, outcome
     ├─ router    the routing decision: chosen decode / prefill worker, cached tokens, reason
     ├─ prefill   on the prefill worker (disaggregated only): cached tokens, first token
     └─ decode    on the decode worker: tokens generated, finish reason
@@ -30,7 +30,6 @@ from .config import ObservabilityConfig
 _tracer = None  # this process's tracer while tracing is on
 _provider = None  # ... and its provider
 _NO_SPAN = contextlib.nullcontext()  # what `span` gives while tracing is off (reusable)
-TRACE_KWARG = "trace_context"  # the worker calls' keyword carrying the traceparent
 
 
 def configure(cfg: ObservabilityConfig, component: str, exporter=None) -> None:
@@ -136,7 +135,8 @@ def _record_error(span, error: BaseException) -> None:
 
 
 def inject(span) -> dict[str, str] | None:
-    """The W3C trace context (`traceparent`) of `span`, for a call to another process."""
+    """The W3C trace context (`traceparent`) of `span`, for a request to another process (the messages'
+    `trace_context` field); None while tracing is off."""
     if span is None:
         return None
     from opentelemetry import trace
@@ -157,11 +157,6 @@ def extract(carrier: Mapping[str, str] | None):
     return TraceContextTextMapPropagator().extract(carrier)
 
 
-def call_kwargs(span) -> dict[str, dict[str, str]]:
-    """Keyword arguments that carry `span`'s context to a worker call: none while tracing is off."""
-    return {} if span is None else {TRACE_KWARG: inject(span)}
-
-
 # ---- the hops ------------------------------------------------------------------------------------------
 
 
@@ -178,7 +173,7 @@ def decision_attributes(decision) -> dict[str, Any]:
 
 
 def traced_fetch(fetch_chunk: Callable[[int, int], Awaitable[Any]], parent, num_layers: int) -> Callable[[int, int], Awaitable[Any]]:
-    """`fetch_chunk` (a decode worker's KV chunk fetch) reporting the whole handoff as one `kv_handoff`
+    """`fetch_chunk` (a decode worker's KV chunk fetch, returning `KVChunk`s) reporting the whole handoff as one `kv_handoff`
     span under `parent`: from the first chunk asked for to the last one received (the chunks are all in
     flight at once), with the bytes moved. Unchanged while tracing is off."""
     if parent is None:
@@ -193,7 +188,7 @@ def traced_fetch(fetch_chunk: Callable[[int, int], Awaitable[Any]], parent, num_
         except BaseException as e:
             _end_handoff(handoff, parent, num_layers, error=e)
             raise
-        handoff["bytes"] += data.nbytes
+        handoff["bytes"] += data.header.nbytes  # a `KVChunk`
         handoff["layers"] += layer_end - layer_start
         if handoff["layers"] >= num_layers:
             _end_handoff(handoff, parent, num_layers)

@@ -21,7 +21,9 @@ _LOAD_FIELDS = ("inflight_prefill_tokens", "active_decode_blocks", "kv_usage", "
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, gauge_interval_s: float = 1.0):
+    def __init__(self, registry: CollectorRegistry | None = None, gauge_interval_s: float = 1.0, index_purges: bool = True):
+        """`index_purges`: count the index's purges here (False when the index lives in another process,
+        the membership registry, which counts them under the same name)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -47,9 +49,7 @@ class RouterMetrics:
         self.index_errors = Counter("moray_router_index_errors", "failed KV index calls", ["op"], registry=r)
         self.index_up = Gauge("moray_router_index_up", "1 while the KV index answers, 0 while degraded", registry=r)
         self.index_up.set(1)
-        self.sequence_gaps = Counter(
-            "moray_router_index_purges", "worker entries purged: sequence gap, new epoch or cleared", ["worker", "reason"], registry=r
-        )
+        self.sequence_gaps = index_purges_counter(r) if index_purges else None
         self.index_lag = Gauge(
             "moray_router_index_lag_seconds", "age of a worker's KV events when they reached the index", ["worker"], registry=r
         )
@@ -73,7 +73,8 @@ class RouterMetrics:
         return c
 
     def on_purge(self, worker_id: str, reason: str) -> None:
-        self.sequence_gaps.labels(worker_id, reason).inc()
+        if self.sequence_gaps is not None:
+            self.sequence_gaps.labels(worker_id, reason).inc()
 
     def observe_event_lag(self, worker_id: str, lag_s: float) -> None:
         self.index_lag.labels(worker_id).set(max(0.0, lag_s))
@@ -107,12 +108,23 @@ class RouterMetrics:
         _remove(self.index_lag, worker_id)
         _remove(self.routed_tokens, worker_id)
         self._gauge_workers.discard(worker_id)
-        for labels in [k for k in self.sequence_gaps._metrics if k[0] == worker_id]:  # every reason
-            _remove(self.sequence_gaps, *labels)
+        if self.sequence_gaps is not None:
+            forget_purges(self.sequence_gaps, worker_id)
         # Cached children of removed series would be orphans: the next inc must create a fresh one.
         for key in [k for k in self._children if worker_id in k[1:]]:
             del self._children[key]
         self.live_workers.set(len(self._gauge_workers))
+
+
+def index_purges_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "moray_router_index_purges", "worker entries purged: sequence gap, new epoch or cleared", ["worker", "reason"], registry=registry
+    )
+
+
+def forget_purges(counter: Counter, worker_id: str) -> None:
+    for labels in [k for k in counter._metrics if k[0] == worker_id]:  # every reason
+        _remove(counter, *labels)
 
 
 def _remove(metric, *labels: str) -> None:

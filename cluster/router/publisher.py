@@ -36,6 +36,7 @@ import redis
 from redis.exceptions import NoScriptError, RedisError
 
 from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
+from workers.messages import WorkerHeartbeat
 
 from .memory_index import MemoryKVIndex
 from .redis_conn import describe
@@ -66,20 +67,17 @@ def attach_in_process(index, publisher: KVEventPublisher) -> None:
     publisher.add_listener(lambda e: index.apply([e]))
 
 
-def load_from_engine_stats(worker_id: str, role: Role, stats, inflight_prefill_tokens: int = 0, sparse_blocks: bool = False) -> WorkerLoad:
-    """A WorkerLoad from `EngineCore.stats()`. Blocks not free are held by running sequences. The engine's
-    stats do not separate un-prefilled prompt tokens, so the caller passes them if it tracks them.
-    `sparse_blocks`: the engine publishes only reusable block boundaries (`core.cfg.is_hybrid`)."""
-    return WorkerLoad(
-        worker_id=worker_id,
-        role=role,
-        inflight_prefill_tokens=inflight_prefill_tokens,
-        active_decode_blocks=stats.num_total_blocks - stats.num_free_blocks,
-        kv_usage=stats.kv_usage,
-        num_waiting=stats.num_waiting,
-        ts=time.time(),
-        sparse_blocks=sparse_blocks,
-    )
+def load_from_engine_stats(
+    worker_id: str, role: Role, stats, inflight_prefill_tokens: int | None = None, sparse_blocks: bool = False
+) -> WorkerLoad:
+    """A WorkerLoad from `EngineCore.stats()` measured now (through the heartbeat's own conversion).
+    `inflight_prefill_tokens` overrides the engine's pending prompt tokens; `sparse_blocks`: the engine
+    publishes only reusable block boundaries (`core.cfg.is_hybrid`)."""
+    load = WorkerLoad.from_heartbeat(WorkerHeartbeat(worker_id, role, time.time(), engine=stats))
+    changes = {"sparse_blocks": sparse_blocks or load.sparse_blocks}
+    if inflight_prefill_tokens is not None:
+        changes["inflight_prefill_tokens"] = inflight_prefill_tokens
+    return replace(load, **changes)
 
 
 class RedisKVEventSink:

@@ -13,12 +13,13 @@ When the index is unavailable (Redis down, timing out, refusing credentials) dec
 alone, from the last loads seen (or equal loads over `fallback_workers`), marked degraded and counted;
 KV-aware routing resumes by itself once the index answers again.
 
-A worker whose call failed because it is gone (its actor died, its engine stopped) is dropped at once
-(`worker_failed`), not at its heartbeat TTL: decisions skip it until a heartbeat measured after the
-failure shows it alive (one wrongly suspected comes back by itself; a dead one never reports again).
+Who may be routed to is the membership registry's answer (`membership`, a front end's
+`cluster.membership.MembershipView`): every lookup is filtered through it, so a worker that is dead or
+draining there, or whose call just failed in this front end, gets nothing, whatever the index holds.
 
 Thread-safe; `route` is synchronous and fast (see `moray bench route`). From asyncio code call
-`await router.aroute(req)`, which keeps the Redis round trip off the event loop.
+`await router.aroute(req)`, which keeps the Redis round trip off the event loop (and awaits an index that
+answers asynchronously, the registry's, directly).
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class Router:
         policy: Policy | None = None,
         clock: Callable[[], float] = time.time,
         fallback_workers: dict[str, Role] | None = None,
+        membership=None,
     ):
         self.index = index
         self.config = config or RouterConfig()
@@ -169,7 +171,7 @@ class Router:
         self._recent = RecentWork(self.config.session_idle_s, clock)  # the same horizon as a conversation's
         self._last_loads: dict[str, WorkerLoad] = {}
         self._fallback = dict(fallback_workers or {})
-        self._failed: dict[str, float] = {}  # worker -> when a call to it failed (self.clock)
+        self.membership = membership  # who is routable (cluster.membership.MembershipView); None: everyone
         self._wire_index_metrics()
 
     @classmethod
@@ -197,6 +199,9 @@ class Router:
     def route(self, request: RouteRequest) -> RouteDecision:
         t0 = time.perf_counter()
         lookup, degraded = self._lookup(request)
+        return self._decided(request, lookup, degraded, t0)
+
+    def _decided(self, request: RouteRequest, lookup: Lookup, degraded: bool, t0: float) -> RouteDecision:
         with self._lock:
             decision = self._decide(request, lookup, self._pending.pending(lookup.loads), degraded, self._upcoming_work())
             self._note_pending(request, decision)
@@ -205,7 +210,15 @@ class Router:
         return decision
 
     async def aroute(self, request: RouteRequest) -> RouteDecision:
-        """`route` for asyncio callers: a remote index is consulted from a worker thread."""
+        """`route` for asyncio callers: an index with `alookup` is awaited, another remote one (Redis) is
+        consulted from a worker thread."""
+        if hasattr(self.index, "alookup"):
+            t0 = time.perf_counter()
+            try:
+                lookup = await self.index.alookup(request.block_hashes, request.session_id)
+            except IndexUnavailable:
+                return self._decided(request, *self._degraded_lookup(), t0)
+            return self._decided(request, *self._looked_up(lookup), t0)
         if not getattr(self.index, "blocking_lookups", False):
             return self.route(request)
         return await asyncio.to_thread(self.route, request)
@@ -222,18 +235,24 @@ class Router:
         try:
             lookup = self.index.lookup(request.block_hashes, request.session_id)
         except IndexUnavailable:
-            self.metrics.degraded.inc()
-            self.metrics.index_errors.labels("lookup").inc()
-            with self._lock:
-                loads = dict(self._last_loads) or {
-                    # ts=0: every pending bump counts, so degraded decisions still spread.
-                    w: WorkerLoad(w, role, ts=0.0)
-                    for w, role in self._fallback.items()
-                }
-            return self._without_failed(Lookup({}, loads)), True
+            return self._degraded_lookup()
+        return self._looked_up(lookup)
+
+    def _looked_up(self, lookup: Lookup) -> tuple[Lookup, bool]:
         with self._lock:
             self._last_loads = lookup.loads
-        return self._without_failed(lookup), False
+        return self._routable(lookup), False
+
+    def _degraded_lookup(self) -> tuple[Lookup, bool]:
+        self.metrics.degraded.inc()
+        self.metrics.index_errors.labels("lookup").inc()
+        with self._lock:
+            loads = dict(self._last_loads) or {
+                # ts=0: every pending bump counts, so degraded decisions still spread.
+                w: WorkerLoad(w, role, ts=0.0)
+                for w, role in self._fallback.items()
+            }
+        return self._routable(Lookup({}, loads)), True
 
     def _decide(self, request: RouteRequest, lookup: Lookup, pending: dict, degraded: bool, upcoming: dict | None = None) -> RouteDecision:
         loads = lookup.loads
@@ -325,61 +344,26 @@ class Router:
         m.cached_chosen.inc(d.expected_cached_tokens)
         m.maybe_update_loads(lookup.loads)
 
-    # ---------------------------------------------------------------- failed workers
+    # ---------------------------------------------------------------- who may be routed to
 
-    # A heartbeat measured this long after the failure proves a suspected worker alive (absorbs clock
-    # skew between the worker's host and this one; heartbeats carry the worker's own measurement time).
-    FAILED_GRACE_S = 0.5
-
-    def worker_failed(self, worker_id: str) -> bool:
-        """A call to `worker_id` failed because the worker is gone: route around it from now on (its
-        heartbeat may stay current for up to a TTL). Returns False if it was marked already."""
-        with self._lock:
-            new = worker_id not in self._failed
-            self._failed[worker_id] = self.clock()
-            self._last_loads.pop(worker_id, None)
-        if new:
-            self.metrics.worker_failures.inc()
-            self.metrics.forget_worker(worker_id)
-        return new
-
-    def is_failed(self, worker_id: str) -> bool:
-        return worker_id in self._failed
-
-    def heartbeat_seen(self, worker_id: str, ts: float) -> None:
-        """A heartbeat measured at `ts` (the worker's clock): clears a failure mark it postdates."""
-        failed_at = self._failed.get(worker_id)
-        if failed_at is not None and ts >= failed_at + self.FAILED_GRACE_S:
-            with self._lock:
-                if self._failed.get(worker_id) == failed_at:
-                    del self._failed[worker_id]
-
-    def _without_failed(self, lookup: Lookup) -> Lookup:
-        if not self._failed:
+    def _routable(self, lookup: Lookup) -> Lookup:
+        """The lookup less the workers the membership says take no requests (dead, draining, or failed
+        under a call here and not seen alive since: a load measured after that failure refutes it)."""
+        view = self.membership
+        if view is None:
             return lookup
-        horizon = self.clock() - self.config.heartbeat_ttl_s - self.FAILED_GRACE_S
-        drop = set()
-        with self._lock:
-            for w, failed_at in list(self._failed.items()):
-                load = lookup.loads.get(w)
-                if load is not None and load.ts >= failed_at + self.FAILED_GRACE_S:
-                    del self._failed[w]  # alive after all: it reported since
-                elif failed_at < horizon and load is None:
-                    del self._failed[w]  # its heartbeat has expired everywhere: nothing left to hide
-                else:
-                    drop.add(w)
-        drop &= lookup.loads.keys() | lookup.matches.keys()
-        if not drop:
+        keep = {w for w, load in lookup.loads.items() if view.routable(w, load.ts)}
+        if len(keep) == len(lookup.loads) and keep.issuperset(lookup.matches):
             return lookup
         return Lookup(
-            {w: m for w, m in lookup.matches.items() if w not in drop},
-            {w: l for w, l in lookup.loads.items() if w not in drop},
-            [w for w in lookup.session_workers if w not in drop],
+            {w: m for w, m in lookup.matches.items() if w in keep},
+            {w: l for w, l in lookup.loads.items() if w in keep},
+            [w for w in lookup.session_workers if w in keep],
         )
 
     def live_loads(self) -> dict[str, WorkerLoad]:
         """Every live worker's last heartbeat, failed workers left out (raises IndexUnavailable)."""
-        return self._without_failed(Lookup({}, self.index.live_workers())).loads
+        return self._routable(Lookup({}, self.index.live_workers())).loads
 
     def refresh_load_gauges(self, force: bool = False) -> None:
         """The per-worker load gauges from the index's current view (between decisions too: heartbeats

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable, Literal, NamedTuple, Protocol, runtime_checkable
 
 from workers.engine.kv_events import KVEvent
+from workers.messages import WorkerHeartbeat
 
 Role = Literal["prefill", "decode", "both"]
 DEVICE_TIER = "device"
@@ -68,6 +69,26 @@ class WorkerLoad:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @staticmethod
+    def from_heartbeat(hb: WorkerHeartbeat, index_lag_s: float = 0.0) -> "WorkerLoad":
+        """The router's view of a worker's heartbeat (what the policy balances, what Redis stores)."""
+        e = hb.engine
+        return WorkerLoad(
+            worker_id=hb.worker_id,
+            role=hb.role,
+            inflight_prefill_tokens=e.num_pending_prefill_tokens,
+            active_decode_blocks=e.num_total_blocks - e.num_free_blocks,
+            kv_usage=e.kv_usage,
+            num_waiting=e.num_waiting,
+            epoch=e.kv_event_epoch,
+            last_seq=e.kv_event_last_seq,
+            # When the worker measured it: a report that was in flight when the worker died is older than
+            # the failure that dropped it, so it cannot bring the worker back.
+            ts=hb.ts,
+            index_lag_s=index_lag_s,
+            sparse_blocks=e.sparse_blocks,  # hybrid engines: boundary blocks only
+        )
 
     @staticmethod
     def from_dict(d: dict) -> "WorkerLoad":
