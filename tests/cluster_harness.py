@@ -7,6 +7,8 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 TEST_ENGINE = {
@@ -44,29 +46,6 @@ def cluster_config(model_dir: Path, **overrides) -> dict:
     return cfg
 
 
-def worker_load(worker: str, role: str = "decode", **overrides) -> dict:
-    """A worker's heartbeat (`workers.worker.EngineWorker.load`), idle unless told otherwise: what the
-    ingress's `report` takes from a fake worker."""
-    return {
-        "worker_id": worker,
-        "role": role,
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_usage": 0.0,
-        "num_free_blocks": 100,
-        "num_total_blocks": 100,
-        "pending_prefill_tokens": 0,
-        "prefix_cache_queries": 0,
-        "prefix_cache_hits": 0,
-        "num_held": 0,
-        "epoch": 1,
-        "last_seq": -1,
-        "healthy": True,
-        "ts": time.time(),
-        **overrides,
-    }
-
-
 def http_json(url: str, body: dict | None = None, key: str | None = API_KEY, timeout: float = 120, raw: bytes | None = None, headers=None):
     """(status, parsed JSON body) of a request; never raises on HTTP errors."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
@@ -86,17 +65,27 @@ def http_json(url: str, body: dict | None = None, key: str | None = API_KEY, tim
             return e.code, text
 
 
-def wait_healthy(base: str, timeout: float = 600) -> None:
+def wait_until(predicate, timeout: float = 60.0, every: float = 0.05, what: str = "the condition"):
+    """Polls `predicate()` until it returns something true (returned) or `timeout` passes (TimeoutError):
+    what tests wait with instead of sleeping a fixed time."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout:g}s")
+        time.sleep(every)
+
+
+def wait_healthy(base: str, timeout: float = 600) -> None:
+    def healthy():
         try:
-            status, body = http_json(base + "/health", key=None, timeout=5)
-            if status == 200:
-                return
+            return http_json(base + "/health", key=None, timeout=5)[0] == 200
         except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{base} did not become healthy")
+            return False
+
+    wait_until(healthy, timeout, every=0.25, what=f"{base}/health answering 200")
 
 
 def init_ray():
@@ -108,3 +97,62 @@ def init_ray():
     ray.init(
         address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env}
     )
+
+
+@dataclass
+class ServeCluster:
+    """The session's one local Ray cluster and Serve instance (conftest's `ray_serve` fixture)."""
+
+    http_port: int
+    grpc_port: int
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+def start_serve_cluster() -> ServeCluster:
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from cluster.app import GRPC_SERVICERS
+
+    init_ray()
+    cluster = ServeCluster(free_port(), free_port())
+    serve.start(
+        http_options=HTTPOptions(host="127.0.0.1", port=cluster.http_port),
+        grpc_options=gRPCOptions(port=cluster.grpc_port, grpc_servicer_functions=GRPC_SERVICERS, enable_reflection=True),
+    )
+    return cluster
+
+
+@dataclass
+class ServedApp:
+    name: str
+    base: str  # the app's URL, route prefix included
+    config: dict
+
+
+@contextmanager
+def served_app(cluster: ServeCluster, config: dict, route_prefix: str | None = None):
+    """Deploys the cluster config (`cluster_config(...)`) as one Serve app of the session's Serve instance at
+    `route_prefix` (default /<name>), waits until it is healthy, and deletes it afterwards. The config's
+    server ports become the shared instance's."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    config = {**config, "server": {**config.get("server", {}), "http_port": cluster.http_port, "grpc_port": cluster.grpc_port}}
+    name = config.get("name", "moray")
+    prefix = route_prefix if route_prefix is not None else f"/{name}"
+    serve.run(build_app(config), name=name, route_prefix=prefix, blocking=False)
+    app = ServedApp(name, cluster.base + ("" if prefix == "/" else prefix), config)
+    try:
+        wait_healthy(app.base)
+        yield app
+    finally:
+        serve.delete(name)

@@ -1,4 +1,8 @@
-"""Test setup: JAX on CPU with 8 virtual devices, float32; shared checkpoint builders."""
+"""Test setup: JAX on CPU with 8 virtual devices, float32; the session's one Ray cluster (`ray_serve`).
+
+Markers (pyproject.toml): `cluster` tests deploy Serve apps on the session's local Ray cluster (or start
+`moray serve` processes); `slow` ones take more than about half a minute. `make test` runs everything;
+`pytest -m "not cluster and not slow"` is the quick loop."""
 
 import os
 import sys
@@ -11,3 +15,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One local Ray cluster and Serve instance for every cluster test of the session: modules deploy their
+    apps on it (`cluster_harness.served_app`) and delete them when done."""
+    import ray
+    from cluster_harness import start_serve_cluster
+    from ray import serve
+
+    cluster = start_serve_cluster()
+    yield cluster
+    serve.shutdown()
+    ray.shutdown()

@@ -113,3 +113,21 @@ def save_hybrid_checkpoint(out: Path, family: str, seed: int = 0, **overrides) -
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
     return out
+
+
+SMALL_INIT = dict(initializer_range=0.05)
+
+
+def qwen2_ep_checkpoint(out_dir):
+    """Hidden 256 (the k = 2 hierarchical dispatch splits it into two 128-lane halves), 16 experts top-4,
+    a shared expert whose output must be combined consistently with the routed one."""
+    return save_hf_checkpoint(
+        out_dir,
+        "qwen2_moe",
+        hidden_size=256,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        **SMALL_INIT,
+    )

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.engine_harness import prompts, small_engine_args
+from tests.engine_harness import prompts, run_to_end, small_engine_args
 from workers.engine import EngineConfig, SamplingParams
 from workers.engine.engine import EngineCore
+from workers.engine.output_processor import RequestOutput
 from workers.models.make_model import make_model
 
 ARGS = small_engine_args("async")
@@ -40,17 +41,18 @@ def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]],
         core.add_request(rid, prompt, params)
     streamed: dict[str, list[int]] = {rid: [] for rid in requests}
     final = {}
+    outputs: dict[str, RequestOutput] = {}
     step = 0
     while core.has_unfinished():
         for rid, at in (abort or {}).items():
             if at == step:
                 core.abort(rid)
         for out in core.step():
-            assert rid not in final or out.request_id != rid
-            streamed[out.request_id] += out.new_token_ids
+            assert out.request_id not in final, "a delta after the request's last one"
+            streamed[out.request_id] += out.token_ids
+            whole = outputs.setdefault(out.request_id, RequestOutput(out.request_id, [])).add(out)
             if out.finished:
-                assert out.request_id not in final, "a request finished twice"
-                final[out.request_id] = (out.token_ids, out.text, out.finish_reason, out.logprobs)
+                final[out.request_id] = (whole.token_ids, whole.text, whole.finish_reason, whole.logprobs)
         step += 1
     assert set(final) == set(requests)
     for rid, (tokens, *_) in final.items():
@@ -133,11 +135,8 @@ def test_hybrid_async_keeps_snapshots_at_decode_boundaries(hybrid):
         out1 = run(core, first)
         follow = {"t2": (p + out1["t1"][0] + [7, 8, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))}
         core.add_request("t2", *follow["t2"])
-        cached = None
-        while core.has_unfinished():
-            for o in core.step():
-                if o.finished:
-                    cached, out2 = o.num_cached_tokens, o.token_ids
+        second = run_to_end(core, "t2")
+        cached, out2 = second.num_cached_tokens, second.token_ids
         results.append((out1, out2, cached))
     (s1, s2, sc), (a1, a2, ac) = results
     assert_same(s1, a1)
@@ -206,7 +205,7 @@ def test_next_step_preparation_overlaps_the_device_step(tiny):
         while core.has_unfinished():
             start = time.perf_counter()
             for out in core.step():
-                tokens += out.new_token_ids
+                tokens += out.token_ids
             durations.append(time.perf_counter() - start)
         timings[mode] = statistics.median(durations[1:-1])
         outputs[mode] = tokens

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bench_report import check_report
+from report_harness import check_report
 
 from cluster.cli import main as moray_main
 from workers.models.make_model import HYBRID_PRESETS, PRESETS, make_model

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
-from test_bench_report import check_report  # noqa: E402
+from report_harness import check_report  # noqa: E402
 
 from bench import fuzz  # noqa: E402
 from bench.soak import Record, _label, kv_state, parse_metrics, per_minute, rss_growth  # noqa: E402
@@ -205,35 +205,57 @@ def test_soak_report_helpers():
     assert [m["requests"] for m in minutes] == [1, 2] and minutes[1]["failed"] == 1 and minutes[1]["ttft_p50_s"] == 0.1
 
 
+def test_soak_chat_sessions_stay_within_the_context_they_are_told(tmp_path):
+    """Seen in CI: a chat session of the soak client grew past the test model's max_model_len of 256 and the
+    server's correct 400 counted as a failure. The replies of a random model re-encode to more tokens than
+    were generated; here every reply is 12 tokens of 3-byte characters (each a token or more when sent back),
+    and every prompt the client sends, rendered by the model's own template, must still fit."""
+    import asyncio
+    import random
+
+    from bench import soak as soak_mod
+    from workers.models.make_model import make_model
+    from workers.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(make_model(tmp_path / "m", "qwen3_moe", "tiny", seed=1))
+    limit = 256
+    sent: list[int] = []
+
+    async def fake_post(soak, session, path, body, kind, session_id=None):
+        prompt = len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True))
+        sent.append(prompt + body["max_tokens"])
+        return {"text": "\u20ac" * 4 * body["max_tokens"], "usage": {"prompt_tokens": prompt, "completion_tokens": body["max_tokens"]}}
+
+    async def sessions():
+        s = soak_mod.Soak("http://127.0.0.1:1", "tiny", limit, None, random.Random(3), 0.0, 10.0)
+        for _ in range(40):
+            await soak_mod.chat_session(s, None)
+
+    original, soak_mod._post = soak_mod._post, fake_post
+    original_sleep, soak_mod.asyncio.sleep = soak_mod.asyncio.sleep, lambda *_: original_sleep(0)
+    try:
+        asyncio.run(sessions())
+    finally:
+        soak_mod._post, soak_mod.asyncio.sleep = original, original_sleep
+    assert len(sent) > 40 and max(sent) <= limit, (max(sent), limit)  # several turns each, none past the limit
+
+
 # ---------------------------------------------------------------------------------------- a real cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One disaggregated app (HTTP + gRPC, API key) on one local Ray, shared by the fuzz and the soak."""
-    import ray
-    from cluster_harness import cluster_config, init_ray, wait_healthy
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
+def cluster(tmp_path_factory, ray_serve):
+    """One disaggregated app (HTTP + gRPC, API key) on the session's Ray cluster, shared by the fuzz and the soak."""
+    from cluster_harness import cluster_config, served_app
 
-    from cluster.app import GRPC_SERVICERS, build_app
     from workers.models.make_model import make_model
 
     model = make_model(tmp_path_factory.mktemp("fuzz") / "tiny", "qwen3_moe", "tiny", seed=3)
-    init_ray()
-    cfg = cluster_config(model, name="fuzz")
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=cfg["server"]["http_port"]),
-        grpc_options=gRPCOptions(port=cfg["server"]["grpc_port"], grpc_servicer_functions=GRPC_SERVICERS),
-    )
-    serve.run(build_app(cfg), name="fuzz", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{cfg['server']['http_port']}"
-    wait_healthy(base)
-    yield {"base": base, "grpc": f"127.0.0.1:{cfg['server']['grpc_port']}", "key": cfg["server"]["api_keys"][0]}
-    serve.shutdown()
-    ray.shutdown()
+    with served_app(ray_serve, cluster_config(model, name="fuzz"), "/") as app:
+        yield {"base": app.base, "grpc": ray_serve.grpc, "key": app.config["server"]["api_keys"][0]}
 
 
+@pytest.mark.cluster
 def test_fuzz_end_to_end(cluster, tmp_path):
     out = tmp_path / "fuzz.json"
     # A loaded test machine can be slow: the 2 s rejection budget is the benchmark's, not this test's.
@@ -329,7 +351,8 @@ def test_soak_end_to_end(cluster, tmp_path):
     assert all(m["e2e_p99_s"] >= m["e2e_p50_s"] > 0 for m in r["per_minute"] if m["ok"])
     names = {p["name"] for p in r["rss_start"]["processes"].values()}
     assert {
-        "ServeReplica:fuzz:Ingress",
+        "ServeReplica:fuzz:Frontend",
+        "ServeReplica:fuzz:Registry",
         "ServeReplica:fuzz:PrefillServer",
         "ServeReplica:fuzz:DecodeServer",
         "ProxyActor",

@@ -14,72 +14,18 @@ import asyncio
 import json
 import math
 import re
-import struct
 import subprocess
 import sys
 import threading
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from report_harness import check_report
 
 from cluster.cli import main as moray_main
 from workers.models.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-# ------------------------------------------------------------------------------------ checks
-
-
-class _Links(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.images: list[str] = []
-        self.links: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "img":
-            self.images.append(attrs["src"])
-        elif tag == "a":
-            self.links.append(attrs["href"])
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """Width and height of a PNG that decodes (PIL when installed; else its signature and IHDR chunk)."""
-    try:
-        from PIL import Image
-    except ImportError:
-        data = path.read_bytes()
-        assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", path
-        return struct.unpack(">II", data[16:24])
-    with Image.open(path) as image:
-        image.verify()  # checks the chunks' CRCs
-    with Image.open(path) as image:
-        image.load()  # decodes the pixels
-        return image.size
-
-
-def check_report(out_dir: Path, min_plots: int = 1) -> dict[str, Path]:
-    """The report in `out_dir` is whole: index.html shows every PNG there by relative path, every file it
-    references exists, every PNG decodes to a real picture, result.json parses. Returns {name: path} of
-    the plots."""
-    out_dir = Path(out_dir)
-    page = _Links()
-    page.feed((out_dir / "index.html").read_text())
-    assert len(page.images) >= min_plots, page.images
-    for ref in page.images + page.links:
-        assert ref == Path(ref).name, f"{ref}: not a relative path inside the report"
-        assert (out_dir / ref).is_file(), ref
-    assert sorted(page.images) == sorted(p.name for p in out_dir.glob("*.png"))
-    assert {"index.html", "result.json", *page.images} <= set(page.links)  # the file list
-    for name in page.images:
-        width, height = png_size(out_dir / name)
-        assert width > 200 and height > 200, (name, width, height)
-    json.loads((out_dir / "result.json").read_text())
-    return {name: out_dir / name for name in page.images}
 
 
 def flat_numbers(tree, prefix: str = "") -> dict[str, float]:
@@ -127,7 +73,7 @@ def route_runs(tmp_path_factory) -> list[Path]:
     for seed in (0, 1):
         out = tmp / f"route{seed}.json"
         argv = ["bench", "route", "--backend", "memory", "--workers", "4", "--sequences", "200", "--prefix-groups", "8"]
-        argv += ["--prefix-tokens", "256", "--requests", "300", "--threads", "2", "--seed", str(seed), "--out", str(out)]
+        argv += ["--prefix-tokens", "256", "--requests", "300", "--threads", "2", "--seed", str(seed), "--json", str(out)]
         assert moray_main(argv + (["--report", str(tmp / "report")] if seed == 0 else [])) == 0
         paths.append(out)
     return paths
@@ -301,3 +247,23 @@ def test_serve_report_has_real_latency_cdfs(tmp_path, capsys):
 def test_building_the_parser_does_not_import_matplotlib():
     code = "import sys; from cluster.cli import build_parser; build_parser(); assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_every_bench_writes_its_result_with_the_same_flag():
+    """One flag style across `moray bench`: --json PATH everywhere (compare reads two results instead);
+    `bench route`'s first name for it, --out, still works."""
+    import argparse
+    import importlib
+
+    from cluster.cli import BENCH_COMMANDS
+
+    for name, (module_name, _) in BENCH_COMMANDS.items():
+        if name == "compare":
+            continue
+        p = argparse.ArgumentParser()
+        importlib.import_module(module_name).add_arguments(p)
+        flags = {s for a in p._actions for s in a.option_strings}
+        assert "--json" in flags and "--report" in flags, (name, sorted(flags))
+    p = argparse.ArgumentParser()
+    importlib.import_module("bench.route").add_arguments(p)
+    assert p.parse_args(["--out", "x.json"]).json == p.parse_args(["--json", "x.json"]).json

@@ -5,13 +5,18 @@ single-worker `moray serve` processes) that writes the comparison as JSON."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from test_bench_report import check_report
+from report_harness import check_report
 
 from bench.routing import TextSegments, make_workload, median_of, oracle, replay_order
-from cluster.cli import main as moray_main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def ids_of(seed: int = 0, block_size: int = 8):
@@ -90,10 +95,16 @@ def test_repeated_runs_report_medians_with_the_same_fields_as_one_run():
     assert set(runs[0]) <= set(m) and len(m["runs"]) == 3
 
 
-def test_bench_routing_end_to_end(tmp_path, capsys):
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_bench_routing_end_to_end(tmp_path):
+    """The bench as a user runs it, in a process of its own (it starts its own local Ray)."""
     out = tmp_path / "routing.json"
-    rc = moray_main(
+    proc = subprocess.run(
         [
+            sys.executable,
+            "-m",
+            "cluster.cli",
             "bench",
             "routing",
             "--workers",
@@ -117,11 +128,16 @@ def test_bench_routing_end_to_end(tmp_path, capsys):
             str(out),
             "--report",
             str(tmp_path / "report"),
-        ]
+        ],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
-    assert rc == 0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert out.read_text().strip() in capsys.readouterr().out  # printed too (Ray may add its own lines)
+    assert out.read_text().strip() in proc.stdout  # printed too (Ray may add its own lines)
     sizes = {"shared-prefix": 24, "multi-turn": 24, "chat": 20}  # chat: 24 // 5 conversations of 5 turns
     for policy in ("round-robin", "kv-aware", "sglang-router"):
         for workload, n in sizes.items():

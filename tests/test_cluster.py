@@ -13,12 +13,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy
+from cluster_harness import API_KEY, cluster_config, http_json, served_app, wait_until
 
 from protos.moray.v1 import moray_pb2, moray_pb2_grpc
 from workers.models.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.cluster
 
 pytest.importorskip("openai")
 import openai  # noqa: E402
@@ -30,39 +32,17 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
-    """Two applications on one Ray cluster: disaggregated at /, colocated at /colo."""
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from cluster.app import GRPC_SERVICERS, build_app
-
-    init_ray()
+def cluster(model_dir, ray_serve):
+    """Three applications on the session's Ray cluster: disaggregated at /, colocated at /colo, and a colocated
+    one with a longer context at /tools."""
     disagg = cluster_config(model_dir, name="disagg")
-    colo = cluster_config(model_dir, name="colo", mode="colocated", server=disagg["server"])
+    colo = cluster_config(model_dir, name="colo", mode="colocated")
     # Tool prompts rendered by the tiny byte-level tokenizer need a longer context than the other tests.
     tools = cluster_config(
-        model_dir,
-        name="tools",
-        mode="colocated",
-        server=disagg["server"],
-        engine={"max_model_len": 1024, "page_buckets": [4, 32, 128], "num_kv_blocks": 512},
+        model_dir, name="tools", mode="colocated", engine={"max_model_len": 1024, "page_buckets": [4, 32, 128], "num_kv_blocks": 512}
     )
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=disagg["server"]["http_port"]),
-        grpc_options=gRPCOptions(port=disagg["server"]["grpc_port"], grpc_servicer_functions=GRPC_SERVICERS, enable_reflection=True),
-    )
-    serve.run(build_app(disagg), name="disagg", route_prefix="/", blocking=False)
-    serve.run(build_app(colo), name="colo", route_prefix="/colo", blocking=False)
-    serve.run(build_app(tools), name="tools", route_prefix="/tools", blocking=False)
-    base = f"http://127.0.0.1:{disagg['server']['http_port']}"
-    wait_healthy(base)
-    wait_healthy(base + "/colo")
-    wait_healthy(base + "/tools")
-    yield {"base": base, "grpc": f"127.0.0.1:{disagg['server']['grpc_port']}", "config": disagg}
-    serve.shutdown()
-    ray.shutdown()
+    with served_app(ray_serve, disagg, "/") as app, served_app(ray_serve, colo), served_app(ray_serve, tools):
+        yield {"base": app.base, "grpc": ray_serve.grpc, "config": app.config}
 
 
 def client(cluster, prefix: str = "") -> openai.OpenAI:
@@ -149,11 +129,11 @@ def test_handoff_moves_kv_in_several_chunks(cluster):
     for attempt in range(3):
         fresh = f"Prompt {attempt} that no worker has seen yet, long enough to span several KV blocks of eight tokens."
         client(cluster).completions.create(model="tiny", prompt=fresh, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
-        deadline = time.monotonic() + 10
-        while metric(cluster, "moray_kv_handoff_bytes_total") <= before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if metric(cluster, "moray_kv_handoff_bytes_total") > before:
+        try:
+            wait_until(lambda: metric(cluster, "moray_kv_handoff_bytes_total") > before, 10, 0.2)
             break
+        except TimeoutError:
+            continue
     assert metric(cluster, "moray_kv_handoff_bytes_total") > before
     # The tiny model has 2 layers and the handoff sends one layer per chunk.
     assert cluster["config"].get("handoff_layers_per_chunk", 1) == 1
@@ -193,12 +173,12 @@ def test_metrics_carry_vllm_names_types_labels_and_buckets(cluster):
         model="tiny", prompt="Metrics, streamed.", max_tokens=4, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     assert sum(1 for _ in stream) >= 1
-    deadline = time.monotonic() + 10
-    while True:  # the workers' series arrive with their next load report
+
+    def scrape():
         families = {f.name: f for f in text_string_to_metric_families(http_json(cluster["base"] + "/metrics", key=None)[1])}
-        if "vllm:num_requests_running" in families and families["vllm:num_requests_running"].samples or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return families if "vllm:num_requests_running" in families and families["vllm:num_requests_running"].samples else None
+
+    families = wait_until(scrape, 10, 0.2, "the workers' series on /metrics")  # they arrive with their next report
     for name, kind in VLLM_METRICS.items():
         assert name in families, f"{name} missing from /metrics"
         assert families[name].type == kind, (name, families[name].type)
@@ -221,28 +201,37 @@ def test_metrics_carry_vllm_names_types_labels_and_buckets(cluster):
         assert old not in families, old
 
 
-def worker_loads(app: str):
+def worker_stats(app: str) -> dict:
+    """pool -> its (one) worker's engine figures, asked of the worker itself."""
     from ray import serve
 
-    loads = {}
+    stats = {}
     for name in ("PrefillServer", "DecodeServer"):
         try:
             handle = serve.get_deployment_handle(name, app)
         except Exception:  # noqa: BLE001 - colocated apps have no prefill pool
             continue
-        loads[name] = handle.load.remote().result(timeout_s=30)
-    return loads
+        stats[name] = handle.heartbeat.remote().result(timeout_s=30).engine
+    return stats
+
+
+def idle(stats: dict) -> bool:
+    return all(e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_held == 0 for e in stats.values())
 
 
 def wait_for_idle_workers(app: str, timeout: float = 30) -> dict:
-    """Waits until every worker of `app` holds no request and no KV block; returns the last loads."""
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = worker_loads(app)
-        idle = all(l["num_free_blocks"] == l["num_total_blocks"] and l["num_running"] == 0 and l["num_held"] == 0 for l in loads.values())
-        if idle or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.5)
+    """Waits until every worker of `app` holds no request and no KV block; returns the last figures."""
+    last = {}
+
+    def check():
+        last.update(worker_stats(app))
+        return idle(last)
+
+    try:
+        wait_until(check, timeout, 0.25)
+    except TimeoutError:
+        pass
+    return last
 
 
 @pytest.fixture(autouse=True)
@@ -252,8 +241,8 @@ def no_leaked_blocks(request):
     if "cluster" not in request.fixturenames:
         return
     for app in ("disagg", "colo"):
-        for name, l in wait_for_idle_workers(app).items():
-            assert l["num_free_blocks"] == l["num_total_blocks"] and l["num_held"] == 0, f"{request.node.name} {app} {name} {l}"
+        for name, e in wait_for_idle_workers(app).items():
+            assert e.num_free_blocks == e.num_total_blocks and e.num_held == 0, f"{request.node.name} {app} {name} {e}"
 
 
 def test_cancelled_stream_frees_kv_on_both_workers(cluster):
@@ -272,15 +261,8 @@ def test_cancelled_stream_frees_kv_on_both_workers(cluster):
         return got
 
     assert asyncio.run(start_and_cancel()) == 3
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        loads = worker_loads("disagg")
-        if all(l["num_free_blocks"] == l["num_total_blocks"] and l["num_running"] == 0 and l["num_held"] == 0 for l in loads.values()):
-            break
-        time.sleep(0.5)
-    for name, l in loads.items():
-        assert l["num_free_blocks"] == l["num_total_blocks"], (name, l)
-        assert l["num_running"] == 0 and l["num_held"] == 0, (name, l)
+    stats = wait_for_idle_workers("disagg")
+    assert len(stats) == 2 and idle(stats), stats
 
 
 # ---------------------------------------------------------------------------------------- gRPC
@@ -376,7 +358,7 @@ def test_bench_serve_structured_against_the_cluster(cluster, tmp_path):
     every figure is there; its report has the latency CDFs of the real requests."""
     import argparse
 
-    from test_bench_report import check_report
+    from report_harness import check_report
 
     from bench import serve as bench_serve
     from bench.report import write_report
@@ -824,7 +806,8 @@ def test_grpc_client_errors_are_not_logged_as_errors_with_tracebacks(cluster):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    time.sleep(2)  # log files are flushed per record; leave the proxy and replica a moment
+    # Log files are flushed per record: wait for the refusal's INFO line, then look at everything logged.
+    wait_until(lambda: any(f"client error 404: the model '{marker}'" in line for line in serve_log_lines(marker)), 10, 0.2)
     lines = serve_log_lines(marker)
     assert not [line for line in lines if "ERROR" in line or "APIError" in line or "Traceback" in line], "\n".join(lines)
     # Not silent either: the streaming call's refusal is one INFO line (the unary one logs nothing).

@@ -4,12 +4,12 @@ token, as /metrics shows."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy
+from cluster_harness import API_KEY, cluster_config, http_json, served_app, wait_until
 
 from workers.models.make_model import make_model
+
+pytestmark = pytest.mark.cluster
 
 pytest.importorskip("openai")
 import openai  # noqa: E402
@@ -21,22 +21,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-
-    from cluster.app import build_app
-
-    init_ray()
-    cfg = cluster_config(model_dir, name="dsv3")
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg["server"]["http_port"]))
-    serve.run(build_app(cfg), name="dsv3", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{cfg['server']['http_port']}"
-    wait_healthy(base)
-    yield {"base": base, "config": cfg}
-    serve.shutdown()
-    ray.shutdown()
+def cluster(model_dir, ray_serve):
+    with served_app(ray_serve, cluster_config(model_dir, name="dsv3")) as app:
+        yield {"base": app.base, "config": app.config}
 
 
 def samples(cluster, name: str) -> list[tuple[str, float]]:
@@ -65,9 +52,8 @@ def test_served_text_equals_offline_and_the_handoff_moves_latent_rows(cluster, m
     client = openai.OpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     out = client.completions.create(model="dsv3", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == expected.text
-    deadline = time.monotonic() + 15  # the decode worker publishes its counters with its next heartbeat
-    while total(cluster, "moray_kv_handoff_bytes_total") <= before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # The decode worker publishes its counters with its next heartbeat.
+    wait_until(lambda: total(cluster, "moray_kv_handoff_bytes_total") > before, 15, 0.2, "the handoff bytes showing")
     moved = total(cluster, "moray_kv_handoff_bytes_total") - before
     per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * cfg.num_layers * 4  # float32 on CPU
     assert {v for _, v in samples(cluster, "moray_kv_cache_bytes_per_token")} == {per_token}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from engine_harness import ENGINE_ARGS, prompts, run_to_end
 from hf_checkpoints import save_hf_checkpoint
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
@@ -20,17 +21,6 @@ from workers.engine.kv_events import KVEventKind
 from workers.models.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# Small static-shape grid so each engine compiles only a handful of programs.
-ENGINE_ARGS = dict(
-    block_size=8,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    max_model_len=128,
-    token_buckets=[8, 64],
-    page_buckets=[4, 16],
-    compilation_cache_dir=None,
-)
 
 FAMILIES = {
     "qwen3_moe": dict(
@@ -51,11 +41,6 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llm(tiny) -> LLM:
     return LLM(str(tiny), **ENGINE_ARGS)
-
-
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -194,12 +179,9 @@ def test_logprobs_and_stop_strings(llm):
 def _mixed_run(engine) -> dict[str, list[int]]:
     for i, prompt in enumerate(prompts(12, seed=11, lo=1, hi=100)):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=10))
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.token_ids
-    return out
+    outputs: dict = {}
+    run_to_end(engine, "r0", outputs)
+    return {rid: o.token_ids for rid, o in outputs.items()}
 
 
 def test_no_recompilation_after_warmup(tiny):

@@ -22,11 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_harness import cluster_config, free_port, http_json
+from process_harness import BIN, ROOT, Output, assert_all_gone, caused_processes, env, kill_all, named, start_moray_serve
 
 from workers.models.make_model import make_model
-
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
@@ -42,131 +40,10 @@ def ray_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def env(ray_tmp: str, **extra) -> dict:
-    e = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
-    for key in ("JAX_NUM_CPU_DEVICES", "RAY_ADDRESS"):
-        e.pop(key, None)
-    return {**e, **extra}
-
-
 def complete(base: str, model: str = "tiny", key: str | None = None) -> dict:
     status, body = http_json(base + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}, key=key)
     assert status == 200, body
     return body
-
-
-# ---- Processes ------------------------------------------------------------------------------------------
-
-
-def _process_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, command line) of every process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), fields[0], cmdline)
-    return table
-
-
-def _has_ray_tmpdir(pid: int, marker: str) -> bool:
-    try:
-        return f"RAY_TMPDIR={marker}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-
-
-def caused_processes(roots: set[int] = frozenset(), marker: str | None = None) -> set[int]:
-    """Live processes descended from `roots`, or of the Ray under RAY_TMPDIR `marker` (named in their command
-    line or inherited in their environment: orphaned workers too), and their descendants."""
-    table = _process_table()
-    found = {pid for pid in roots if pid in table}
-    if marker:
-        found |= {pid for pid, (_, _, cmd) in table.items() if marker in cmd or _has_ray_tmpdir(pid, marker)}
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    todo = list(found)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return {pid for pid in found if table[pid][1] != "Z"}
-
-
-def _named(pids: set[int]) -> list[tuple[int, str, str]]:
-    table = _process_table()
-    return [(pid, *table[pid][1:]) for pid in pids if pid in table]
-
-
-def alive(pids: set[int]) -> set[int]:
-    table = _process_table()
-    return {pid for pid in pids if pid in table and table[pid][1] != "Z"}
-
-
-def assert_all_gone(pids: set[int], within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = alive(pids)
-    table = _process_table()
-    assert not left, [table[p][2][:160] for p in left if p in table]
-
-
-def kill_all(pids: set[int]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in alive(pids):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while alive(pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
-def start_moray_serve(args: list[str], e: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [str(BIN / "moray"), "serve", *args],
-        cwd=ROOT,
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-class Output:
-    """A process's stdout, collected by a thread, so a test can wait for a line without blocking on the pipe."""
-
-    def __init__(self, proc: subprocess.Popen):
-        import threading
-
-        self.proc, self.lines = proc, []
-        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        self.thread.start()
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, needle: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(needle in line for line in list(self.lines)):
-            if time.monotonic() > deadline or (self.proc.poll() is not None and not self.thread.is_alive()):
-                pytest.fail(f"no {needle!r} within {timeout}s; output:\n{self.text()}")
-            time.sleep(0.2)
-
-    def finish(self, timeout: float) -> str:
-        self.proc.wait(timeout=timeout)
-        self.thread.join(timeout=10)
-        return self.text()
 
 
 def stale_ray_session(ray_tmp: str) -> str:
@@ -217,14 +94,14 @@ def test_moray_serve_stops_promptly_on_sigterm_while_starting(model_dir, tmp_pat
     try:
         output.wait_for("deploying 'moray'", timeout=300)
         deadline = time.monotonic() + 120
-        while not any("ServeReplica:moray:DecodeServer" in cmd for _, _, cmd in _named(caused_processes({proc.pid}))):
+        while not any("ServeReplica:moray:DecodeServer" in cmd for _, _, cmd in named(caused_processes({proc.pid}))):
             assert time.monotonic() < deadline and proc.poll() is None, "no decode replica started"
             time.sleep(0.5)
         time.sleep(2)  # the replica is loading and compiling
         status, _ = http_json(base + "/health", key=None, timeout=5) if _port_open(cfg["server"]["http_port"]) else (None, None)
         assert status != 200, "start-up finished before the signal: nothing to interrupt"
         started = caused_processes({proc.pid}, ray_tmp) - {proc.pid}
-        assert any("raylet" in cmd for _, _, cmd in _named(started)), "no local Ray to stop"
+        assert any("raylet" in cmd for _, _, cmd in named(started)), "no local Ray to stop"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out = output.finish(timeout=60)
@@ -268,7 +145,7 @@ def test_a_ray_shutdown_that_blocks_is_bounded_and_the_local_ray_still_stops(tmp
     try:
         output.wait_for("ray up", timeout=120)
         started = caused_processes({proc.pid}, ray_tmp) - {proc.pid}
-        assert any("raylet" in cmd for _, _, cmd in _named(started)), "no local Ray"
+        assert any("raylet" in cmd for _, _, cmd in named(started)), "no local Ray"
         out = output.finish(timeout=60)
     finally:
         if proc.poll() is None:

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine import ENGINE_ARGS, prompts
-from test_kv_handoff import handoff, run
+from engine_harness import ENGINE_ARGS, kv_handoff, prompts, run_to_end
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.engine.data_parallel import DataParallelKVCacheManager, DataParallelRunner
@@ -68,9 +67,9 @@ def test_kv_handoff_from_a_data_parallel_prefill_engine(tiny):
     decode = EngineCore(EngineConfig(model=str(tiny), worker_id="d", **ARGS), show_progress=False)
     single = EngineCore(EngineConfig(model=str(tiny), worker_id="s", **ARGS), show_progress=False)
     for i, prompt in enumerate(prompts(3, seed=20, lo=5, hi=60)):
-        _, outs = handoff(prefill, decode, f"r{i}", prompt, GREEDY)
+        _, outs, _ = kv_handoff(prefill, decode, f"r{i}", prompt, GREEDY)
         single.add_request(f"r{i}", prompt, GREEDY)
-        assert outs[-1].token_ids == run(single, f"r{i}")[-1].token_ids
+        assert outs[-1].token_ids == run_to_end(single, f"r{i}").token_ids
     assert prefill.kv.num_free_blocks == prefill.kv.pool.num_blocks
 
 

@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 import pytest
-from hf_checkpoints import save_hf_checkpoint
+from hf_checkpoints import SMALL_INIT, qwen2_ep_checkpoint, save_hf_checkpoint
 
 from workers.engine.config import ParallelConfig
 from workers.models import load_model, prompt_logits
@@ -27,23 +27,6 @@ TOL = 1e-5
 # FP8 gather: measured max |logit error| 0.47% of max |logit| and 100% top-1 agreement on FP8_PROMPTS.
 FP8_REL_TOL = 0.01
 FP8_TOP1 = 0.99
-
-SMALL_INIT = dict(initializer_range=0.05)
-
-
-def qwen2_ep_checkpoint(out_dir):
-    """Hidden 256 (the k = 2 hierarchical dispatch splits it into two 128-lane halves), 16 experts top-4,
-    a shared expert whose output must be combined consistently with the routed one."""
-    return save_hf_checkpoint(
-        out_dir,
-        "qwen2_moe",
-        hidden_size=256,
-        num_experts=16,
-        num_experts_per_tok=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        **SMALL_INIT,
-    )
 
 
 @pytest.fixture(scope="module")

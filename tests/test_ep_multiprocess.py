@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ep_multiprocess_worker import CONFIGS, ENGINE, PROMPTS
-from test_ep_model import qwen2_ep_checkpoint
+from hf_checkpoints import qwen2_ep_checkpoint
 
 from workers.engine import LLM, SamplingParams
 from workers.models import load_model, prompt_logits

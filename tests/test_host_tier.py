@@ -7,10 +7,11 @@ import random
 
 import numpy as np
 import pytest
-from engine_harness import small_engine_args
+from engine_harness import run_to_end, small_engine_args
 
 from workers.engine import LLM, SamplingParams
 from workers.engine.host_tier import HostKVTier
+from workers.engine.output_processor import RequestOutput
 from workers.models.make_model import make_model
 
 ARGS = {**small_engine_args("host-tier"), "max_num_seqs": 4}
@@ -166,11 +167,8 @@ def test_a_host_reload_makes_the_request_wait_not_the_batch(tiny):
     assert "again" in core.scheduler.loading and [o.request_id for o in outputs] == ["busy"]
     core.step()
     assert not core.scheduler.loading and core.scheduler.requests["again"] in core.scheduler.running
-    final = {}
-    while core.has_unfinished():
-        for o in core.step():
-            if o.finished:
-                final[o.request_id] = o
+    final: dict = {}
+    run_to_end(core, "again", final)
     alone = LLM(str(tiny), num_kv_blocks=24, enable_prefix_caching=False, **ARGS).generate([turn2], GREEDY)[0]
     assert final["again"].token_ids == alone.token_ids and final["again"].num_cached_tokens >= 72
 
@@ -233,8 +231,10 @@ def test_a_host_reload_alone_in_its_step_runs_at_once(tiny):
     outputs = core.step()  # no other request to protect: loaded and run in the same step
     assert not core.scheduler.loading and [r.request_id for r in core.scheduler.running] == ["again"]
     assert core.scheduler.running[0].num_computed_tokens > 72  # its first step ran (its output may come next call)
-    while core.has_unfinished():
-        outputs += core.step()
-    assert outputs[0].num_cached_tokens >= 72
+    whole = {}
+    for o in outputs:
+        whole.setdefault(o.request_id, RequestOutput(o.request_id, [])).add(o)
+    again = run_to_end(core, "again", whole)
+    assert again.num_cached_tokens >= 72
     alone = LLM(str(tiny), num_kv_blocks=24, enable_prefix_caching=False, **ARGS).generate([turn2], GREEDY)[0]
-    assert outputs[-1].token_ids == alone.token_ids
+    assert again.token_ids == alone.token_ids

@@ -4,12 +4,12 @@ linear-attention state (both in /metrics), and later turns of a chat report cach
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, init_ray, wait_healthy
+from cluster_harness import API_KEY, cluster_config, http_json, served_app, wait_until
 
 from workers.models.make_model import make_model
+
+pytestmark = pytest.mark.cluster
 
 pytest.importorskip("openai")
 import openai  # noqa: E402
@@ -21,22 +21,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-
-    from cluster.app import build_app
-
-    init_ray()
-    cfg = cluster_config(model_dir, name="hybrid")
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cfg["server"]["http_port"]))
-    serve.run(build_app(cfg), name="hybrid", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{cfg['server']['http_port']}"
-    wait_healthy(base)
-    yield {"base": base, "config": cfg}
-    serve.shutdown()
-    ray.shutdown()
+def cluster(model_dir, ray_serve):
+    with served_app(ray_serve, cluster_config(model_dir, name="hybrid")) as app:
+        yield {"base": app.base, "config": app.config}
 
 
 def client(cluster) -> openai.OpenAI:
@@ -61,9 +48,7 @@ def test_served_text_equals_offline_and_handoff_carries_state(cluster, model_dir
     out = client(cluster).completions.create(model="qwen35", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == expected.text
     # The decode worker publishes its counters with its next heartbeat.
-    deadline = time.monotonic() + 15
-    while metric(cluster, "moray_kv_handoff_state_bytes_total") <= before_state and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: metric(cluster, "moray_kv_handoff_state_bytes_total") > before_state, 15, 0.2, "the state bytes showing")
     state = metric(cluster, "moray_kv_handoff_state_bytes_total") - before_state
     total = metric(cluster, "moray_kv_handoff_bytes_total") - before_kv
     assert state > 0 and total > state  # attention KV travelled too

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from engine_harness import prompts, small_engine_args
+from engine_harness import prompts, run_to_end, small_engine_args
 
 from cluster.router.memory_index import MemoryKVIndex
 from cluster.router.types import WorkerLoad
@@ -160,10 +160,7 @@ def _engine(model_dir, worker):
 
 
 def _run(engine, rid):
-    outs = []
-    while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
-    return outs
+    return [run_to_end(engine, rid)]
 
 
 def test_handoff_carries_kv_and_state(family_dir):
@@ -181,9 +178,9 @@ def test_handoff_carries_kv_and_state(family_dir):
         assert prefill.release_kv(rid)
         for start, data in reversed(chunks):  # any order
             assert decode.import_kv(rid, start, data)
-        got = _run(decode, rid)[-1]
+        got = _run(decode, rid)[-1]  # what follows the first token (streamed by the prefill side)
         single.add_request(rid, prompt, GREEDY)
-        assert got.token_ids == _run(single, rid)[-1].token_ids
+        assert first.token_ids + got.token_ids == _run(single, rid)[-1].token_ids
     for e in (prefill, decode):
         _assert_all_free(e)
 

@@ -6,48 +6,27 @@ between decisions, and finished requests (`vllm:request_success_total`) are told
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
+from fakes import ScriptedOrchestrator, frontend_without_workers, heartbeat
 from prometheus_client import generate_latest
 
-from cluster.config import parse_cluster_config
-from cluster.metrics import FrontendMetrics
-from cluster.orchestrator import Chunk
-from cluster.router.types import RouteRequest
-from cluster.routing import ClusterRouter
+from cluster.membership import Membership, MembershipView
+from cluster.metrics import WorkerMetrics
+from cluster.registry import Registry
+from cluster.router.memory_index import MemoryKVIndex
+from cluster.router.router import Router
+from cluster.router.types import RouteRequest, WorkerLoad
+from workers.messages import HandoffCounters, TokenDelta, WorkerReport
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cluster_harness import cluster_config  # noqa: E402
 
-
-def report(worker: str, role: str = "decode", ts: float | None = None, **kw) -> dict:
-    """A worker's load report (`workers.worker.EngineWorker.load`)."""
-    load = {
-        "worker_id": worker,
-        "role": role,
-        "num_running": 1,
-        "num_waiting": 0,
-        "kv_usage": 0.25,
-        "num_free_blocks": 90,
-        "num_total_blocks": 100,
-        "pending_prefill_tokens": 0,
-        "prefix_cache_queries": 100,
-        "prefix_cache_hits": 40,
-        "num_held": 0,
-        "epoch": 1,
-        "last_seq": -1,
-        "handoffs": 2,
-        "handoff_bytes": 1000,
-        "handoff_state_bytes": 0,
-        "handoff_seconds": 0.5,
-        "misrouted": 1,
-        "healthy": True,
-        "ts": time.time() if ts is None else ts,
-    }
-    return {**load, **kw}
+def report(worker: str, role: str = "decode", ts: float | None = None, misrouted: int = 1, handoff: dict | None = None, **engine):
+    """A busy worker's heartbeat (`workers.messages.WorkerHeartbeat`)."""
+    engine = {"num_running": 1, "kv_usage": 0.25, "num_free_blocks": 90, "prefix_cache_queries": 100, "prefix_cache_hits": 40, **engine}
+    counters = HandoffCounters(**{"handoffs": 2, "bytes": 1000, "seconds": 0.5, **(handoff or {})})
+    return replace(heartbeat(worker, role, ts, **engine), handoff=counters, misrouted=misrouted)
 
 
 def samples(registry, worker: str | None = None) -> list[str]:
@@ -55,13 +34,13 @@ def samples(registry, worker: str | None = None) -> list[str]:
     return [l for l in lines if worker is None or f'worker="{worker}"' in l or f'engine="{worker}"' in l]
 
 
-VLLM = {"model_name": "moray"}  # FrontendMetrics' default model name
+VLLM = {"model_name": "moray"}  # WorkerMetrics' default model name
 
 
 def test_worker_running_totals_are_counters_named_total():
-    m = FrontendMetrics()
+    m = WorkerMetrics()
     m.observe_worker(report("d0"))
-    m.observe_worker(report("d0", prefix_cache_hits=70, handoff_bytes=1500, misrouted=1))
+    m.observe_worker(report("d0", prefix_cache_hits=70, handoff={"bytes": 1500}, misrouted=1))
     value = m.registry.get_sample_value
     assert value("vllm:prefix_cache_hits_total", {**VLLM, "engine": "d0", "role": "decode"}) == 70
     assert value("vllm:prefix_cache_queries_total", {**VLLM, "engine": "d0", "role": "decode"}) == 100
@@ -88,7 +67,7 @@ def test_worker_running_totals_are_counters_named_total():
 
 
 def test_forgotten_worker_takes_every_series_with_it():
-    m = FrontendMetrics()
+    m = WorkerMetrics()
     m.observe_worker(report("d0", num_running=3))
     m.observe_worker(report("d1", num_running=2))
     assert samples(m.registry, "d0")
@@ -103,99 +82,119 @@ def test_forgotten_worker_takes_every_series_with_it():
     assert samples(m.registry, "d0") and m.workers() == ["d0", "d1"]
 
 
-def cluster_router(**router) -> ClusterRouter:
-    cfg = parse_cluster_config({"engine": {"model": "/nonexistent", "block_size": 8}, "router": {"policy": "round-robin", **router}})
-    return ClusterRouter(cfg)
+def router_over(membership: Membership, view: MembershipView, index: MemoryKVIndex) -> Router:
+    from cluster.config import RouterConfig
+
+    return Router(index, RouterConfig(policy="round-robin"), block_size=8, membership=view)
 
 
-def route(r: ClusterRouter, rid: str):
+def route(r: Router, rid: str):
     return r.route(RouteRequest(rid, [], 4))
 
 
+def members(heartbeat_ttl_s: float = 10.0):
+    """The registry's membership, a front end's view of it and a router over the view: `tell(hb)` is a
+    heartbeat reaching the registry (and its index), the view following."""
+    m, view, index = Membership(heartbeat_ttl_s), MembershipView(), MemoryKVIndex(heartbeat_ttl_s=heartbeat_ttl_s)
+
+    def tell(hb=None):
+        if hb is not None and m.report(hb):
+            index.heartbeat(WorkerLoad.from_heartbeat(hb))
+        view.update(m.snapshot())
+
+    return m, view, router_over(m, view, index), tell
+
+
 def test_failed_worker_is_dropped_at_once_and_comes_back_only_with_a_later_heartbeat():
-    r = cluster_router()
-    gone = []
-    r.on_worker_gone(gone.append)
-    r.report(report("d0"), [])
-    r.report(report("d1"), [])
+    m, view, r, tell = members()
+    gone, seen = [], []
+    m.on_gone(gone.append)
+    view.on_gone(seen.append)
+    tell(report("d0"))
+    tell(report("d1"))
     assert {route(r, f"a{i}").decode_worker for i in range(4)} == {"d0", "d1"}
     before_failure = time.time()
-    r.worker_failed("d0")
-    assert gone == ["d0"] and r.is_failed("d0")
-    assert {route(r, f"b{i}").decode_worker for i in range(4)} == {"d1"}  # no TTL wait
-    r.report(report("d0", ts=before_failure), [])  # a report that was in flight when it died
-    assert r.is_failed("d0") and {route(r, f"c{i}").decode_worker for i in range(4)} == {"d1"}
-    r.worker_failed("d0")
-    assert gone == ["d0"]  # told once
-    r.report(report("d0", ts=time.time() + 1), [])  # measured after the failure: wrongly suspected
-    assert not r.is_failed("d0") and {route(r, f"d{i}").decode_worker for i in range(4)} == {"d0", "d1"}
+    assert view.mark_failed("d0", before_failure + 0.01)  # the front end saw a call fail: at once, locally
+    assert seen == ["d0"] and view.is_failed("d0")
+    assert {route(r, f"b{i}").decode_worker for i in range(4)} == {"d1"}  # no TTL wait, before the registry knows
+    assert m.worker_failed("d0", before_failure + 0.01) and gone == ["d0"]
+    tell(report("d0", ts=before_failure))  # a report that was in flight when it died
+    assert view.is_failed("d0") and {route(r, f"c{i}").decode_worker for i in range(4)} == {"d1"}
+    assert not m.worker_failed("d0") and gone == ["d0"]  # told once
+    tell(report("d0", ts=time.time() + 1))  # measured after the failure: wrongly suspected
+    assert not view.is_failed("d0") and {route(r, f"d{i}").decode_worker for i in range(4)} == {"d0", "d1"}
 
 
-def test_expired_worker_leaves_and_router_gauges_follow_heartbeats():
-    r = cluster_router(heartbeat_ttl_s=0.3)
-    r.router.metrics._gauge_interval_s = 0.0
-    gone = []
-    r.on_worker_gone(gone.append)
-    value = r.router.metrics.registry.get_sample_value
-    r.report(report("d0", num_waiting=3), [])
-    r.report(report("d1"), [])
-    # No decision was made: the load gauges still show the heartbeats.
+def test_draining_worker_finishes_but_gets_nothing_new():
+    from workers.messages import WorkerState
+
+    m, view, r, tell = members()
+    tell(report("d0"))
+    tell(report("d1"))
+    tell(replace(report("d0"), state=WorkerState.DRAINING))
+    assert {route(r, f"a{i}").decode_worker for i in range(4)} == {"d1"}
+    assert view.live("decode") == ["d1"] and m.get("d0").state is WorkerState.DRAINING
+
+
+def test_expired_worker_leaves_the_registry_its_series_and_the_router_gauges():
+    async def main():
+        from cluster_harness import cluster_config
+
+        cfg = cluster_config("/nonexistent", router={"heartbeat_ttl_s": 0.3})
+        registry = Registry(cfg)
+        await registry.report(WorkerReport(report("d0", num_waiting=3)))
+        await registry.report(WorkerReport(report("d1")))
+        value = registry.worker_metrics.registry.get_sample_value
+        assert value("vllm:num_requests_waiting", {"model_name": "nonexistent", "engine": "d0", "role": "decode"}) == 3
+        await asyncio.sleep(0.4)
+        await registry.report(WorkerReport(report("d1")))  # d0 stopped reporting
+        registry.remove_dead_workers_now()  # (the report may have done it already: the registry maintains itself)
+        assert samples(registry.worker_metrics.registry, "d0") == [] and samples(registry.worker_metrics.registry, "d1")
+        assert [mm.worker_id for mm in registry.membership.members()] == ["d1"]
+        changes = await registry.changes(None, 0)  # what a front end takes: d1 only
+        assert [mm.worker_id for mm in changes.membership.members] == ["d1"] and set(changes.resync) == {"d1"}
+
+    asyncio.run(main())
+
+
+def test_router_load_gauges_follow_the_view_between_decisions():
+    m, view, r, tell = members()
+    r.metrics._gauge_interval_s = 0.0
+    value = r.metrics.registry.get_sample_value
+    tell(report("d0", num_waiting=3))
+    tell(report("d1"))
+    r.refresh_load_gauges()  # no decision was made: the gauges still show the heartbeats
     assert value("moray_router_worker_load", {"worker": "d0", "field": "num_waiting"}) == 3
-    r.report(report("d0", num_waiting=5), [])
-    assert value("moray_router_worker_load", {"worker": "d0", "field": "num_waiting"}) == 5
     route(r, "x")
-    assert any('worker="d' in l for l in samples(r.router.metrics.registry) if l.startswith("moray_router_routed_prompt_tokens"))
-    time.sleep(0.4)
-    r.report(report("d1"), [])  # d0 stopped reporting
-    r.registries()  # a scrape
-    assert gone == ["d0"]
-    assert samples(r.router.metrics.registry, "d0") == []
-    assert value("moray_router_worker_load", {"worker": "d1", "field": "num_waiting"}) == 0
-    r.worker_failed("d1")
-    assert samples(r.router.metrics.registry, "d1") == [] and gone == ["d0", "d1"]
+    view.on_gone(r.metrics.forget_worker)
+    view.mark_failed("d1")
+    assert samples(r.metrics.registry, "d1") == []
 
 
 # ------------------------------------------------------------------ finished vs failed requests
 
 
-class ScriptedOrchestrator:
-    def __init__(self, script):
-        self.script = script
-
-    async def route(self, request_id, prompt, session_id):
-        return None
-
-    async def stream(self, request_id, prompt, params, decision, trace, session_id=None):
-        for item in self.script:
-            if isinstance(item, BaseException):
-                raise item
-            await asyncio.sleep(0)
-            yield item
-
-
 @pytest.fixture(scope="module")
 def ingress(tmp_path_factory):
-    from cluster.ingress import Ingress
     from workers.models.make_model import make_model
 
     model = make_model(tmp_path_factory.mktemp("metrics") / "tiny", "qwen3_moe", "tiny", seed=11)
-    cls = Ingress.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
-    return cls(cluster_config(model, name="metrics"), None, None)
+    return frontend_without_workers(model, name="metrics")
 
 
 def test_requests_total_tells_finished_from_error_from_cancelled(ingress, monkeypatch):
-    from cluster.ingress import PreparedRequest
+    from cluster.pipeline import PreparedRequest
     from workers.engine.sampling_params import SamplingParams
 
     def request():
         return PreparedRequest("r", [1, 2, 3], SamplingParams(max_tokens=2), None)
 
-    tok = Chunk([7], "x", False, None, 0, 1)
-    done = Chunk([8], "y", True, "length", 0, 2)
+    tok = TokenDelta("r", [7], "x", 1)
+    done = TokenDelta("r", [8], "y", 2, 0, "length")
 
     async def consume(script, stop_after=None):
-        monkeypatch.setattr(ingress, "orchestrator", ScriptedOrchestrator(script))
-        gen = ingress.run(request(), "completions")
+        monkeypatch.setattr(ingress.pipeline, "orchestrator", ScriptedOrchestrator(script))
+        gen = ingress.pipeline.run(request(), "completions")
         got = 0
         try:
             async for _ in gen:
@@ -209,7 +208,7 @@ def test_requests_total_tells_finished_from_error_from_cancelled(ingress, monkey
     asyncio.run(consume([tok, done]))
     asyncio.run(consume([tok, RuntimeError("worker crashed")]))
     asyncio.run(consume([tok, tok, done], stop_after=1))
-    value = ingress.metrics.registry.get_sample_value
+    value = ingress.pipeline.metrics.registry.get_sample_value
     assert value("vllm:request_success_total", {"model_name": "tiny", "finished_reason": "length"}) == 1
     assert value("moray_request_failures_total", {"api": "completions", "outcome": "error"}) == 1
     assert value("moray_request_failures_total", {"api": "completions", "outcome": "cancelled"}) == 1

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 from prometheus_client import generate_latest
+from router_harness import BS, MODEL, SimWorker, stored, tokens
 
 from cluster.cli import main as moray_main
 from cluster.config import RouterConfig
@@ -25,13 +26,7 @@ from cluster.router import (
     attach_in_process,
 )
 from workers.engine.block_hash import block_hashes
-from workers.engine.kv_cache_manager import KVCacheManager
-from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
-from workers.engine.request import Request
-from workers.engine.sampling_params import SamplingParams
-
-BS = 16
-MODEL = "tiny-moe"
+from workers.engine.kv_events import KVEvent, KVEventKind
 
 
 class Clock:
@@ -40,14 +35,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def stored(worker: str, hashes: list[int], epoch: int = 1, start_seq: int = 0, tier: str = "device") -> list[KVEvent]:
-    return [KVEvent(worker, epoch, start_seq + i, KVEventKind.STORED, h, 0, BS, tier, 0.0) for i, h in enumerate(hashes)]
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 30_000) for _ in range(n)]
 
 
 def setup(workers: dict[str, str], clock=None, **cfg) -> tuple[MemoryKVIndex, Router]:
@@ -353,63 +340,6 @@ def test_metrics_are_exported_with_decision_branches_and_reuse():
 
 
 # ---------------------------------------------------------------- simulations with real KV cache managers
-
-
-class SimWorker:
-    """A decode worker reduced to its KV cache: a real KVCacheManager (prefix cache, LRU eviction, events)
-    serving requests whose prefill is instant-ish and whose decode runs one token per tick."""
-
-    def __init__(self, worker_id: str, num_blocks: int = 8192):
-        self.id = worker_id
-        self.events = KVEventPublisher(worker_id, epoch=1)
-        self.kv = KVCacheManager(num_blocks, BS, True, MODEL, self.events)
-        self.running: list[tuple[Request, int]] = []  # (request, ticks left)
-        self.prefill_backlog = 0  # uncached prompt tokens waiting to be prefilled
-        self.work = 0.0  # load integrated over time
-
-    def admit(self, rid: str, prompt: list[int], output: list[int]) -> int:
-        """Allocates the prompt (taking its cached prefix); returns the cached tokens the engine reused."""
-        r = Request(rid, list(prompt), SamplingParams())
-        prefix = self.kv.cached_prefix(r)
-        r.num_computed_tokens = min(len(prefix) * BS, len(prompt) - 1)
-        assert self.kv.allocate(r, len(prompt) - r.num_computed_tokens, prefix) is not None
-        reused = r.num_computed_tokens
-        r.num_computed_tokens = len(prompt)
-        self.kv.cache_full_blocks(r)
-        self.prefill_backlog += len(prompt) - reused
-        r.output_token_ids = list(output)  # produced over the next len(output) ticks
-        self.running.append((r, len(output)))
-        return reused
-
-    def tick(self, prefill_rate: int = 2048) -> None:
-        self.prefill_backlog = max(0, self.prefill_backlog - prefill_rate)
-        still = []
-        for r, left in self.running:
-            if left > 1:
-                still.append((r, left - 1))
-            else:  # finished: its whole sequence (minus the last token) is computed and cached, then freed
-                assert self.kv.allocate(r, len(r.output_token_ids) - 1) is not None
-                r.num_computed_tokens = r.num_tokens - 1
-                self.kv.cache_full_blocks(r)
-                self.kv.free(r)
-        self.running = still
-        self.work += self.load_blocks()
-
-    def load_blocks(self) -> float:
-        return self.active_blocks() + self.prefill_backlog / BS
-
-    def active_blocks(self) -> int:
-        return sum(-(-(len(r.prompt_token_ids) + len(r.output_token_ids) - left) // BS) for r, left in self.running)
-
-    def load(self, ts: float) -> WorkerLoad:
-        return WorkerLoad(
-            self.id,
-            "decode",
-            inflight_prefill_tokens=self.prefill_backlog,
-            active_decode_blocks=self.active_blocks(),
-            kv_usage=self.kv.usage,
-            ts=ts,
-        )
 
 
 def simulate_hot_prefix(policy_cfg: dict, num_blocks: int = 2048, ticks: int = 300, seed: int = 0) -> dict:

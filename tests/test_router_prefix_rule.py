@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
-from test_router_policy import BS, MODEL, stored
-from test_router_redis import REDIS_SERVER, RedisServer, redis_index
+from fakes import heartbeat
+from router_harness import BS, MODEL, REDIS_SERVER, RedisServer, redis_index, stored
 
 from cluster.router import MemoryKVIndex, MirroredKVIndex, PrefixMatch, RedisKVEventSink, WorkerLoad
 from cluster.router.redis_conn import connect
@@ -311,8 +312,6 @@ def test_a_sparse_worker_holding_blocks_2_and_5_of_8_matches_6(server, others):
 def test_worker_load_keeps_the_sparse_flag_through_redis(server):
     """Written by a router's heartbeat or a worker's sink, read back by lookups (both ways) and by a
     mirror; strings as Redis holds them parse to bools."""
-    from cluster.routing import worker_load
-
     client = connect(server.url(), 2.0)
     client.flushall()
     writer = redis_index(server)
@@ -326,24 +325,13 @@ def test_worker_load_keeps_the_sparse_flag_through_redis(server):
         assert loads["hybrid"].sparse_blocks is True and loads["dense"].sparse_blocks is False
         assert loads["hybrid"] == WorkerLoad.from_dict(loads["hybrid"].to_dict())
 
-    # The worker side: EngineWorker.load() -> routing.worker_load -> the sink's heartbeat.
-    report = {
-        "worker_id": "w9",
-        "role": "decode",
-        "pending_prefill_tokens": 3,
-        "num_total_blocks": 10,
-        "num_free_blocks": 4,
-        "kv_usage": 0.6,
-        "num_waiting": 0,
-        "epoch": 1,
-        "last_seq": -1,
-        "sparse_blocks": True,
-    }
-    assert worker_load(report).sparse_blocks is True
-    assert worker_load({**report, "sparse_blocks": False}).sparse_blocks is False
-    assert worker_load({k: v for k, v in report.items() if k != "sparse_blocks"}).sparse_blocks is False
+    # The worker side: its heartbeat message -> WorkerLoad.from_heartbeat -> the sink's heartbeat.
+    hb = heartbeat("w9", num_pending_prefill_tokens=3, num_total_blocks=10, num_free_blocks=4, kv_usage=0.6, sparse_blocks=True)
+    assert WorkerLoad.from_heartbeat(hb).sparse_blocks is True
+    assert WorkerLoad.from_heartbeat(replace(hb, engine=replace(hb.engine, sparse_blocks=False))).sparse_blocks is False
+    assert WorkerLoad.from_heartbeat(heartbeat("w9")).sparse_blocks is False  # attention-only: every block
     s = RedisKVEventSink(
-        connect(server.url(), 2.0), MODEL, "w9", role="decode", heartbeat_interval_s=0.05, load_fn=lambda: worker_load(report)
+        connect(server.url(), 2.0), MODEL, "w9", role="decode", heartbeat_interval_s=0.05, load_fn=lambda: WorkerLoad.from_heartbeat(hb)
     ).start()
     try:
         got = _wait(lambda: fresh.live_workers().get("w9"))

@@ -7,15 +7,13 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import random
-import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from test_router_policy import BS, MODEL, SimWorker, stored, tokens
+from router_harness import BS, MODEL, REDIS_SERVER, RedisServer, SimWorker, redis_index, stored, tokens
 
 from cluster.config import KVIndexConfig, RouterConfig
 from cluster.router import (
@@ -35,60 +33,9 @@ from cluster.router.redis_index import pack_decision, unpack_decision
 from workers.engine.block_hash import block_hashes
 from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
 
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)")
 
 CHAIN = list(range(1, 41))  # stand-in block hashes: the index only compares them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A private redis-server: no persistence (a restart loses everything, the worst case)."""
-
-    def __init__(self, tmp: Path, *args: str, port: int | None = None, tls: bool = False):
-        self.tmp, self.args, self.tls = tmp, args, tls
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "RedisServer":
-        port_args = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
-        self.log = open(self.tmp / f"redis-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, *port_args, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.tmp), *self.args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {(self.tmp / f'redis-{self.port}.log').read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    if not self.tls:  # an answer (+PONG, or -NOAUTH) means it is serving
-                        sock.sendall(b"PING\r\n")
-                        if not sock.recv(64):
-                            raise OSError("closed")
-                return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-            self.log.close()
-
-    def url(self, userinfo: str = "") -> str:
-        scheme = "rediss" if self.tls else "redis"
-        return f"{scheme}://{userinfo + '@' if userinfo else ''}127.0.0.1:{self.port}/0"
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +50,6 @@ def client(server):
     c = connect(server.url(), 2.0)
     c.flushall()
     return c
-
-
-def redis_index(server, **kw) -> RedisKVIndex:
-    kw.setdefault("load_cache_s", 0)  # tests change loads between lookups
-    return RedisKVIndex(connect(server.url(), 2.0), MODEL, **kw)
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
@@ -799,18 +741,22 @@ def test_host_tier_events_reach_redis_replicas_started_later_see_both_tiers_and_
     """A real engine with a host KV tier behind a real sink: blocks it moved to the host are offloaded
     entries in Redis; a Redis replica and a mirror created afterwards see both tiers; once the worker's
     heartbeat stops, housekeeping removes its entries of both tiers (and its reverse sets)."""
-    from test_host_tier import ARGS, GREEDY, prompt
+    from engine_harness import prompts, small_engine_args
+
+    from workers.engine import SamplingParams
+
+    GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     from workers.engine import LLM
     from workers.models.make_model import make_model
 
     model = make_model(tmp_path / "tiny", "qwen3_moe", "tiny", seed=5)
-    llm = LLM(str(model), num_kv_blocks=24, host_kv={"blocks": 12}, worker_id="w0", **ARGS)
+    llm = LLM(str(model), num_kv_blocks=24, host_kv={"blocks": 12}, worker_id="w0", **{**small_engine_args("host-tier"), "max_num_seqs": 4})
     s = sink(server, "w0", heartbeat_ttl_s=1.0).attach(llm.engine.events)
     s.set_load(WorkerLoad("w0", "decode", ts=time.time()))
     for seed in range(1, 6):
-        llm.generate([prompt(seed, 72)], GREEDY, session_id=f"chat-{seed}")
-    llm.generate([prompt(9, 8)], GREEDY)  # one more step: the last evictions reach the tier
+        llm.generate([prompts(1, seed, 72, 73)[0]], GREEDY, session_id=f"chat-{seed}")
+    llm.generate([prompts(1, 9, 8, 9)[0]], GREEDY)  # one more step: the last evictions reach the tier
     assert s.flush(5)
     kv = llm.engine.kv
     host_only = [h for h in kv.host.slot_of if h not in kv.pool.cached]

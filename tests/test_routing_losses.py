@@ -12,32 +12,25 @@ test per cause found, each on the real orchestrator and router (memory index) in
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cluster_harness import cluster_config, worker_load  # noqa: E402
+from fakes import heartbeat
 
-from cluster.config import parse_cluster_config  # noqa: E402
-from cluster.orchestrator import Orchestrator  # noqa: E402
-from cluster.routing import ClusterRouter  # noqa: E402
+from cluster.config import RouterConfig
+from cluster.orchestrator import Orchestrator
+from cluster.router.memory_index import MemoryKVIndex
+from cluster.router.router import Router
+from cluster.router.types import WorkerLoad
 
 BLOCK = 8
 
 
-def orchestrator(speculative_ttl_s: float, workers=("d0", "d1")) -> tuple[Orchestrator, ClusterRouter]:
-    cfg = parse_cluster_config(
-        cluster_config(
-            "/nonexistent",
-            mode="colocated",
-            engine={"model": "/nonexistent", "block_size": BLOCK},
-            router={"policy": "kv-aware", "speculative_ttl_s": speculative_ttl_s},
-        )
-    )
-    router = ClusterRouter(cfg)
+def orchestrator(speculative_ttl_s: float, workers=("d0", "d1")) -> tuple[Orchestrator, Router]:
+    """The real orchestrator and router (memory index, live workers that send no KV events)."""
+    index = MemoryKVIndex()
     for w in workers:
-        router.report(worker_load(w), [])
-    return Orchestrator(router, None, None, BLOCK, "tiny", True, server=cfg.server), router
+        index.heartbeat(WorkerLoad.from_heartbeat(heartbeat(w)))
+    router = Router(index, RouterConfig(policy="kv-aware", speculative_ttl_s=speculative_ttl_s), block_size=BLOCK)
+    return Orchestrator(router, None, None, None, BLOCK, "tiny", True), router
 
 
 def test_a_request_waiting_in_a_queue_keeps_attracting_its_prefix():

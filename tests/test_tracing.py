@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import http.server
-import inspect
 import json
 import logging
 import os
@@ -26,11 +25,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
-from cluster_harness import API_KEY, cluster_config, http_json, worker_load
+from cluster_harness import API_KEY, cluster_config, http_json
+from fakes import FakeEngineWorker, http_request, serving, until
 
 from cluster import logs, tracing
 from cluster.config import ConfigError, ObservabilityConfig, parse_cluster_config
-from workers.worker import PrefillResult
+from workers.messages import KVChunk
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -60,10 +60,10 @@ def sampled(traceparent: str) -> bool:
 
 def test_propagation_helpers_parent_a_remote_span_in_the_same_trace(spans):
     ingress = tracing.start_span("ingress", None, {"moray.request_id": "cmpl-1"}, server=True)
-    kwargs = tracing.call_kwargs(ingress)
-    assert set(kwargs) == {"trace_context"} and sampled(kwargs["trace_context"]["traceparent"])
+    context = tracing.inject(ingress)  # what a request message's trace_context carries
+    assert set(context) == {"traceparent"} and sampled(context["traceparent"])
     # The worker side: another process would receive only the dict.
-    carrier = json.loads(json.dumps(kwargs["trace_context"]))
+    carrier = json.loads(json.dumps(context))
     with tracing.span("prefill", tracing.extract(carrier), {"moray.request_id": "cmpl-1"}):
         pass
     decode = tracing.start_span("decode", tracing.extract(carrier))
@@ -90,12 +90,12 @@ def test_propagation_helpers_parent_a_remote_span_in_the_same_trace(spans):
 
 async def _chunk(layer_start: int, layer_end: int):
     await asyncio.sleep(0.01)
-    return np.zeros((layer_end - layer_start, 16), np.float32)
+    return KVChunk.of("cmpl-1", layer_start, layer_end, np.zeros((layer_end - layer_start, 16), np.float32))
 
 
 def test_tracing_off_costs_nothing():
     tracing.configure(ObservabilityConfig(), "test")
-    assert tracing.start_span("ingress") is None and tracing.call_kwargs(None) == {}
+    assert tracing.start_span("ingress") is None and tracing.inject(None) is None
     assert tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
     assert tracing.span("router") is tracing.span("prefill")  # one shared no-op, no allocation per request
     fetch = _chunk
@@ -168,7 +168,7 @@ def _record(message: str, level=logging.ERROR, exc: BaseException | None = None,
 
 
 def test_json_log_lines_carry_the_request_id_and_the_replica():
-    where = {"application": "moray", "deployment": "Ingress", "replica": "abc"}
+    where = {"application": "moray", "deployment": "Frontend", "replica": "abc"}
     try:
         raise RuntimeError("boom\nsecond line")
     except RuntimeError as e:
@@ -182,7 +182,7 @@ def test_json_log_lines_carry_the_request_id_and_the_replica():
         "message": "request cmpl-1 failed",
         "request_id": "cmpl-1",
         "stage": "decode",
-        "deployment": "Ingress",
+        "deployment": "Frontend",
         "replica": "abc",
     }
     assert record["timestamp"].endswith("Z") and record["exception"] == "RuntimeError: boom" and "Traceback" in record["traceback"]
@@ -195,7 +195,7 @@ def test_json_log_lines_carry_the_request_id_and_the_replica():
     finally:
         logs.current_request_id.reset(token)
     text = logs.formatter("text", where, one_line=True).format(_record("request cmpl-1 failed during decode", exc=error))
-    assert "\n" not in text and "ERROR moray.cluster [moray Ingress abc] request cmpl-1 failed during decode (RuntimeError: boom)" in text
+    assert "\n" not in text and "ERROR moray.cluster [moray Frontend abc] request cmpl-1 failed during decode (RuntimeError: boom)" in text
 
 
 def test_configuring_logs_again_replaces_the_handler():
@@ -214,103 +214,6 @@ def test_configuring_logs_again_replaces_the_handler():
 # ============================================================================ in process: ingress -> workers
 
 
-class _Response:
-    """A unary Serve response."""
-
-    def __init__(self, coro):
-        self.coro = coro
-
-    def __await__(self):
-        return self.coro.__await__()
-
-    def cancel(self):
-        pass
-
-
-class _Stream:
-    """A streaming Serve response."""
-
-    def __init__(self, agen):
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self.agen.__anext__()
-
-    def cancel(self):
-        pass
-
-
-class _Handle:
-    """A deployment handle calling the real server objects in process (`target_replica` picks one)."""
-
-    def __init__(self, servers: dict, strict: bool = False):
-        self.servers, self.strict, self.calls = servers, strict, []
-
-    def options(self, **_):
-        return self
-
-    def __getattr__(self, method):
-        handle = self
-
-        class Method:
-            @staticmethod
-            def remote(*args, target_replica=None, **kwargs):
-                handle.calls.append((method, kwargs))
-                if handle.strict:
-                    assert "trace_context" not in kwargs  # tracing off: nothing extra travels
-                result = getattr(handle.servers[target_replica], method)(*args, target_replica=target_replica, **kwargs)
-                return _Stream(result) if inspect.isasyncgen(result) else _Response(result)
-
-        return Method()
-
-
-class _EngineWorker:
-    """Stands in for `workers.worker`'s prefill and decode workers (no engine)."""
-
-    def __init__(self, worker_id: str, fail_decode: bool = False):
-        self.worker_id, self.fail_decode = worker_id, fail_decode
-        self.counters = SimpleNamespace(misrouted=0)
-
-    async def prefill(self, request_id, prompt, params, session_id=None):
-        return PrefillResult(request_id, self.worker_id, 42, "x", False, None, 0, len(prompt), num_layers=2)
-
-    async def kv_chunk(self, request_id, layer_start, layer_end):
-        return np.zeros((layer_end - layer_start, 32), np.float32)
-
-    async def release(self, request_id):
-        return True
-
-    async def generate_from_prefill(self, request_id, prompt, params, handoff, fetch_chunk, release, session_id=None):
-        await asyncio.gather(*(fetch_chunk(layer, layer + 1) for layer in range(handoff.num_layers)))
-        for i in range(1, params.max_tokens):
-            if self.fail_decode:
-                raise RuntimeError("the decode step broke")
-            done = i == params.max_tokens - 1
-            yield SimpleNamespace(
-                new_token_ids=[100 + i],
-                delta_text=f"t{i}",
-                finished=done,
-                finish_reason="length" if done else None,
-                num_cached_tokens=0,
-                token_ids=[42] + list(range(101, 101 + i)),
-                logprobs=None,
-            )
-
-
-def _servers(fail_decode: bool = False, strict: bool = False):
-    from cluster.servers import DecodeServer, PrefillServer
-
-    prefill = object.__new__(PrefillServer)
-    prefill.worker, prefill.worker_id = _EngineWorker("p0"), "p0"
-    decode = object.__new__(DecodeServer)
-    decode.worker, decode.worker_id = _EngineWorker("d0", fail_decode), "d0"
-    decode.prefill_handle = _Handle({"p0": prefill}, strict)
-    return _Handle({"p0": prefill}, strict), _Handle({"d0": decode}, strict)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from workers.models.make_model import make_model
@@ -318,43 +221,33 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("tracing") / "tiny", "qwen3_moe", "tiny", seed=3)
 
 
-async def _ingress(model_dir, prefill, decode, observability: dict):
-    from cluster.ingress import Ingress
-
-    cfg = cluster_config(model_dir, name="traced", observability=observability)
-    ingress = Ingress.func_or_class.__bases__[0](cfg, prefill, decode)  # the class under Serve's ASGI wrapper
-    await ingress.report(worker_load("p0", "prefill"), [])
-    await ingress.report(worker_load("d0", "decode"), [])
-    return ingress
+async def _serving(model_dir, observability: dict, fail_decode: bool = False):
+    """The real front end and worker servers in process (fake engines: tokens on a timer, KV chunks of
+    2 units x 32 float32), one prefill and one decode worker."""
+    prefill = FakeEngineWorker("p0", "prefill")
+    decode = FakeEngineWorker("d0", "decode", fail_decode=fail_decode)
+    return await serving(model_dir, [prefill], [decode], name="traced", observability=observability), prefill, decode
 
 
 def _http(body: dict, headers: dict | None = None):
-    from starlette.requests import Request
-
-    raw = json.dumps(body).encode()
-
-    async def receive():
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    h = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(k.encode(), v.encode()) for k, v in h.items()]}
-    return Request({**scope, "query_string": b""}, receive)
+    return http_request(body, headers=headers, stay=False)
 
 
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
 
 
 def test_a_request_through_ingress_and_worker_servers_is_one_trace(model_dir, spans):
-    prefill, decode = _servers()
     client_trace = "0af7651916cd43dd8448eb211c80319c"
 
     async def main():
-        ingress = await _ingress(model_dir, prefill, decode, {"tracing": True})
-        tracing.configure(TRACED, "test", exporter=spans)  # the ingress set up its own; keep the test's
+        s, prefill, decode = await _serving(model_dir, {"tracing": True})
+        tracing.configure(TRACED, "test", exporter=spans)  # the front end set up its own; keep the test's
         headers = {"traceparent": f"00-{client_trace}-b7ad6b7169203331-01"}
-        return await ingress.completions(_http(COMPLETION, headers))
+        response = await s.frontend.completions(_http(COMPLETION, headers))
+        await until(lambda: "decode" in by_name(spans.get_finished_spans()))
+        return response, prefill, decode
 
-    response = asyncio.run(main())
+    response, prefill, decode = asyncio.run(main())
     assert response.status_code == 200
     request_id = json.loads(response.body)["id"]
     got = by_name(spans.get_finished_spans())
@@ -370,35 +263,37 @@ def test_a_request_through_ingress_and_worker_servers_is_one_trace(model_dir, sp
     assert got["prefill"].attributes["moray.worker"] == "p0"
     assert got["decode"].attributes["moray.completion_tokens"] == 4 and got["decode"].attributes["moray.finish_reason"] == "length"
     assert got["kv_handoff"].attributes["moray.handoff_bytes"] == 2 * 32 * 4
-    # Every worker call carried the ingress span's traceparent.
-    traceparents = [kw["trace_context"]["traceparent"] for _, kw in prefill.calls + decode.calls]
+    # Every request sent to a worker carried the front-end span's traceparent.
+    traceparents = [r.trace_context["traceparent"] for r in prefill.requests + decode.requests]
     assert len(traceparents) == 2 and all(tp.split("-")[2] == format(ingress_id, "016x") for tp in traceparents)
 
 
 def test_tracing_off_sends_nothing_extra_to_the_workers(model_dir):
-    prefill, decode = _servers(strict=True)
-
     async def main():
-        ingress = await _ingress(model_dir, prefill, decode, {})
-        return await ingress.completions(_http(COMPLETION))
+        s, prefill, decode = await _serving(model_dir, {})
+        return await s.frontend.completions(_http(COMPLETION)), s, prefill, decode
 
-    assert asyncio.run(main()).status_code == 200
-    assert [name for name, _ in prefill.calls + decode.calls] == ["prefill", "generate_from_prefill"]
+    response, s, prefill, decode = asyncio.run(main())
+    assert response.status_code == 200
+    assert [type(r).__name__ for r in prefill.requests + decode.requests] == ["PrefillRequest", "DecodeRequest"]
+    assert all(r.trace_context is None for r in prefill.requests + decode.requests)
+    calls = s.prefill_handle.calls + s.decode_handle.calls
+    assert {name for name, _, _ in calls} == {"prefill", "kv_chunk", "release", "channel", "start"}
+    assert all(set(kw) <= {"target_replica"} for _, _, kw in calls)
 
 
 def test_a_server_side_failure_is_one_error_record_with_the_request_id_and_stage(model_dir, spans, caplog):
-    prefill, decode = _servers(fail_decode=True)
-
     async def main():
-        ingress = await _ingress(model_dir, prefill, decode, {"tracing": True})
+        s, _, _ = await _serving(model_dir, {"tracing": True}, fail_decode=True)
         tracing.configure(TRACED, "test", exporter=spans)
-        bad = await ingress.completions(_http({**COMPLETION, "max_tokens": "4"}))  # a client error
-        failed = await ingress.completions(_http(COMPLETION))
+        bad = await s.frontend.completions(_http({**COMPLETION, "max_tokens": "4"}))  # a client error
+        failed = await s.frontend.completions(_http(COMPLETION))
         return bad, failed
 
     with caplog.at_level(logging.INFO, logger="moray"):
         bad, failed = asyncio.run(main())
-    assert bad.status_code == 400 and failed.status_code == 500
+    # The decode worker's channel broke: the worker failed, and with no other the request is a 503.
+    assert bad.status_code == 400 and failed.status_code == 503 and json.loads(failed.body)["error"]["code"] == "worker_failed"
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, [r.getMessage() for r in errors]
     request_id = errors[0].request_id
@@ -417,7 +312,7 @@ APP = "traced"
 @pytest.fixture(scope="module")
 def served(model_dir, tmp_path_factory):
     """`moray serve` of 1 prefill + 1 decode replica, JSON logs, every span appended to a file."""
-    from test_entrypoints import Output, assert_all_gone, caused_processes, env, kill_all, start_moray_serve
+    from process_harness import Output, assert_all_gone, caused_processes, env, kill_all, start_moray_serve
 
     tmp = tmp_path_factory.mktemp("served")
     ray_tmp = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))  # Ray's socket paths must stay short
@@ -484,7 +379,7 @@ def test_served_failure_is_one_json_line_on_the_console_and_client_errors_are_no
     """A client error prints nothing; killing the decode replica under a stream prints one JSON line
     with that stream's request id and stage."""
     import aiohttp
-    from test_entrypoints import caused_processes
+    from process_harness import caused_processes
 
     start = len(served.output.lines)
     status, body = http_json(served.base + "/v1/completions", {**COMPLETION, "max_tokens": "4"})
@@ -523,7 +418,7 @@ def test_served_failure_is_one_json_line_on_the_console_and_client_errors_are_no
     ours = [json.loads(line) for line in served.output.lines[start:] if line.startswith("{")]
     mine = [r for r in ours if r.get("request_id") == request_id]
     assert len(mine) == 1, ours
-    assert mine[0]["level"] == "ERROR" and mine[0]["stage"] == "decode" and mine[0]["deployment"] == "Ingress", mine
+    assert mine[0]["level"] == "ERROR" and mine[0]["stage"] == "decode" and mine[0]["deployment"] == "Frontend", mine
     assert "decode worker" in mine[0]["message"] and "traceback" not in mine[0]
     assert all(r["level"] == "ERROR" for r in ours), ours
     # The replicas' own logs (their stderr, in Ray's log files): JSON lines, the request's id on each

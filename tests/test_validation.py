@@ -8,15 +8,15 @@ import json
 import logging
 import sys
 import time
-from types import SimpleNamespace
 
+import fakes
 import grpc
 import pytest
+from fakes import FakeContext, ScriptedOrchestrator, frontend_without_workers
 
 from cluster import openai_api as oa
 from cluster import validation
 from cluster.grpc_service import ClientErrorLogFilter
-from cluster.orchestrator import Chunk
 from protos.moray.v1 import moray_pb2
 from workers.engine.sampling_params import SamplingParams
 
@@ -425,73 +425,21 @@ def test_log_filter_turns_client_errors_into_one_info_line():
 # ------------------------------------------------------------------------------------- the ingress, in process
 
 
-class FakeContext:
-    def __init__(self, metadata=(("authorization", "Bearer test-key"),)):
-        self.metadata, self.code, self.details = list(metadata), None, None
-
-    def invocation_metadata(self):
-        return self.metadata
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, details):
-        self.details = details
-
-
-class FakeOrchestrator:
-    """Routes nowhere; streams `tokens` tokens, or raises `error` before the first one."""
-
-    def __init__(self, error: BaseException | None = None, tokens: int = 3, delay: float = 0.0):
-        self.error, self.tokens, self.delay = error, tokens, delay
-        self.ids: list[str] = []
-
-    async def route(self, request_id, prompt, session_id, span=None):
-        return SimpleNamespace(prefill_worker=None, decode_worker="d")
-
-    async def stream(self, request_id, prompt, params, decision, trace, session_id=None):
-        self.ids.append(request_id)
-        if self.error is not None:
-            raise self.error
-        for i in range(self.tokens):
-            await asyncio.sleep(self.delay)
-            done = i == self.tokens - 1
-            yield Chunk([7], "x", done, "length" if done else None, 0, i + 1)
-
-
 @pytest.fixture(scope="module")
 def ingress(model_dir):
-    from cluster_harness import cluster_config
-
-    from cluster.ingress import Ingress
-
-    cls = Ingress.func_or_class.__bases__[0]  # the class under Serve's ASGI wrapper
-    return cls(cluster_config(model_dir, name="inproc"), None, None)
+    return frontend_without_workers(model_dir)
 
 
 WORKER_REFUSAL = ray_task_error(ValueError("stop token id 99999 is outside the vocabulary [0, 512)"))
 
 
 def http_request(body: dict, path: str = "/v1/completions"):
-    from starlette.requests import Request
-
-    raw = json.dumps(body).encode()
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    headers = [(b"authorization", b"Bearer test-key"), (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    return Request({"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}, receive)
+    return fakes.http_request(body, path, stay=False)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_http_worker_value_error_is_a_400_without_traceback(ingress, monkeypatch, stream):
-    monkeypatch.setattr(ingress, "orchestrator", FakeOrchestrator(WORKER_REFUSAL))
+    monkeypatch.setattr(ingress.pipeline, "orchestrator", ScriptedOrchestrator(error=WORKER_REFUSAL))
     response = asyncio.run(ingress.completions(http_request({**GOOD, "stream": stream})))
     body = json.loads(response.body)
     assert response.status_code == 400, body
@@ -499,14 +447,14 @@ def test_http_worker_value_error_is_a_400_without_traceback(ingress, monkeypatch
 
 
 def test_http_worker_crash_is_a_500_without_traceback(ingress, monkeypatch):
-    monkeypatch.setattr(ingress, "orchestrator", FakeOrchestrator(KeyError("kv")))
+    monkeypatch.setattr(ingress.pipeline, "orchestrator", ScriptedOrchestrator(error=KeyError("kv")))
     response = asyncio.run(ingress.completions(http_request(GOOD)))
     assert response.status_code == 500
     assert json.loads(response.body)["error"]["message"] == "internal error: KeyError"
 
 
 def test_grpc_worker_value_error_is_invalid_argument_with_one_line(ingress, monkeypatch):
-    monkeypatch.setattr(ingress, "orchestrator", FakeOrchestrator(WORKER_REFUSAL))
+    monkeypatch.setattr(ingress.pipeline, "orchestrator", ScriptedOrchestrator(error=WORKER_REFUSAL))
     request = moray_pb2.GenerateRequest(model="tiny", prompt="hi").SerializeToString()
 
     async def generate(ctx):
@@ -535,8 +483,8 @@ def test_grpc_client_errors_in_unary_calls_are_returned_not_raised(ingress):
 
 
 def test_grpc_same_client_request_id_twice_at_once(ingress, monkeypatch):
-    fake = FakeOrchestrator(tokens=3, delay=0.01)
-    monkeypatch.setattr(ingress, "orchestrator", fake)
+    fake = ScriptedOrchestrator(tokens=3, delay=0.01)
+    monkeypatch.setattr(ingress.pipeline, "orchestrator", fake)
     request = moray_pb2.GenerateRequest(model="tiny", prompt="hi", request_id="mine")
 
     async def generate():
@@ -570,9 +518,9 @@ class FakeCore:
         return bool(self.to_finish)
 
     def step(self):
-        from workers.engine.engine import RequestOutput
+        from workers.messages import TokenDelta
 
-        out = [RequestOutput(rid, [1], [5], [5], "", "", True, "length", 0) for rid in self.to_finish]
+        out = [TokenDelta(rid, [5], "", 1, 0, "length") for rid in self.to_finish]
         for rid in self.to_finish:
             self.requests.pop(rid, None)
         self.to_finish = []
@@ -601,7 +549,7 @@ def test_async_engine_duplicate_id_never_touches_the_running_stream():
         outs = asyncio.run(asyncio.wait_for(main(), timeout=10))
     finally:
         engine.shutdown()
-    assert outs[-1].finished and outs[-1].new_token_ids == [5]
+    assert outs[-1].finished and outs[-1].token_ids == [5]
 
 
 @pytest.mark.parametrize(
@@ -617,7 +565,7 @@ def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(method, pat
     """Found by `moray bench fuzz`: FastAPI's `{"detail": "Not Found"}` is not what OpenAI clients parse."""
     from starlette.testclient import TestClient
 
-    from cluster.ingress import api
+    from cluster.frontend import api
 
     r = TestClient(api).request(method, path)
     assert r.status_code == status
