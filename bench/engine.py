@@ -254,14 +254,14 @@ class _Bench:
         # Prefill (untimed): step until every request has its first token.
         while any(not toks for toks in outputs.values()):
             for out in self.engine.step():
-                outputs[out.request_id].extend(out.new_token_ids)
+                outputs[out.request_id].extend(out.token_ids)
         # With asynchronous scheduling a step's tokens come back from the next call: step until one call
         # returns a token for every request (the pipeline full), so that each timed step is a whole batch.
         for _ in range(_FILL_STEPS):
             outs = self.engine.step()
             for out in outs:
-                outputs[out.request_id].extend(out.new_token_ids)
-            if sum(len(o.new_token_ids) for o in outs) == len(prompts):
+                outputs[out.request_id].extend(out.token_ids)
+            if sum(len(o.token_ids) for o in outs) == len(prompts):
                 break
         step_s, positions, keys = [], [], []
         for _ in range(steps):
@@ -274,8 +274,8 @@ class _Bench:
             step_s.append(time.perf_counter() - start)
             new = 0
             for out in outs:
-                outputs[out.request_id].extend(out.new_token_ids)
-                new += len(out.new_token_ids)
+                outputs[out.request_id].extend(out.token_ids)
+                new += len(out.token_ids)
             if new != len(prompts):
                 raise RuntimeError(
                     f"a timed decode step produced {new} tokens for a batch of {len(prompts)} (preemptions {self.engine.preemptions}, running {len(self.engine.scheduler.running)}, waiting {len(self.engine.scheduler.waiting)}, free {self.engine.kv.num_free_blocks})"

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=4, help="concurrent callers for the throughput run")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="also write the JSON here")
+    # --json like every other bench; --out is the name it had first (kept working as an alias)
+    p.add_argument("--json", "--out", dest="json", type=Path, help="also write the JSON here")
     add_report_argument(p)
 
 
@@ -187,7 +188,7 @@ def time_router(router, req_h, heartbeat, threads: int) -> dict:
     for r in reqs[:200]:  # warm up (script cache, connections)
         router.route(r)
     # What exists now (the workload, the filled index) is startup state: a serving replica freezes it
-    # the same way (`Ingress`), so full collections do not traverse it on the request path.
+    # the same way (`Frontend`), so full collections do not traverse it on the request path.
     gc.collect()
     gc.freeze()
     noise = machine_noise()
@@ -380,8 +381,8 @@ def run(args: argparse.Namespace) -> int:
             result[backend] = r
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(text + "\n")
     report_if_asked(args, "route", result)
     return 0
 

@@ -54,7 +54,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, help="output file")
     p.add_argument("--structured", action="store_true", help="compare JSON-schema constrained requests with free ones")
-    p.add_argument("--runs", type=int, default=3, help="with --structured: alternating runs of each kind (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="with --structured or --vs-engine: alternating runs of each kind (default 3)")
+    p.add_argument(
+        "--vs-engine",
+        action="store_true",
+        help="served decode throughput (streamed and not) over the offline engine's at the same concurrency and settings, "
+        "and the non-engine processes' CPU per 1,000 tokens (bench/serve_efficiency.py)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=16, help="with --vs-engine: prompt length (default 16)")
+    p.add_argument("--max-tokens", type=int, default=64, help="with --vs-engine: output tokens per request (default 64)")
+    p.add_argument(
+        "--stream-interval-ms", type=float, default=5.0, help="with --vs-engine: the served app's stream_interval_ms (default 5)"
+    )
     add_report_argument(p)
 
 
@@ -499,6 +510,15 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         print(json.dumps(out, indent=2))
+        report_if_asked(args, "serve", out)
+        return 0
+    if getattr(args, "vs_engine", False):
+        from bench.serve_efficiency import run_vs_engine
+
+        out = run_vs_engine(args)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
         report_if_asked(args, "serve", out)
         return 0
     groups = make_workload(args.workload, args.requests, args.seed)

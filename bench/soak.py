@@ -10,7 +10,7 @@ small and ignore_eos is set, so every finished request must return exactly max_t
 
 Reported: failures (a non-200 or non-OK answer, a stream that breaks off or carries an error event, a
 wrong token count, a timeout) with examples; requests, p50/p99 end-to-end latency and TTFT per minute;
-the RSS of every Moray process (the Serve replicas of Ingress / PrefillServer / DecodeServer, the Serve
+the RSS of every Moray process (the Serve replicas of Frontend / Registry / PrefillServer / DecodeServer, the Serve
 proxy and controller, and the `moray serve` driver) every 30 s, with its growth from minute 2 to the end;
 and after the load stops and the requests drain, every worker's KV cache use from /metrics
 (`vllm:kv_cache_usage_perc`, `vllm:num_requests_running`, `vllm:num_requests_waiting`, and the router's
@@ -471,19 +471,32 @@ async def chat(soak: Soak, session) -> None:
     )
 
 
+# What a chat template adds around one more exchange (end of the reply, a user turn, the generation prompt),
+# bounded by its bytes: a ChatML template adds about 40.
+TEMPLATE_BYTES_PER_TURN = 64
+
+
 async def chat_session(soak: Soak, session) -> None:
-    """Turns of one conversation under one x-session-id: each sends the whole history, replies included."""
+    """Turns of one conversation under one x-session-id: each sends the whole history, replies included.
+
+    The session stays within the server's max_model_len (as /v1/models tells it): the next turn is sent only
+    if this turn's prompt tokens, plus the reply and the next user message counted at one token per UTF-8
+    byte (a byte-level BPE never makes more tokens than bytes), plus the template's bytes, plus its
+    max_tokens fit. (Counting a reply as max_tokens tokens, as before, let a random model's replies, whose
+    text re-encodes to more tokens than were generated, grow a session past the limit: a correct 400.)"""
     sid = f"soak-{soak.rng.getrandbits(48):012x}"
     messages = [{"role": "system", "content": "You are a soak test."}]
+    user = soak.words(soak.rng.randint(3, 12))
     for _ in range(soak.rng.randint(2, 4)):
-        messages.append({"role": "user", "content": soak.words(soak.rng.randint(3, 12))})
+        messages.append({"role": "user", "content": user})
         max_tokens = soak.rng.randint(2, 12)
         body = {"model": soak.model, "messages": messages, **_sampling(soak, max_tokens)}
         out = await _post(soak, session, "/v1/chat/completions", body, "chat_session_turn", sid)
         if out is None or out["usage"] is None:
             return
-        # The next turn adds this reply and a user message of <= 12 words (at most ~4 tokens a word, plus the template).
-        if out["usage"]["prompt_tokens"] + max_tokens + 12 * 4 + 16 + 12 > soak.max_model_len:
+        user, next_max = soak.words(soak.rng.randint(3, 12)), 12
+        bound = out["usage"]["prompt_tokens"] + len(out["text"].encode()) + len(user.encode()) + TEMPLATE_BYTES_PER_TURN + next_max
+        if bound > soak.max_model_len:
             return
         messages.append({"role": "assistant", "content": out["text"]})
         await asyncio.sleep(soak.rng.uniform(0, 0.3))  # the user reads, then types
