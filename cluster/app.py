@@ -88,8 +88,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             name=REGISTRY_DEPLOYMENT,
             num_replicas=1,  # the one owner of liveness
             ray_actor_options={"num_cpus": 0},
-            max_ongoing_requests=10_000,  # reports and lookups are short; none may wait behind another
+            max_ongoing_requests=10_000,  # reports are short; none may wait behind another
             logging_config=serve_logging(cfg),
+            graceful_shutdown_timeout_s=1,  # nothing to drain: its state is rebuilt from the next reports
         )
         .bind(cfg_dict)
     )

@@ -6,7 +6,7 @@ classes, so a renamed method or argument fails a test instead of a request.
 
     PrefillPool   front end -> PrefillServer   prefill, release; decode worker -> PrefillServer: kv_chunk
     DecodePool    front end -> DecodeServer    channel (stream), start, abort
-    RegistryClient workers, front ends -> Registry   report, worker_failed, changes, metrics
+    RegistryClient workers, front ends -> Registry   report, worker_failed, changes, follow (stream), metrics
 
 Calls to a worker carry `target_replica` (the router's choice, honoured by `cluster.targeting`).
 """
@@ -27,7 +27,7 @@ T = TypeVar("T")
 CALLS = {
     "PrefillServer": ("prefill", "kv_chunk", "release"),
     "DecodeServer": ("channel", "start", "abort"),
-    "Registry": ("report", "worker_failed", "changes", "metrics"),
+    "Registry": ("report", "worker_failed", "changes", "follow", "metrics"),
 }
 
 
@@ -111,6 +111,10 @@ class RegistryClient:
     async def changes(self, cursor: tuple[str, int] | None, wait_s: float):
         """What changed since `cursor` (`registry.RegistryChanges`), waiting up to `wait_s` for something."""
         return await self._handle.changes.remote(cursor, wait_s)
+
+    def follow(self, cursor: tuple[str, int] | None, min_interval_s: float):
+        """The changes as they happen (an async iterator of `registry.RegistryChanges`; `.cancel()`)."""
+        return self._handle.options(stream=True).follow.remote(cursor, min_interval_s)
 
     async def metrics(self) -> bytes:
         return await self._handle.metrics.remote()

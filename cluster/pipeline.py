@@ -5,7 +5,7 @@
               --> run: TokenDeltas (orchestrator.py: remote prefill, the decode channel, failover, timeouts)
 
 The front end (cluster/frontend.py) owns HTTP, gRPC, auth and SSE and calls only this. The pipeline follows
-the membership registry's feed (a long poll): the membership into this replica's `MembershipView`, and with
+the membership registry's feed (one stream of changes): the membership into this replica's `MembershipView`, and with
 the in-memory KV index the index's changes into a local copy the router decides from. It tells the registry
 when a call found a worker gone, and records each request's latencies (TTFT, inter-token, end to end) as the
 client sees them.
@@ -41,8 +41,8 @@ from .router.types import NoWorkersAvailable, RouteDecision
 
 log = logging.getLogger("moray.cluster")
 
-FEED_WAIT_S = 1.0  # the long poll's limit: an idle cluster costs one call a second
-FEED_MIN_INTERVAL_S = 0.05  # at most 20 calls a second, however many workers report
+FEED_WAIT_S = 1.0  # after the registry failed to answer, try again this much later
+FEED_MIN_INTERVAL_S = 0.1  # the registry streams at most 10 changes a second, however many workers report
 
 
 @dataclass
@@ -114,10 +114,12 @@ class RequestPipeline:
     # ------------------------------------------------------------------ membership
 
     async def refresh_membership(self, wait_s: float = 0.0) -> None:
-        """Takes what changed at the registry (waiting up to `wait_s` for something): the membership (the
-        router filters every decision through it) and the in-memory index's changes."""
-        cursor = self.feed.cursor if self.feed is not None else self._cursor
-        changes = await self.registry.changes(cursor, wait_s)
+        """Takes what changed at the registry (waiting up to `wait_s` for something)."""
+        self._apply(await self.registry.changes(self._cursor, wait_s))
+
+    def _apply(self, changes) -> None:
+        """The registry's changes: the membership (the router filters every decision through it) and the
+        in-memory index's KV events and loads."""
         if self.feed is not None:
             self.feed.apply(changes)
         self._cursor = changes.cursor
@@ -125,28 +127,29 @@ class RequestPipeline:
         self.router.refresh_load_gauges()
 
     def start_membership_refresh(self) -> None:
-        """Keeps the membership view fresh in the background (called once an event loop runs)."""
+        """Follows the registry in the background (called once an event loop runs)."""
         if self._refresher is None or self._refresher.done():
             # A fresh context: started while serving a request, its calls would be that request's children,
             # which Serve cancels when the request ends early.
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever(), context=contextvars.Context())
+            self._refresher = asyncio.get_running_loop().create_task(self._follow_forever(), context=contextvars.Context())
 
-    async def _refresh_forever(self) -> None:
+    async def _follow_forever(self) -> None:
         warned = False
         while True:
+            stream = self.registry.follow(self._cursor, FEED_MIN_INTERVAL_S)
             try:
-                await self.refresh_membership(FEED_WAIT_S)
-                warned = False
+                async for changes in stream:
+                    self._apply(changes)
+                    warned = False
             except asyncio.CancelledError:
+                stream.cancel()
                 if asyncio.current_task().cancelling():
                     raise  # this front end is stopping
-                continue  # a call cancelled under us (never ours to stop on)
             except Exception as e:  # noqa: BLE001 - the registry may be (re)starting: keep the last view
                 if not warned:
                     log.warning("the membership registry does not answer: %s", e)
                     warned = True
                 await asyncio.sleep(FEED_WAIT_S)
-            await asyncio.sleep(FEED_MIN_INTERVAL_S)
 
     async def ensure_membership(self) -> None:
         """Starts the view's refresh, and takes a first snapshot now if there is none yet (so /health is

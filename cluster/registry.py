@@ -1,7 +1,7 @@
 """The membership registry: one Serve deployment (one replica) that every component asks "who is alive,
 draining or dead, and what does it hold".
 
-    workers --WorkerReport every 100 ms--> Registry --changes (long poll)--> every front end
+    workers --WorkerReport every 100 ms--> Registry --follow (a stream of changes)--> every front end
                                              ^--worker_failed-- pipelines (a call found the worker gone)
 
 It keeps the `Membership` (cluster/membership.py) and the workers' metric series (`WorkerMetrics`, served
@@ -146,6 +146,21 @@ class Registry:
                 if load is not None:
                     loads[load.worker_id] = load  # the newest of each worker is enough
         return RegistryChanges(now, membership, events, list(loads.values()))
+
+    async def follow(
+        self, cursor: tuple[str, int] | None = None, min_interval_s: float = 0.1, idle_s: float = 1.0, lifetime_s: float = 60.0
+    ):
+        """The feed as a stream: `changes` since the cursor whenever something changed, at most one per
+        `min_interval_s`, at least one per `idle_s` (a heartbeat of the stream itself). One long call
+        instead of a call per change: a Serve request costs the registry milliseconds, a streamed item much
+        less. It ends after `lifetime_s` (the front end follows again), so no stream outlives a shutdown by long."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + lifetime_s
+        while loop.time() < end:
+            changes = await self.changes(cursor, idle_s)
+            cursor = changes.cursor
+            yield changes
+            await asyncio.sleep(min_interval_s)
 
     def _changed_event(self) -> asyncio.Event:
         if self._changed is None:

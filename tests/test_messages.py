@@ -146,6 +146,7 @@ def test_the_wrappers_call_the_deployments_as_their_signatures_say():
         registry.report_sync(ex["WorkerReport"])
         await registry.worker_failed("d0", 1.0)
         await registry.changes(None, 0.5)
+        registry.follow(None, 0.1)
         await registry.metrics()
 
     asyncio.run(calls())

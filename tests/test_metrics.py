@@ -217,3 +217,27 @@ def test_requests_total_tells_finished_from_error_from_cancelled(ingress, monkey
     assert value("vllm:generation_tokens_total", {"model_name": "tiny"}) == 2 + 1 + 1
     assert value("vllm:prompt_tokens_total", {"model_name": "tiny"}) == 3 * 3
     assert value("vllm:e2e_request_latency_seconds_count", {"model_name": "tiny"}) == 3
+
+
+def test_a_front_end_follows_the_registry_as_one_stream_of_changes():
+    """`follow` streams the registry's changes: the whole index first (a new follower), then each report's
+    events and load as they arrive, and an item at least once a second when nothing changes."""
+    from workers.messages import KVEvent, KVEventKind
+
+    async def main():
+        from cluster_harness import cluster_config
+
+        registry = Registry(cluster_config("/nonexistent"))
+        await registry.report(WorkerReport(report("d0"), [KVEvent("d0", 1, 0, KVEventKind.STORED, 11, None, 8)]))
+        stream = registry.follow(None, min_interval_s=0.01, idle_s=0.2, lifetime_s=5)
+        first = await anext(stream)
+        assert first.resync is not None and first.resync["d0"][2] == [(11, "device")]
+        reporter = asyncio.create_task(registry.report(WorkerReport(report("d0"), [KVEvent("d0", 1, 1, KVEventKind.STORED, 12, 11, 8)])))
+        second = await asyncio.wait_for(anext(stream), 2)
+        await reporter
+        assert second.resync is None and [e.block_hash for e in second.events] == [12] and second.cursor[1] == first.cursor[1] + 1
+        quiet = await asyncio.wait_for(anext(stream), 2)  # nothing new: still an item, empty
+        assert quiet.events == [] and quiet.cursor == second.cursor
+        await stream.aclose()
+
+    asyncio.run(main())
