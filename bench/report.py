@@ -35,6 +35,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "fuzz": ("cases_run", "http"),
     "soak": ("per_minute", "rss_timeline"),
     "serve": ("workload",),
+    "handoff": ("transfer", "prefill_rate", "second_token"),
 }
 
 # The figures a reader looks at first, as glob patterns over dotted leaf paths (list items by index).
@@ -104,6 +105,15 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "*.accepted_invalid",
         "*.rejected_valid",
         "passed",
+    ),
+    "handoff": (
+        "transfer.median.gbps",
+        "transfer.median.handoff_s",
+        "transfer.median.prefill_engine_thread_s",
+        "transfer.fraction_of_memcpy",
+        "prefill_rate.exported_over_discarded",
+        "second_token.*.ttst_disaggregated_over_colocated",
+        "targets.*.value",
     ),
     "soak": (
         "requests",
@@ -692,7 +702,35 @@ def _compare_headlines(result: dict) -> list[tuple[str, object]]:
     return [(r["path"], f"{_fmt(r['a'])} -> {_fmt(r['b'])} (B/A {_compare_cells(r)[3]})") for r in result["differences"] if r["headline"]]
 
 
+# ---------------------------------------------------------------------------------------- handoff
+
+
+def plot_handoff(result: dict, rep: Report) -> None:
+    t = result["transfer"]
+    fig, axes = rep.figure(3, width=5.0)
+    parts = {
+        "export (prefill side)": [h["export_s"] * 1e3 for h in t["handoffs"]],
+        "import (decode side)": [h["import_s"] * 1e3 for h in t["handoffs"]],
+    }
+    grouped_bars(axes[0], [str(i + 1) for i in range(len(t["handoffs"]))], parts, fmt="{:.1f}")
+    axes[0].set(xlabel="handoff", ylabel="ms", title=f"{t['median']['bytes'] / (1 << 20):.1f} MiB per handoff")
+    axes[0].legend(fontsize=8)
+    grouped_bars(axes[1], ["handoff", "memcpy"], {"GB/s": [t["median"]["gbps"], t["memcpy_gbps"]]}, fmt="{:.2f}")
+    axes[1].set(ylabel="GB/s", title=f"bandwidth: {t['fraction_of_memcpy']:.0%} of memcpy")
+    st = result["second_token"]
+    grouped_bars(
+        axes[2],
+        [f"c={c}" for c in st],
+        {m: [st[c][m]["ttst"] * 1e3 for c in st] for m in ("disaggregated", "colocated")},
+        fmt="{:.0f}",
+    )
+    axes[2].set(ylabel="ms", title="time to the second token")
+    axes[2].legend(fontsize=8)
+    rep.save(fig, "handoff", "KV handoff time per handoff, its bandwidth against memcpy, and the time to the second token.")
+
+
 PLOTS = {
+    "handoff": plot_handoff,
     "serve": plot_serve,
     "routing": plot_routing,
     "engine": plot_engine,

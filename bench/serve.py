@@ -436,7 +436,7 @@ def copy_bandwidth(model: str, block_size: int = 16, blocks: int = 64, repeats: 
     runner, layers = llm.engine.runner, llm.engine.cfg.num_kv_layers
     ids = list(range(blocks))
     data = runner.gather_blocks(ids, 0, layers)
-    runner.scatter_blocks(ids, 0, data)  # compile both
+    runner.scatter_blocks(ids, 0, np.moveaxis(data, 0, 1))  # compile both (it takes blocks first)
     jax.block_until_ready(runner.kv_pages)
     out, back = [], []
     for _ in range(repeats):
@@ -444,7 +444,7 @@ def copy_bandwidth(model: str, block_size: int = 16, blocks: int = 64, repeats: 
         data = runner.gather_blocks(ids, 0, layers)
         out.append(time.perf_counter() - t)
         t = time.perf_counter()
-        runner.scatter_blocks(ids, 0, data)
+        runner.scatter_blocks(ids, 0, np.moveaxis(data, 0, 1))
         jax.block_until_ready(runner.kv_pages)
         back.append(time.perf_counter() - t)
     nbytes = data.nbytes

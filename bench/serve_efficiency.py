@@ -75,11 +75,11 @@ def offline_run(core, args: argparse.Namespace, seed: int) -> dict:
 # ------------------------------------------------------------------------------------ served
 
 
-async def _one(session, url: str, model: str, prompt: list[int], args, stream: bool) -> int:
+async def _one(session, url: str, model: str, prompt: list[int], args, stream: bool, headers: dict) -> int:
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    async with session.post(url + "/v1/completions", json=body) as r:
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
         if not stream:
@@ -91,9 +91,12 @@ async def _one(session, url: str, model: str, prompt: list[int], args, stream: b
         return tokens
 
 
-async def served_run(url: str, model: str, args: argparse.Namespace, seed: int, stream: bool, pids: dict[str, int]) -> dict:
+async def served_run(
+    url: str, model: str, args: argparse.Namespace, seed: int, stream: bool, pids: dict[str, int], api_key: str | None = None
+) -> dict:
     import aiohttp
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     todo = prompts(args, args.requests, seed)
     sem = asyncio.Semaphore(args.concurrency)
     connector = aiohttp.TCPConnector(limit=args.concurrency)
@@ -101,7 +104,7 @@ async def served_run(url: str, model: str, args: argparse.Namespace, seed: int, 
 
         async def one(p):
             async with sem:
-                return await _one(session, url, model, p, args, stream)
+                return await _one(session, url, model, p, args, stream, headers)
 
         me = {"client (this process)": os.getpid()}
         before, client_before = cpu_seconds(pids), cpu_seconds(me)
@@ -200,8 +203,17 @@ def run_vs_engine(args: argparse.Namespace) -> dict:
             f"{runs['served'][-1]['tokens_per_s']:.0f}, streamed {runs['served_stream'][-1]['tokens_per_s']:.0f}",
             file=sys.stderr,
         )
+    return summarize(runs, args, engine, sorted(pids))
+
+
+def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, engine: dict, processes: list[str]) -> dict:
+    """The runs' medians and served/offline ratios (`runs`: offline, served, served_stream, paired by index)."""
     med = lambda kind, key: statistics.median(x[key] for x in runs[kind])  # noqa: E731
     offline = med("offline", "tokens_per_s")
+
+    def paired(kind: str) -> float:
+        return statistics.median(s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs[kind], runs["offline"]))
+
     out = {
         "workload": "vs-engine",
         "engine": engine,
@@ -210,13 +222,19 @@ def run_vs_engine(args: argparse.Namespace) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "stream_interval_ms": args.stream_interval_ms,
-        "non_engine_processes": sorted(pids),
+        "non_engine_processes": processes,
         "offline_tokens_per_s": offline,
         "served_tokens_per_s": med("served", "tokens_per_s"),
         "served_stream_tokens_per_s": med("served_stream", "tokens_per_s"),
         "ratios_served_over_offline": {
             "non_streamed": med("served", "tokens_per_s") / offline,
             "streamed": med("served_stream", "tokens_per_s") / offline,
+        },
+        # Each run's served figure over the offline run beside it: the machine's speed drifts between runs
+        # (noisy neighbours), and a ratio of two medians taken at different moments carries that drift.
+        "paired_ratios_served_over_offline": {
+            "non_streamed": paired("served"),
+            "streamed": paired("served_stream"),
         },
         "non_engine_cpu_s_per_1k_streamed_tokens": med("served_stream", "non_engine_cpu_s_per_1k_tokens"),
         "non_engine_cpu_s_per_1k_tokens": med("served", "non_engine_cpu_s_per_1k_tokens"),

@@ -171,6 +171,13 @@ class ServerConfig(_Strict):
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="a request running longer is aborted (its KV freed) and answered 504 / DEADLINE_EXCEEDED"
     )
+    max_migrations: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description="a stream whose decode replica dies (or is drained) continues on another one, resumed after the tokens "
+        "already sent, at most this many times; then it ends with an error",
+    )
     max_queued_requests: int = Field(
         default=256,
         ge=0,
@@ -221,6 +228,23 @@ class ObservabilityConfig(_Strict):
         return v
 
 
+class KVTransferConfig(_Strict):
+    """How a prompt's KV moves from a prefill to a decode worker (`workers/kv_transfer.py`)."""
+
+    transport: Literal["object_store"] = Field(
+        default="object_store",
+        description="object_store: Ray's object store (any Ray cluster; chunks bypass the replicas' request queues). "
+        "A direct device-to-device path plugs in here (cluster/kv_transport.py)",
+    )
+    chunk_mib: float = Field(default=8.0, gt=0, le=1024, description="KV chunk size; a smaller request moves as one chunk")
+    chunks_in_flight: int = Field(default=4, ge=1, le=64, description="chunks a decode worker fetches at once per request")
+    inline_kib: float = Field(
+        default=1024, ge=0, description="a request's KV up to this size travels inside the handoff message (no separate fetch)"
+    )
+    timeout_s: float = Field(default=30.0, gt=0, description="a transfer not done by then is abandoned: the decode worker prefills locally")
+    hold_timeout_s: float = Field(default=60.0, gt=0, description="a prefill worker drops published KV nobody fetched by then")
+
+
 class ClusterConfig(_Strict):
     name: str = Field(default="moray", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
     engine: EngineConfig
@@ -231,8 +255,7 @@ class ClusterConfig(_Strict):
     kv_index: KVIndexConfig = KVIndexConfig()
     server: ServerConfig = ServerConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
-    # KV handoff granularity: layers per chunk sent from a prefill to a decode worker.
-    handoff_layers_per_chunk: int = Field(default=1, ge=1)
+    kv_transfer: KVTransferConfig = KVTransferConfig()
     stream_interval_ms: float = Field(
         default=5.0,
         ge=0,
@@ -244,6 +267,13 @@ class ClusterConfig(_Strict):
     health_check_period_s: float = Field(default=10.0, gt=0)
     health_check_timeout_s: float = Field(default=60.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "handoff_layers_per_chunk" in data:
+            raise ValueError("handoff_layers_per_chunk was replaced by kv_transfer.chunk_mib: KV moves in chunks of bytes")
+        return data
 
     def engine_for(self, pool: Literal["prefill", "decode"], worker_id: str) -> EngineConfig:
         overrides = getattr(self, pool).engine_overrides

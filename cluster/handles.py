@@ -4,8 +4,9 @@ A deployment method is named in exactly one place, here, with the message types 
 (`workers/messages.py`); `tests/test_messages.py` checks every name and keyword against the deployment
 classes, so a renamed method or argument fails a test instead of a request.
 
-    PrefillPool   front end -> PrefillServer   prefill, release; decode worker -> PrefillServer: kv_chunk
-    DecodePool    front end -> DecodeServer    channel (stream), start, abort
+    PrefillPool   front end -> PrefillServer   prefill; decode worker -> PrefillServer: release
+                  (the KV itself moves through a KV transport: cluster/kv_transport.py)
+    DecodePool    front end -> DecodeServer    channel (stream), start_batch, abort
     RegistryClient workers, front ends -> Registry   report, worker_failed, changes, follow (stream), metrics
 
 Calls to a worker carry `target_replica` (the router's choice, honoured by `cluster.targeting`).
@@ -17,7 +18,7 @@ import asyncio
 import contextvars
 from typing import Any, Awaitable, Callable, TypeVar
 
-from workers.messages import DecodeRequest, KVChunk, PrefillHandoff, PrefillRequest, TokenDeltaBatch, WorkerReport
+from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, TokenDeltaBatch, WorkerReport
 
 from .targeting import TARGET_KWARG
 
@@ -25,8 +26,8 @@ T = TypeVar("T")
 
 # deployment -> the methods called on it (checked against the classes by tests/test_messages.py)
 CALLS = {
-    "PrefillServer": ("prefill", "kv_chunk", "release"),
-    "DecodeServer": ("channel", "start", "abort"),
+    "PrefillServer": ("prefill", "release"),
+    "DecodeServer": ("channel", "start_batch", "abort"),
     "Registry": ("report", "worker_failed", "changes", "follow", "metrics"),
 }
 
@@ -70,9 +71,6 @@ class PrefillPool:
     async def prefill(self, worker: str, request: PrefillRequest) -> PrefillHandoff:
         return await _cancellable(self._handle.prefill.remote(request, **{TARGET_KWARG: worker}))
 
-    async def kv_chunk(self, worker: str, request_id: str, unit_start: int, unit_end: int) -> KVChunk:
-        return await self._handle.kv_chunk.remote(request_id, unit_start, unit_end, **{TARGET_KWARG: worker})
-
     async def release(self, worker: str, request_id: str) -> bool:
         return await self._handle.release.remote(request_id, **{TARGET_KWARG: worker})
 
@@ -80,16 +78,89 @@ class PrefillPool:
 class DecodePool:
     def __init__(self, handle):
         self._handle = handle
+        self._starts: dict[str, _StartBatches] = {}
 
     def channel(self, worker: str, channel_id: str):
         """The worker's stream of encoded `TokenDeltaBatch`es for this front end (async iterator; `.cancel()`)."""
         return self._handle.options(stream=True).channel.remote(channel_id, **{TARGET_KWARG: worker})
 
     async def start(self, worker: str, request: DecodeRequest) -> None:
-        await _cancellable(self._handle.start.remote(request, **{TARGET_KWARG: worker}))
+        """Starts the request on `worker` (returns once its engine took it). The starts for one worker travel
+        together: one call carries every request that arrived while the previous call was on its way."""
+        batches = self._starts.get(worker)
+        if batches is None:
+            batches = self._starts[worker] = _StartBatches(lambda requests: self._start_batch(worker, requests))
+        await batches.start(request)
+
+    async def _start_batch(self, worker: str, requests: list[DecodeRequest]) -> list[BaseException | None]:
+        return await self._handle.start_batch.remote(requests, **{TARGET_KWARG: worker})
 
     async def abort(self, worker: str, request_id: str) -> None:
+        batches = self._starts.get(worker)
+        if batches is not None and not await batches.settled(request_id):
+            return  # it was never sent: nothing runs there
         await self._handle.abort.remote(request_id, **{TARGET_KWARG: worker})
+
+
+class _StartBatches:
+    """One worker's starts, sent as batches: at most one call in flight; whatever arrives meanwhile goes with
+    the next. A Serve call costs each side milliseconds of CPU; a closed loop at concurrency 64 starts dozens
+    of requests within one call's time. A caller that gives up before its batch left takes its request out;
+    an abort for a request whose batch is on its way waits for that batch (it must not overtake the start)."""
+
+    def __init__(self, send: Callable[[list[DecodeRequest]], Awaitable[list[BaseException | None]]]):
+        self._send = send
+        self._waiting: dict[str, tuple[DecodeRequest, asyncio.Future]] = {}
+        self._sent: dict[str, asyncio.Future] = {}  # request id -> the future of the call carrying it
+        self._sender: asyncio.Task | None = None
+
+    async def start(self, request: DecodeRequest) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if its caller left
+        self._waiting[request.request_id] = (request, done)
+        if self._sender is None or self._sender.done():
+            # A fresh context: the call carries other requests too, and must not be cancelled with this one's.
+            self._sender = loop.create_task(self._send_all(), context=contextvars.Context())
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self._waiting.pop(request.request_id, None)  # not sent yet: it never will be
+            raise
+
+    async def settled(self, request_id: str) -> bool:
+        """False if the request was never sent (it is dropped now); else True once its call has returned."""
+        if self._waiting.pop(request_id, None) is not None:
+            return False
+        call = self._sent.get(request_id)
+        if call is not None:
+            await asyncio.wait([call])
+        return True
+
+    async def _send_all(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, {}
+            call = asyncio.get_running_loop().create_future()
+            self._sent.update(dict.fromkeys(batch, call))
+            try:
+                results = await self._send([request for request, _ in batch.values()])
+            except asyncio.CancelledError:
+                for _, done in batch.values():
+                    done.cancel()
+                raise
+            except Exception as e:  # noqa: BLE001 - the whole call failed (the worker is gone): every request did
+                results = [e] * len(batch)
+            finally:
+                call.set_result(None)
+                for rid in batch:
+                    self._sent.pop(rid, None)
+            for (_, done), result in zip(batch.values(), results, strict=True):
+                if done.done():
+                    continue
+                if result is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(result)
 
 
 class RegistryClient:

@@ -124,8 +124,33 @@ _WORKER_COUNTERS = {
     "handoff.corrupt_chunks": (
         "handoff_corrupt_chunks",
         "moray_kv_handoff_corrupt_chunks",
-        "KV chunks a decode worker refused: they failed their header check or checksum (the request was recomputed)",
+        "KV chunks a decode worker refused: they failed their header check or checksum (fetched again, then recomputed)",
         "decode",
+    ),
+    "handoff.refetched_chunks": (
+        "handoff_refetched_chunks",
+        "moray_kv_handoff_refetched_chunks",
+        "KV chunks a decode worker fetched a second time (the first failed its check or its fetch)",
+        "decode",
+    ),
+    "handoff.import_failures": (
+        "handoff_import_failures",
+        "moray_kv_handoff_import_failures",
+        "handoffs a decode worker prefilled locally instead (the KV did not arrive, or arrived damaged twice)",
+        "decode",
+    ),
+    "handoff.skipped_bytes": (
+        "handoff_skipped_bytes",
+        "moray_kv_handoff_skipped_bytes",
+        "KV bytes a decode worker did not move: its own prefix cache held those blocks",
+        "decode",
+    ),
+    "handoff.export_bytes": ("handoff_export_bytes", "moray_kv_export_bytes", "KV bytes a prefill worker published", "prefill"),
+    "handoff.export_seconds": (
+        "handoff_export_seconds",
+        "moray_kv_export_seconds",
+        "time from a prefill engine's dispatch of a KV copy to the copy being on the host (off the engine thread)",
+        "prefill",
     ),
 }
 
@@ -195,7 +220,8 @@ class FrontendMetrics:
         self.timeouts = Counter("moray_request_timeouts", "requests aborted at server.request_timeout_s", ["stage"], registry=r)
         self.failovers = Counter(
             "moray_failovers",
-            "requests whose worker failed: retried on another (before any token went out) or failed",
+            "requests whose worker failed: retried on another (before any token went out), migrated (resumed on another after "
+            "the tokens already sent) or failed",
             ["result"],
             registry=r,
         )

@@ -20,20 +20,33 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import DistributedConfig, EngineConfig
 from workers.engine.engine import EngineCore
+from workers.kv_transfer import KVTransferFailed, Published
 from workers.multihost import EngineFollower, Op, ReplicatedCore
 from workers.parallel import free_port
 
-from .config import PoolConfig
+from .config import KVTransferConfig, PoolConfig
+from .kv_transport import build_transport
 
 log = logging.getLogger("moray.cluster")
 
 
 class FollowerChannel:
-    """Sends ops to the follower actors in order; surfaces a follower's failure on the next send."""
+    """Sends ops to the follower actors in order; surfaces a follower's failure on the next send. On a
+    prefill replica it is also the `PeerExports` of the leader's worker: each follower publishes the part
+    of a handoff's KV its host holds."""
 
-    def __init__(self, followers: list):
+    def __init__(self, followers: list, export_timeout_s: float = 30.0):
         self.followers = followers
+        self.export_timeout_s = export_timeout_s
         self._pending: list = []
+
+    async def export(self, request_id: str, chunk_bytes: int) -> list[Published]:
+        calls = [f.export.remote(request_id, chunk_bytes, self.export_timeout_s) for f in self.followers]
+        return list(await asyncio.wait_for(asyncio.gather(*calls), self.export_timeout_s + 10))
+
+    def unpublish(self, request_id: str) -> None:
+        for f in self.followers:
+            f.unpublish.remote(request_id)
 
     def send(self, op: Op) -> None:
         self._raise_failures()
@@ -60,16 +73,32 @@ class FollowerChannel:
             ray.kill(f)
 
 
-@ray.remote
+# The ops run in the default group (one thread: they keep their order). Exports run in their own threads,
+# so the ops never wait for a host copy or an object-store put; the liveness probe in its own, so it never
+# waits behind a long step (a compile takes seconds: Serve would replace a healthy replica).
+@ray.remote(concurrency_groups={"export": 2, "health": 1})
 class EngineFollowerActor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_transfer: KVTransferConfig | None = None):
         self.follower = EngineFollower(config)
+        self.transport = None if kv_transfer is None else build_transport(kv_transfer.transport, int(kv_transfer.inline_kib * 1024))
 
     def apply(self, ops: list[Op]) -> int:
         return self.follower.apply(ops)
 
+    @ray.method(concurrency_group="health")
     def ops(self) -> int:
         return self.follower.ops
+
+    @ray.method(concurrency_group="export")
+    def export(self, request_id: str, chunk_bytes: int, timeout_s: float) -> Published:
+        if self.transport is None:
+            raise KVTransferFailed("this host has no KV transport (not a prefill replica)")
+        return self.follower.export(request_id, self.transport, chunk_bytes, timeout_s)
+
+    @ray.method(concurrency_group="export")
+    def unpublish(self, request_id: str) -> None:
+        if self.transport is not None:
+            self.transport.unpublish(request_id)
 
 
 def process_config(config: EngineConfig, coordinator: str, hosts: int, process_id: int, seed: int) -> EngineConfig:
@@ -79,8 +108,11 @@ def process_config(config: EngineConfig, coordinator: str, hosts: int, process_i
     return config.model_copy(update={"parallel": parallel, "seed": seed})
 
 
-def start_multihost_engine(config: EngineConfig, pool: PoolConfig, show_progress: bool = False) -> tuple[AsyncEngine, FollowerChannel]:
-    """Called in the Serve replica (the leader); returns its engine and the channel to the followers."""
+def start_multihost_engine(
+    config: EngineConfig, pool: PoolConfig, kv_transfer: KVTransferConfig | None = None, show_progress: bool = False
+) -> tuple[AsyncEngine, FollowerChannel]:
+    """Called in the Serve replica (the leader); returns its engine and the channel to the followers.
+    `kv_transfer`: a prefill replica's, with which each follower publishes its part of the handoffs."""
     hosts = pool.hosts_per_replica
     pg = ray.util.get_current_placement_group()
     if pg is None:
@@ -94,14 +126,14 @@ def start_multihost_engine(config: EngineConfig, pool: PoolConfig, show_progress
             resources=resources,
             runtime_env={"env_vars": dict(pool.env)} if pool.env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(process_config(config, coordinator, hosts, i, seed))
+        ).remote(process_config(config, coordinator, hosts, i, seed), kv_transfer)
         for i in range(1, hosts)
     ]
     log.info("replica over %d hosts: coordinator %s", hosts, coordinator)
     # Joins the followers (their constructors run now too) and builds the same engine in lockstep.
     leader_config = process_config(config, coordinator, hosts, 0, seed)
     core = EngineCore(leader_config, show_progress=show_progress)
-    channel = FollowerChannel(followers)
+    channel = FollowerChannel(followers, kv_transfer.timeout_s if kv_transfer is not None else 30.0)
     channel.check(timeout_s=600)  # every follower built its engine
     return AsyncEngine(leader_config, core=ReplicatedCore(core, channel.send)), channel
 

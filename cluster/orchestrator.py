@@ -17,9 +17,12 @@ finish_reason "timeout". The Serve HTTP proxy has the same limit end to end, so 
 Worker failures (its actor died, its engine stopped, its channel broke): the membership view drops the
 worker at once and the registry hears of it. A request that has sent the client nothing yet is routed again
 without it and rerun (at most `MAX_ATTEMPTS` workers); after a remote prefill whose first token went out,
-only the decode side is retried, with the same handoff (the new decode worker pulls the KV the prefill
-worker holds, or recomputes the prompt when that is gone). A stream whose decode tokens went out ends with
-a final delta (finish_reason "error") and `WorkerFailed`.
+only the decode side is retried, with the same handoff (the new decode worker fetches the KV the prefill
+worker published, or recomputes the prompt when that is gone). A stream whose decode tokens went out
+*migrates*: it is sent to another decode worker with every output token the client has (`DecodeRequest.
+resume`), which recomputes prompt + those tokens and continues after them: the client sees one unbroken
+stream, nothing twice (greedy and seeded output equal an uninterrupted run). After `server.max_migrations`
+moves it ends with a final delta (finish_reason "error") and `WorkerFailed`.
 
 Held KV: when a stream ends early after a remote prefill (client gone, failure, timeout), the prefill
 worker is told to release the KV it holds for the handoff at once (idempotent), whatever stage the
@@ -149,6 +152,7 @@ class Orchestrator:
         self.colocated = colocated
         self.request_timeout_s: float | None = getattr(server, "request_timeout_s", None)
         self.max_queued_requests: int = getattr(server, "max_queued_requests", 0) or 0
+        self.max_migrations: int = getattr(server, "max_migrations", 0) or 0
         self.metrics = metrics
         self.on_worker_failed = on_worker_failed or (lambda worker: None)
         self.role_of = role_of or (lambda worker: None)
@@ -263,6 +267,8 @@ class Orchestrator:
         deadline = self._deadline(trace)
         handoff: PrefillHandoff | None = None  # the remote prefill's answer once its first token went out
         sent_decode = 0  # deltas from the decode side that went out (they cannot be taken back)
+        generated: list[int] = []  # every output token that went out: a migrated request resumes after them
+        migrations = 0
         last: TokenDelta | None = None
         finished = False  # the last delta (finish_reason set) went out
         completed = False  # ... because the request ran to its end (the workers let go of the KV themselves)
@@ -284,10 +290,15 @@ class Orchestrator:
                             yield last
                             return
                         handoff = result
+                        generated += last.token_ids
                         yield last
                     stage = trace.stage = "decode"
+                    # Migrated: the new worker recomputes prompt + output so far (no handoff) and goes on.
+                    resume = tuple(generated) if migrations else ()
+                    decoder = self._decode(
+                        request_id, prompt, params, decision, None if resume else handoff, deadline, session_id, trace.span, whole, resume
+                    )
                     # aclosing: a client that leaves at a yield below stops the decode side at once.
-                    decoder = self._decode(request_id, prompt, params, decision, handoff, deadline, session_id, trace.span, whole)
                     async with aclosing(decoder):
                         async for delta in decoder:
                             if trace.first_token is None:
@@ -296,13 +307,17 @@ class Orchestrator:
                             finished = completed = delta.finished
                             last = delta
                             sent_decode += 1
+                            generated += delta.token_ids
                             yield delta
                             if finished:
                                 return
                     return
                 except _Failure as f:
                     self.on_worker_failed(f.worker)
-                    retry = sent_decode == 0 and trace.attempts < MAX_ATTEMPTS
+                    # Nothing of the decode side went out: run it again elsewhere. Tokens went out: migrate
+                    # (the new worker continues after them), at most `server.max_migrations` times.
+                    migrate = sent_decode > 0
+                    retry = migrations < self.max_migrations if migrate else trace.attempts < MAX_ATTEMPTS
                     if retry:
                         try:
                             fresh = await self._route(request_id, prompt, None, trace.span)
@@ -318,17 +333,22 @@ class Orchestrator:
                         if last is not None:
                             finished = True
                             yield _end(last, "error")
+                            moved = f" (moved {migrations} times already)" if migrations else ""
                             raise WorkerFailed(
-                                f"{message} after {last.num_output_tokens} tokens; the stream is incomplete", f.detail
+                                f"{message} after {last.num_output_tokens} tokens{moved}; the stream is incomplete", f.detail
                             ) from None
                         raise WorkerFailed(f"{message} and no other worker could take it; retry shortly", f.detail) from None
+                    if migrate:
+                        migrations += 1
+                        trace.attempts -= 1  # a migration is not a failed start
                     if self.metrics is not None:
-                        self.metrics.failovers.labels("retried").inc()
+                        self.metrics.failovers.labels("migrated" if migrate else "retried").inc()
                     # ERROR although the request goes on: a worker failed under it (`moray serve` shows it).
                     context = {"request_id": request_id, "stage": f.stage}
-                    log.error("request %s failed during %s: %s; retrying on %s", request_id, f.stage, f, fresh.decode_worker, extra=context)
+                    how = f"moving it after {len(generated)} tokens to" if migrate else "retrying on"
+                    log.error("request %s failed during %s: %s; %s %s", request_id, f.stage, f, how, fresh.decode_worker, extra=context)
                     # After a remote prefill whose token went out, only the decode side moves.
-                    decision = replace(fresh, prefill_worker=None) if handoff is not None else fresh
+                    decision = replace(fresh, prefill_worker=None) if handoff is not None or migrate else fresh
         except RequestTimedOut:
             if self.metrics is not None:
                 self.metrics.timeouts.labels(stage).inc()
@@ -360,11 +380,12 @@ class Orchestrator:
             raise
 
     async def _decode(
-        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None, span=None, whole=False
+        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None, span=None, whole=False, resume=()
     ):
-        """The decode worker's deltas for the request, from this front end's channel to it."""
+        """The decode worker's deltas for the request, from this front end's channel to it. `resume`: the
+        output tokens the client has already (a migrated request)."""
         worker = decision.decode_worker
-        request = DecodeRequest(request_id, prompt, params, self.channels.channel_id, handoff, session_id, tracing.inject(span))
+        request = DecodeRequest(request_id, prompt, params, self.channels.channel_id, handoff, session_id, tracing.inject(span), resume)
         started = finished = False
         try:
             for _ in range(_REOPENS):

@@ -105,6 +105,7 @@ class RequestPipeline:
         )
         self._refresher: asyncio.Task | None = None
         self._cursor = None
+        self._cleaned_at = time.monotonic()
 
     def _build_router(self) -> Router:
         cfg = self.config
@@ -122,6 +123,9 @@ class RequestPipeline:
         in-memory index's KV events and loads."""
         if self.feed is not None:
             self.feed.apply(changes)
+            if time.monotonic() - self._cleaned_at > self.config.router.heartbeat_ttl_s:
+                self._cleaned_at = time.monotonic()
+                self.router.maintain()  # the entries and metric series of workers gone for a TTL
         self._cursor = changes.cursor
         self.membership.update(changes.membership)
         self.router.refresh_load_gauges()

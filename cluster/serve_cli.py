@@ -79,7 +79,10 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
 # ---- Signals ---------------------------------------------------------------------------------------------
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
+    """Not an Exception, as KeyboardInterrupt is not: start-up code (ours: status probes; Ray's own) has
+    broad `except Exception` blocks that would swallow it, and start-up would carry on regardless."""
+
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -97,6 +100,7 @@ class SignalGuard:
     def __init__(self, grace_s: float = 30.0):
         self.grace_s = grace_s
         self.first_signal_at: float | None = None
+        self._signum: int | None = None
         self.cleaning_up = False
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
@@ -126,6 +130,7 @@ class SignalGuard:
                 name = signal.Signals(signum).name
                 if self.first_signal_at is not None:
                     _exit_now(f"moray: second {name}: exiting without waiting for the shutdown", 128 + signum)
+                self._signum = signum
                 self.first_signal_at = time.monotonic()
                 threading.Thread(target=self._deadline, args=(signum,), daemon=True).start()
 
@@ -134,9 +139,15 @@ class SignalGuard:
             time.sleep(0.2)
         _exit_now(f"moray: did not stop within {self.grace_s:g}s of {signal.Signals(signum).name}: exiting", 128 + signum)
 
+    def raise_if_signalled(self) -> None:
+        """A signal whose exception something swallowed anyway still stops the command."""
+        if self.first_signal_at is not None and self._signum is not None:
+            raise Interrupted(self._signum)
+
     def wait_forever(self) -> None:
         while True:
-            time.sleep(3600)
+            self.raise_if_signalled()
+            time.sleep(1.0)
 
 
 def _exit_now(message: str, code: int) -> None:
@@ -358,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         say(f"waiting for the application to become ready (up to {args.startup_timeout:g}s; Ctrl-C stops)")
         wait_until_ready(cfg, args.startup_timeout, known_problems=problems, say=say)
+        guard.raise_if_signalled()  # one that arrived inside a call that swallowed it
         print(how_to_call(cfg), flush=True)
         phase = "serving"
         guard.wait_forever()

@@ -9,6 +9,7 @@ end calls them through `cluster/handles.py`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ray import serve
@@ -19,6 +20,7 @@ from workers.worker import DecodeWorker, EngineWorker, PrefillWorker
 from . import logs, tracing
 from .config import ClusterConfig, parse_cluster_config
 from .handles import PrefillPool, WrongReplica, detached
+from .kv_transport import build_transport
 from .reporting import WorkerReporter
 
 log = logging.getLogger("moray.cluster")
@@ -41,7 +43,8 @@ class _WorkerServer:
         if pool.hosts_per_replica > 1:
             from .multihost import start_multihost_engine
 
-            engine, self.followers = start_multihost_engine(engine_config, pool)
+            kv_transfer = self.config.kv_transfer if self.pool == "prefill" else None
+            engine, self.followers = start_multihost_engine(engine_config, pool, kv_transfer)
         self.worker: EngineWorker = make_worker(engine_config, engine)
         self.reporter = WorkerReporter(self.config, self.worker, context.app_name)
         self.reporter.start()
@@ -82,7 +85,18 @@ class PrefillServer(_WorkerServer):
     pool = "prefill"
 
     def __init__(self, cluster_config: dict):
-        self._start(cluster_config, lambda cfg, engine: PrefillWorker(cfg, engine=engine))
+        self._start(cluster_config, self._make_worker)
+
+    def _make_worker(self, engine_config, engine) -> PrefillWorker:
+        t = self.config.kv_transfer
+        return PrefillWorker(
+            engine_config,
+            hold_timeout_s=t.hold_timeout_s,
+            transport=build_transport(t.transport, int(t.inline_kib * 1024)),
+            chunk_bytes=int(t.chunk_mib * (1 << 20)),
+            peers=self.followers,  # a replica over several hosts: each host exports its part
+            engine=engine,
+        )
 
     async def prefill(self, request: PrefillRequest, target_replica: str | None = None) -> PrefillHandoff:
         self._arrived(target_replica)
@@ -92,9 +106,6 @@ class PrefillServer(_WorkerServer):
             handoff = await self.worker.prefill(request)
             tracing.set_attributes(span, {"moray.cached_tokens": handoff.first.num_cached_tokens, "moray.finished": handoff.first.finished})
         return handoff
-
-    async def kv_chunk(self, request_id: str, unit_start: int, unit_end: int, target_replica: str | None = None):
-        return await self.worker.kv_chunk(request_id, unit_start, unit_end)
 
     async def release(self, request_id: str, target_replica: str | None = None) -> bool:
         return await self.worker.release(request_id)
@@ -109,8 +120,10 @@ class DecodeServer(_WorkerServer):
             cluster_config,
             lambda cfg, engine: DecodeWorker(
                 cfg,
-                layers_per_chunk=self.config.handoff_layers_per_chunk,
                 stream_interval_s=self.config.stream_interval_ms / 1000,
+                transport=build_transport(self.config.kv_transfer.transport),
+                chunks_in_flight=self.config.kv_transfer.chunks_in_flight,
+                handoff_timeout_s=self.config.kv_transfer.timeout_s,
                 engine=engine,
             ),
         )
@@ -122,33 +135,42 @@ class DecodeServer(_WorkerServer):
         async for batch in self.worker.channel(channel_id):
             yield batch.encode()
 
-    async def start(self, request: DecodeRequest, target_replica: str | None = None) -> None:
-        """Starts a request; its deltas go out on its channel. Returns once the engine took it (a
-        `ValueError` for a request the engine refuses)."""
+    async def start_batch(self, requests: list[DecodeRequest], target_replica: str | None = None) -> list[BaseException | None]:
+        """Starts requests (one front end's, sent together); their deltas go out on their channel. Returns,
+        once the engine took them, what each came to: None, or why it did not start (a `ValueError` for a
+        request the engine refuses, `ChannelClosed` when its channel is not open here)."""
         if not self._arrived(target_replica):
             raise WrongReplica(f"request for {target_replica} reached {self.worker_id}")
+        results = await asyncio.gather(*(self._start_one(request) for request in requests), return_exceptions=True)
+        return [_start_outcome(r) for r in results]
+
+    async def _start_one(self, request: DecodeRequest) -> None:
         logs.current_request_id.set(request.request_id)
         span = self._decode_span(request)
-        fetch = release = None
+        release = None
         if request.handoff is not None:
-            fetch, release = self._pull_from(request.request_id, request.handoff, span)
-        await self.worker.start(request, fetch, release, on_end=lambda last, error: _end_decode_span(span, last, error))
+            release = self._release_for(request.request_id, request.handoff)
+        await self.worker.start(
+            request,
+            release=release,
+            on_end=lambda last, error: _end_decode_span(span, last, error),
+            on_import=lambda stats, seconds, error: tracing.handoff_span(
+                span, seconds, stats.bytes, stats.chunks, stats.skipped_bytes, error
+            ),
+        )
 
     async def abort(self, request_id: str, target_replica: str | None = None) -> None:
         self.worker.abort(request_id)
 
-    def _pull_from(self, request_id: str, handoff: PrefillHandoff, span):
+    def _release_for(self, request_id: str, handoff: PrefillHandoff):
         source = handoff.worker_id
-
-        async def fetch_chunk(unit_start: int, unit_end: int):
-            return await self.prefill.kv_chunk(source, request_id, unit_start, unit_end)
 
         def release():
             # Outside this request's context: it runs exactly when this request is being cancelled, and
             # Serve cancels a cancelled request's child calls (the prefill side would keep the KV).
             return detached(lambda: self.prefill.release(source, request_id))
 
-        return tracing.traced_fetch(fetch_chunk, span, handoff.num_units), release  # the kv_handoff span
+        return release
 
     def _decode_span(self, request: DecodeRequest):
         attributes = {
@@ -158,6 +180,16 @@ class DecodeServer(_WorkerServer):
             "moray.remote_prefill": request.handoff is not None,
         }
         return tracing.start_span("decode", tracing.extract(request.trace_context), attributes)
+
+
+def _start_outcome(result) -> Exception | None:
+    """What one start of a batch came to, as the front end gets it: None (started) or an exception. A start
+    cancelled on its own (not the whole call) did not start either: it must not read as started."""
+    if isinstance(result, Exception):
+        return result
+    if isinstance(result, BaseException):
+        return RuntimeError(f"the start was interrupted: {type(result).__name__}")
+    return None
 
 
 def _end_decode_span(span, last: TokenDelta | None, error: BaseException | None) -> None:

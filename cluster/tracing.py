@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Mapping
 
 from .config import ObservabilityConfig
 
@@ -172,41 +172,18 @@ def decision_attributes(decision) -> dict[str, Any]:
     }
 
 
-def traced_fetch(fetch_chunk: Callable[[int, int], Awaitable[Any]], parent, num_layers: int) -> Callable[[int, int], Awaitable[Any]]:
-    """`fetch_chunk` (a decode worker's KV chunk fetch, returning `KVChunk`s) reporting the whole handoff as one `kv_handoff`
-    span under `parent`: from the first chunk asked for to the last one received (the chunks are all in
-    flight at once), with the bytes moved. Unchanged while tracing is off."""
+def handoff_span(parent, seconds: float, nbytes: int, chunks: int, skipped_bytes: int, error: BaseException | None = None) -> None:
+    """The `kv_handoff` span under `parent` (a decode span; None: tracing off): the import that just ended,
+    `seconds` long, with the bytes moved and skipped (the decode side's prefix cache held them)."""
     if parent is None:
-        return fetch_chunk
-    handoff = {"start": None, "bytes": 0, "layers": 0, "done": False}
-
-    async def fetch(layer_start: int, layer_end: int):
-        if handoff["start"] is None:
-            handoff["start"] = time.time_ns()
-        try:
-            data = await fetch_chunk(layer_start, layer_end)
-        except BaseException as e:
-            _end_handoff(handoff, parent, num_layers, error=e)
-            raise
-        handoff["bytes"] += data.header.nbytes  # a `KVChunk`
-        handoff["layers"] += layer_end - layer_start
-        if handoff["layers"] >= num_layers:
-            _end_handoff(handoff, parent, num_layers)
-        return data
-
-    return fetch
-
-
-def _end_handoff(handoff: dict, parent, num_layers: int, error: BaseException | None = None) -> None:
-    if handoff["done"]:
         return
-    handoff["done"] = True
     end = time.time_ns()
-    s = start_span("kv_handoff", parent, start_time=handoff["start"])
+    s = start_span("kv_handoff", parent, start_time=end - int(seconds * 1e9))
     attributes = {
-        "moray.handoff_bytes": handoff["bytes"],
-        "moray.handoff_seconds": (end - handoff["start"]) / 1e9,
-        "moray.layers": num_layers,
+        "moray.handoff_bytes": nbytes,
+        "moray.handoff_seconds": seconds,
+        "moray.chunks": chunks,
+        "moray.skipped_bytes": skipped_bytes,
     }
     end_span(s, attributes, error=error, end_time=end)
 

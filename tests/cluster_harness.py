@@ -35,6 +35,9 @@ def cluster_config(model_dir: Path, **overrides) -> dict:
         "server": {"http_port": free_port(), "grpc_port": free_port(), "api_keys": [API_KEY]},
         # Every prompt goes through remote prefill + KV handoff unless a test says otherwise.
         "router": {"remote_prefill_min_tokens": 0},
+        # Small chunks (a block of the tiny model is a few KiB), so handoffs move several of them, through the
+        # object store (not inline in the handoff, as a tiny model's KV would go by default).
+        "kv_transfer": {"chunk_mib": 1 / 256, "inline_kib": 0},
         "prefill": {"resources": {"cpus": 1}},
         "decode": {"resources": {"cpus": 1}},
     }

@@ -53,20 +53,35 @@ def run_to_end(engine, request_id: str, outputs: dict | None = None):
     return outputs.get(request_id)
 
 
-def kv_handoff(prefill, decode, rid, prompt, params, chunk_layers=1, reverse=False):
-    """Prefill `prompt` on one engine, move its KV to the other in chunks of layers (in reverse order if
-    asked), decode there. Returns (the prefill's output: the first token, the whole output as one engine
-    would give it in a list, the decode side's own output)."""
+def kv_handoff(prefill, decode, rid, prompt, params, chunk_bytes=1, reverse=False):
+    """Prefill `prompt` on one engine, move its KV to the other through the transfer layer's chunks (the
+    smallest: one block each by default; in reverse order if asked), decode there. Returns (the prefill's
+    output: the first token, the whole output as one engine would give it in a list, the decode side's
+    own output)."""
     from workers.engine.engine import KVImport
 
     prefill.add_request(rid, prompt, params.model_copy(update={"max_tokens": 1}), hold_kv=True)
     first = run_to_end(prefill, rid)
     decode.add_request(rid, prompt, params, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens))
-    layers = prefill.cfg.num_layers
-    chunks = [(l, prefill.export_kv(rid, l, min(l + chunk_layers, layers))) for l in range(0, layers, chunk_layers)]
-    assert prefill.release_kv(rid)
-    for start, data in reversed(chunks) if reverse else chunks:
-        assert decode.import_kv(rid, start, data)
+    move_kv(prefill, decode, rid, chunk_bytes, reverse)
     rest = run_to_end(decode, rid)  # the decode side's deltas: everything after the first token
     whole = replace(rest, token_ids=first.token_ids + rest.token_ids, text=first.text + rest.text)
     return first, [whole], rest
+
+
+def move_kv(prefill, decode, rid, chunk_bytes=1, reverse=False) -> list:
+    """The transfer layer's two halves between two engines in this process, synchronously: the staged
+    copy cut into checksummed chunks, each written unless the decode side's prefix cache has it. Returns
+    the chunks written."""
+    from workers.kv_transfer import KVExport, needed
+
+    staged = prefill.take_staged(rid)
+    assert staged is not None and prefill.stats().num_held == 0, "the prefill engine stages the KV and frees the blocks"
+    export = KVExport.build(staged, chunk_bytes)
+    from_block = decode.import_from_block(rid)
+    chunks = [export.chunks[i] for i in needed(export.headers, from_block)]
+    for chunk in reversed(chunks) if reverse else chunks:
+        h, data = chunk.header, chunk.verified(chunk.header)
+        assert decode.import_state(rid, data) if h.kind == "state" else decode.import_kv(rid, h.block_start, h.layer_start, data)
+    assert decode.finish_import(rid)
+    return chunks

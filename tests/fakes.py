@@ -24,6 +24,7 @@ import numpy as np
 from cluster_harness import API_KEY, cluster_config
 from ray.exceptions import ActorDiedError
 
+from workers.kv_transfer import ImportStats, import_chunks
 from workers.messages import (
     EngineStats,
     HandoffCounters,
@@ -142,6 +143,7 @@ class FakeEngineWorker:
         self.released: list[str] = []
         self.prefilled: list[str] = []
         self.requests: list = []  # every PrefillRequest / DecodeRequest received
+        self.tokens_out = 0  # decode deltas sent
 
     @property
     def dead(self) -> asyncio.Event:
@@ -182,10 +184,16 @@ class FakeEngineWorker:
         await self._alive(asyncio.sleep(self.delay))
         self.prefilled.append(request.request_id)
         first = TokenDelta(request.request_id, [42], "first ", 1, 0)
-        return PrefillHandoff(request.request_id, self.worker_id, first, len(request.prompt), 2)
-
-    async def kv_chunk(self, request_id: str, unit_start: int, unit_end: int) -> KVChunk:
-        return KVChunk.of(request_id, unit_start, unit_end, np.zeros((unit_end - unit_start, 32), np.float32))
+        chunks = [KVChunk.of(request.request_id, i, "kv", i, i + 1, 0, 1, np.zeros((1, 32), np.float32)) for i in range(2)]
+        return PrefillHandoff(
+            request.request_id,
+            self.worker_id,
+            first,
+            len(request.prompt),
+            tuple(c.header for c in chunks),
+            tuple(c.data for c in chunks),
+            "local",
+        )
 
     async def release(self, request_id: str) -> bool:
         self.released.append(request_id)
@@ -213,14 +221,14 @@ class FakeEngineWorker:
             for rid in [r for r, (_, o, _) in self._running.items() if o is outbox]:
                 self.abort(rid)
 
-    async def start(self, request, fetch_chunk=None, release=None, on_end=None) -> None:
+    async def start(self, request, fetch_chunk=None, release=None, on_end=None, on_import=None) -> None:
         self.requests.append(request)
         if self.dead.is_set():
             raise ActorDiedError()
         outbox = self.channels.get(request.channel)
         if outbox is None or outbox.closed:
             raise ChannelClosed(request.channel)
-        task = asyncio.ensure_future(self._decode(request, outbox, fetch_chunk, release, on_end))
+        task = asyncio.ensure_future(self._decode(request, outbox, fetch_chunk, release, on_end, on_import))
         self._running[request.request_id] = (task, outbox, on_end)
 
     def abort(self, request_id: str, target_replica=None) -> None:
@@ -231,7 +239,7 @@ class FakeEngineWorker:
             if run[2] is not None:
                 run[2](None, None)
 
-    async def _decode(self, request, outbox: Outbox, fetch_chunk, release, on_end) -> None:
+    async def _decode(self, request, outbox: Outbox, fetch_chunk, release, on_end, on_import=None) -> None:
         rid, params = request.request_id, request.params
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.slots_n) if self.slots_n else None
@@ -242,8 +250,15 @@ class FakeEngineWorker:
             await self._alive(self._slots.acquire())
             acquired = True
             self.started.append(rid)
-            if request.handoff is not None and fetch_chunk is not None:
-                await asyncio.gather(*(fetch_chunk(u, u + 1) for u in range(request.handoff.num_units)))
+            if request.handoff is not None and request.handoff.chunks:
+                start = time.perf_counter()
+                fetch = fetch_chunk or (lambda header, handle: asyncio.sleep(0, handle))
+                stats = ImportStats()
+                await import_chunks(
+                    request.handoff.chunks, request.handoff.sources, 0, fetch, lambda h, d, last: asyncio.sleep(0, True), stats
+                )
+                if on_import is not None:
+                    on_import(stats, time.perf_counter() - start, None)
                 if release is not None:
                     await release()
             if self.fail_decode:
@@ -252,12 +267,15 @@ class FakeEngineWorker:
                 if on_end is not None:
                     on_end(None, error)
                 return
-            first = 1 if request.handoff is not None else 0
+            # Token i is 100 + i, text "t{i} ", whichever worker makes it: a migrated request (resume) goes on
+            # exactly where the dead one stopped, as a real engine's greedy output does.
+            first = len(request.resume) or (1 if request.handoff is not None else 0)
             for i in range(first, params.max_tokens):
                 await self._alive(asyncio.sleep(self.delay))
                 done = i == params.max_tokens - 1
                 delta = TokenDelta(rid, [100 + i], f"t{i} ", i + 1, 0, "length" if done else None)
                 outbox.put(delta)
+                self.tokens_out += 1
                 if done:
                     self._running.pop(rid, None)
                     outbox.request_ended()

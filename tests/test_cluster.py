@@ -122,8 +122,9 @@ def metric(cluster, name: str, prefix: str = "") -> float:
     return total
 
 
-def test_handoff_moves_kv_in_several_chunks(cluster):
+def test_handoff_moves_kv_in_several_chunks_through_the_object_store(cluster):
     before = metric(cluster, "moray_kv_handoff_bytes_total")
+    failures = metric(cluster, "moray_kv_handoff_import_failures_total")
     # Fresh prompts (nothing cached anywhere) go through remote prefill whenever the prefill worker's
     # heartbeat is current; a few tries absorb a heartbeat delayed by a loaded machine.
     for attempt in range(3):
@@ -134,9 +135,11 @@ def test_handoff_moves_kv_in_several_chunks(cluster):
             break
         except TimeoutError:
             continue
-    assert metric(cluster, "moray_kv_handoff_bytes_total") > before
-    # The tiny model has 2 layers and the handoff sends one layer per chunk.
-    assert cluster["config"].get("handoff_layers_per_chunk", 1) == 1
+    moved = metric(cluster, "moray_kv_handoff_bytes_total") - before
+    chunk_bytes = cluster["config"]["kv_transfer"]["chunk_mib"] * (1 << 20)
+    assert moved > chunk_bytes  # several chunks (the prompt spans several blocks)
+    assert metric(cluster, "moray_kv_export_bytes_total") > 0
+    assert metric(cluster, "moray_kv_handoff_import_failures_total") == failures  # none prefilled locally instead
     text = http_json(cluster["base"] + "/metrics", key=None)[1]
     assert "vllm:time_to_first_token_seconds_bucket" in text and 'path="disaggregated"' in text
 
@@ -374,6 +377,32 @@ def test_bench_serve_structured_against_the_cluster(cluster, tmp_path):
     assert len(out["free"]["runs"][0]["samples"]["ttft_s"]) == 4
     write_report("serve", {"workload": args.workload, "concurrency": 2, "requests": 4, "structured": out}, tmp_path)
     assert {"latency_cdf.png", "throughput.png"} <= set(check_report(tmp_path, min_plots=2))
+
+
+def test_bench_serve_vs_engine_against_the_cluster(cluster, model_dir):
+    """`moray bench serve --vs-engine`'s parts on a few requests: the offline closed loop and the served one
+    (non-streamed and streamed, on the colocated app) count every token; the processes whose CPU it charges
+    are the proxy and the front-end replicas, never an engine; the summary pairs each run with its offline one."""
+    import argparse
+
+    from bench import serve_efficiency as eff
+    from workers.engine import EngineConfig
+    from workers.engine.engine import EngineCore
+
+    args = argparse.Namespace(
+        model=str(model_dir), concurrency=2, requests=4, prompt_tokens=8, max_tokens=4, runs=1, stream_interval_ms=5.0
+    )
+    pids = eff.non_engine_processes("colo")
+    names = {name.split(":")[0] if name.startswith("Proxy") else name.split(":")[2] for name in pids}
+    assert names == {"ProxyActor", "Frontend", "Registry"}, pids
+    offline = eff.offline_run(EngineCore(EngineConfig(**eff.engine_settings(args)), show_progress=False), args, seed=0)
+    served = [asyncio.run(eff.served_run(cluster["base"] + "/colo", "tiny", args, 0, s, pids, api_key=API_KEY)) for s in (False, True)]
+    assert offline["tokens"] == 16 and [r["tokens"] for r in served] == [16, 16]
+    assert all(r["non_engine_cpu_s"] > 0 and set(r["cpu_s_by_process"]) == set(pids) for r in served)
+    out = eff.summarize({"offline": [offline], "served": served[:1], "served_stream": served[1:]}, args, {}, sorted(pids))
+    ratio = served[0]["tokens_per_s"] / offline["tokens_per_s"]
+    assert out["paired_ratios_served_over_offline"]["non_streamed"] == pytest.approx(ratio)
+    assert out["ratios_served_over_offline"]["non_streamed"] == pytest.approx(ratio)
 
 
 TOOLS = [

@@ -156,6 +156,34 @@ def test_a_ray_shutdown_that_blocks_is_bounded_and_the_local_ray_still_stops(tmp
     assert_all_gone(started)
 
 
+def test_a_signal_inside_start_up_code_that_catches_exception_still_stops_the_command(tmp_path):
+    """Seen in CI: SIGTERM arrived while a status probe ran under `except Exception`, which swallowed the
+    interruption; start-up carried on to serving and only the guard's deadline ended the process, past a
+    minute. The interruption is not an Exception, and a signal swallowed anyway is raised again."""
+    script = tmp_path / "swallowing_start_up.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from cluster import serve_cli\n"
+        "guard = serve_cli.SignalGuard(grace_s=20)\n"
+        "swallow = {'Exception': Exception, 'BaseException': BaseException}[sys.argv[1]]\n"
+        "try:\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(5)\n"
+        "    except swallow:\n"
+        "        print('swallowed', flush=True)\n"
+        "    guard.wait_forever()\n"
+        "except serve_cli.Interrupted as e:\n"
+        "    print(f'interrupted by {e}', flush=True)\n"
+    )
+    for swallow, expected in (("Exception", ["interrupted by SIGTERM"]), ("BaseException", ["swallowed", "interrupted by SIGTERM"])):
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, str(script), swallow], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+        assert out.returncode == 0 and out.stdout.splitlines() == expected, (swallow, out.stdout + out.stderr)
+        assert took < 15, (swallow, took)  # not the guard's 20 s deadline
+
+
 def _port_open(port: int) -> bool:
     import socket
 

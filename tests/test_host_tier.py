@@ -211,8 +211,8 @@ def test_blocks_evicted_for_a_kv_import_reach_the_host_before_the_import_overwri
     evicted = [h for h in cached if h not in core.kv.pool.cached]
     assert evicted, "the import should have taken some of the idle cached blocks"
     n = core.kv.blocks_needed(len(other))
-    data = np.full((core.cfg.num_kv_layers, n, 8, *core.cfg.kv_page_dims), 7.0, np.float32)
-    assert core.import_kv("imp", 0, data)
+    data = np.full((n, core.cfg.num_kv_layers, 8, *core.cfg.kv_page_dims), 7.0, np.float32)
+    assert core.import_kv("imp", 0, 0, data) and core.finish_import("imp")
     while core.has_unfinished():
         core.step()
     core.step()  # idle: stores what the last step copied out

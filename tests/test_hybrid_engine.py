@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from engine_harness import prompts, run_to_end, small_engine_args
+from engine_harness import move_kv, prompts, run_to_end, small_engine_args
 
 from cluster.router.memory_index import MemoryKVIndex
 from cluster.router.types import WorkerLoad
@@ -171,13 +171,10 @@ def test_handoff_carries_kv_and_state(family_dir):
         prefill.add_request(rid, prompt, GREEDY.model_copy(update={"max_tokens": 1}), hold_kv=True)
         first = _run(prefill, rid)[-1]
         decode.add_request(rid, prompt, GREEDY, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens))
-        chunks = [(a, prefill.export_kv(rid, a, b)) for a, b in prefill.handoff_chunks(1)]
-        assert len(chunks) == prefill.cfg.num_kv_layers + 1
-        state = chunks[-1][1]
+        chunks = move_kv(prefill, decode, rid, reverse=True)  # written in any order: here the state first
+        state = chunks[-1].data
+        assert chunks[-1].header.kind == "state" and len(chunks) == prefill.kv.blocks_needed(len(prompt)) + 1
         assert state.dtype == np.float32 and state.nbytes == prefill.runner.state_bytes_per_slot
-        assert prefill.release_kv(rid)
-        for start, data in reversed(chunks):  # any order
-            assert decode.import_kv(rid, start, data)
         got = _run(decode, rid)[-1]  # what follows the first token (streamed by the prefill side)
         single.add_request(rid, prompt, GREEDY)
         assert first.token_ids + got.token_ids == _run(single, rid)[-1].token_ids

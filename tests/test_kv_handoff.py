@@ -23,13 +23,21 @@ def engine(model_dir, worker, **kw):
     return EngineCore(EngineConfig(model=str(model_dir), worker_id=worker, **{**ARGS, **kw}), show_progress=False)
 
 
+def worker_pair(model_dir, **prefill_kw):
+    """A prefill worker and a decode worker in this process (the local transport between them)."""
+    from workers.worker import DecodeWorker, PrefillWorker
+
+    config = lambda worker: EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)  # noqa: E731
+    return PrefillWorker(config("p0"), **prefill_kw), DecodeWorker(config("d0"))
+
+
 def run(engine_, request_id):
     """`request_id`'s whole output (in a list: `run(...)[-1]`)."""
     return [run_to_end(engine_, request_id)]
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-def test_handoff_in_layer_chunks_equals_single_engine(model_dir, reverse):
+def test_handoff_in_chunks_equals_single_engine(model_dir, reverse):
     prefill, decode, single = engine(model_dir, "p0"), engine(model_dir, "d0"), engine(model_dir, "s0")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(prompts(3, seed=20, lo=5, hi=60)):
@@ -48,24 +56,32 @@ def test_seeded_sampling_continues_across_the_handoff(model_dir):
     prefill, decode, single = engine(model_dir, "p0"), engine(model_dir, "d0"), engine(model_dir, "s0")
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     prompt = prompts(1, seed=21)[0]
-    _, outs, _ = kv_handoff(prefill, decode, "r", prompt, params, chunk_layers=2)
+    _, outs, _ = kv_handoff(prefill, decode, "r", prompt, params, chunk_bytes=1 << 20)  # one chunk
     single.add_request("r", prompt, params)
     assert outs[-1].token_ids == run(single, "r")[-1].token_ids
 
 
 def test_abort_while_importing_frees_blocks(model_dir):
+    from workers.kv_transfer import KVExport
+
     prefill, decode = engine(model_dir, "p0"), engine(model_dir, "d0")
     prompt = prompts(1, seed=22, lo=40, hi=41)[0]
     prefill.add_request("r", prompt, SamplingParams(max_tokens=1), hold_kv=True)
     first = run(prefill, "r")[-1]
+    assert prefill.kv.num_free_blocks == prefill.kv.pool.num_blocks  # staged: the blocks are free at once
     decode.add_request("r", prompt, SamplingParams(max_tokens=5), kv_import=KVImport(first.token_ids[0]))
     assert decode.kv.num_free_blocks < decode.kv.pool.num_blocks
-    decode.import_kv("r", 0, prefill.export_kv("r", 0, 1))
+    chunks = KVExport.build(prefill.take_staged("r"), chunk_bytes=1).chunks
+    h = chunks[0].header
+    assert decode.import_kv("r", h.block_start, h.layer_start, chunks[0].data)
     decode.abort("r")
     assert decode.kv.num_free_blocks == decode.kv.pool.num_blocks
-    assert not decode.import_kv("r", 1, prefill.export_kv("r", 1, 2))
-    prefill.abort("r")  # abandoning a held handoff releases it too
-    assert prefill.kv.num_free_blocks == prefill.kv.pool.num_blocks
+    h = chunks[1].header
+    assert not decode.import_kv("r", h.block_start, h.layer_start, chunks[1].data) and not decode.finish_import("r")
+    # Abandoning a staged handoff lets go of it too.
+    prefill.add_request("q", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    run(prefill, "q")
+    assert prefill.stats().num_held == 1 and prefill.release_kv("q") and prefill.stats().num_held == 0
 
 
 def test_full_decode_pool_falls_back_to_local_prefill(model_dir):
@@ -92,13 +108,8 @@ def test_worker_counts_a_handoff_whose_release_outlives_the_request(model_dir):
     import asyncio
     import contextlib
 
-    from workers.worker import DecodeWorker, PrefillWorker
-
-    def config(worker):
-        return EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)
-
     async def scenario():
-        prefill, decode = PrefillWorker(config("p0")), DecodeWorker(config("d0"))
+        prefill, decode = worker_pair(model_dir)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
             prompt = prompts(1, seed=25, lo=30, hi=31)[0]
@@ -112,12 +123,11 @@ def test_worker_counts_a_handoff_whose_release_outlives_the_request(model_dir):
                 return await prefill.release("r")
 
             request = DecodeRequest("r", prompt, params, "local", handoff)
-            outs = [o async for o in decode.stream(request, lambda a, b: prefill.kv_chunk("r", a, b), slow_release)]
+            outs = [o async for o in decode.stream(request, None, slow_release)]
             request_done.set()
             assert outs[-1].finished and outs[-1].num_output_tokens == 2 and sum(len(o.token_ids) for o in outs) == 1
             assert decode.counters.handoffs == 1 and decode.counters.handoff_bytes > 0
-            kv = prefill.engine.core.kv
-            await until(lambda: kv.num_free_blocks == kv.pool.num_blocks, timeout=5)  # the shielded release still completes
+            await until(lambda: not prefill._published, timeout=5)  # the shielded release still completes
         finally:
             prefill.engine.shutdown()
             decode.engine.shutdown()
@@ -130,22 +140,17 @@ def test_workers_pass_the_session_hint_to_both_engines(model_dir):
     conversation cached are kept in its retention class (workers/engine/retention.py)."""
     import asyncio
 
-    from workers.worker import DecodeWorker, PrefillWorker
-
-    def config(worker):
-        return EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)
-
     def sessions_of_cached_blocks(worker) -> set:
         pool = worker.engine.core.kv.pool
         return {pool._free_cached.session_of(b) for b in pool.cached.values()}
 
     async def scenario():
-        prefill, decode = PrefillWorker(config("p0")), DecodeWorker(config("d0"))
+        prefill, decode = worker_pair(model_dir)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
             prompt = prompts(1, seed=26, lo=40, hi=41)[0]
             handoff = await prefill.prefill(PrefillRequest("r", prompt, params, session_id="conv-1"))
-            fetch = lambda a, b: prefill.kv_chunk("r", a, b)  # noqa: E731
+            fetch = None  # the handoff's own transport: in-process
             release = lambda: prefill.release("r")  # noqa: E731
             outs = [
                 o async for o in decode.stream(DecodeRequest("r", prompt, params, "local", handoff, session_id="conv-1"), fetch, release)
@@ -163,44 +168,49 @@ def test_workers_pass_the_session_hint_to_both_engines(model_dir):
     asyncio.run(scenario())
 
 
-def test_a_damaged_kv_chunk_is_refused_and_the_request_recomputed(model_dir):
-    """A chunk whose bytes changed on the way (or that is not the chunk asked for) fails its header check:
-    nothing of it is written, it is counted, and the decode worker prefills the prompt itself: the output is
-    still exactly one engine's."""
+@pytest.mark.parametrize("damaged_fetches", [1, 2])
+def test_a_damaged_kv_chunk_is_fetched_again_then_the_request_recomputed(model_dir, damaged_fetches):
+    """A chunk whose bytes changed on the way fails its check against the header the handoff carried:
+    nothing of it is written, it is counted and fetched once more. Damaged once, the second copy is used
+    (no local prefill); damaged twice, the decode worker prefills the prompt itself. Either way the output
+    is exactly one engine's, and the prefill side lets go of the KV."""
     import asyncio
 
     import numpy as np
 
-    from workers.messages import KVChunk
-    from workers.worker import DecodeWorker, PrefillWorker
-
-    def config(worker):
-        return EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)
-
     async def scenario():
-        prefill, decode = PrefillWorker(config("p0")), DecodeWorker(config("d0"))
+        prefill, decode = worker_pair(model_dir, chunk_bytes=2048)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
             prompt = prompts(1, seed=28, lo=30, hi=31)[0]
             handoff = await prefill.prefill(PrefillRequest("r", prompt, params))
+            assert len(handoff.chunks) > 1
+            bad = {"left": damaged_fetches}
 
-            async def damaged(a, b):
-                chunk = await prefill.kv_chunk("r", a, b)
-                data = chunk.data.copy()
-                data.reshape(-1)[0] += np.float32(1.0)  # one value changed in transit
-                return KVChunk(chunk.header, data)
+            async def damaging(header, handle):  # a transport that damages chunk 1 on its first fetches
+                data = await decode.transport.fetch(header, handle)
+                if header.index == 1 and bad["left"] > 0:
+                    bad["left"] -= 1
+                    data = data.copy()
+                    data.reshape(-1)[0] += np.float32(1.0)  # one value changed in transit
+                return data
 
             outs = [
-                o async for o in decode.stream(DecodeRequest("r", prompt, params, "local", handoff), damaged, lambda: prefill.release("r"))
+                o async for o in decode.stream(DecodeRequest("r", prompt, params, "local", handoff), damaging, lambda: prefill.release("r"))
             ]
             single = [o async for o in decode.stream(DecodeRequest("s", prompt, params, "local"))]
+            await until(lambda: not prefill._published, timeout=5)
             return handoff, outs, single, decode.counters
         finally:
             prefill.engine.shutdown()
             decode.engine.shutdown()
 
     handoff, outs, single, counters = asyncio.run(scenario())
-    assert counters.corrupt_chunks >= 1 and counters.import_failures == 1 and counters.handoffs == 0
+    assert counters.corrupt_chunks == damaged_fetches and counters.refetched_chunks == 1
+    if damaged_fetches == 1:
+        assert counters.import_failures == 0 and counters.handoffs == 1
+    else:
+        assert counters.import_failures == 1 and counters.handoffs == 0
     tokens = handoff.first.token_ids + [t for o in outs for t in o.token_ids]
     assert tokens == [t for o in single for t in o.token_ids]
 
@@ -212,14 +222,46 @@ def test_a_chunk_header_names_what_it_carries():
     from workers.messages import KVChunk, KVChunkCorrupt
 
     data = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    chunk = KVChunk.of("r", 0, 2, data)
-    assert (chunk.verified("r", 0, 2) == data).all()
-    with _pytest.raises(KVChunkCorrupt, match="asked for"):
-        chunk.verified("r", 2, 4)  # not the layers asked for
+    chunk = KVChunk.of("r", 0, "kv", 0, 2, 0, 3, data)
+    assert (chunk.verified(chunk.header) == data).all()
+    other = KVChunk.of("r", 1, "kv", 2, 4, 0, 3, data).header
+    with _pytest.raises(KVChunkCorrupt, match="expected"):
+        chunk.verified(other)  # not the chunk the handoff announced
     with _pytest.raises(KVChunkCorrupt, match="arrived as"):
-        KVChunk(chunk.header, data.astype(np.float16)).verified("r", 0, 2)
+        KVChunk(chunk.header, data.astype(np.float16)).verified(chunk.header)
+    with _pytest.raises(KVChunkCorrupt, match="arrived as"):
+        KVChunk(chunk.header, None).verified(chunk.header)
     with _pytest.raises(KVChunkCorrupt, match="checksum"):
-        KVChunk(chunk.header, data[::-1].copy()).verified("r", 0, 2)
+        KVChunk(chunk.header, data[::-1].copy()).verified(chunk.header)
+
+
+def test_chunks_are_powers_of_two_of_whole_blocks_and_cover_every_block_and_layer():
+    from workers.kv_transfer import plan_chunks
+
+    for blocks, layers, per_layer, chunk in [(19, 2, 1000, 7000), (5, 3, 4096, 1 << 20), (3, 4, 1000, 1500), (1, 1, 10, 1)]:
+        plan = plan_chunks(blocks, layers, per_layer, chunk)
+        covered = [(b, l) for b0, b1, l0, l1 in plan for b in range(b0, b1) for l in range(l0, l1)]
+        assert sorted(covered) == [(b, l) for b in range(blocks) for l in range(layers)]  # each once
+        for b0, b1, l0, l1 in plan:
+            assert (b1 - b0) * (l1 - l0) * per_layer <= max(chunk, per_layer)
+            if b1 < blocks:  # every chunk but the last: a page bucket's worth, written without padding
+                assert (b1 - b0) & (b1 - b0 - 1) == 0
+    assert plan_chunks(19, 2, 1000, 7000)[0][:2] == (0, 2)  # 3 blocks fit: 2 taken
+
+
+def test_the_parts_of_several_hosts_become_one_numbered_chunk_list():
+    import numpy as np
+
+    from workers.kv_transfer import merge_published
+    from workers.messages import KVChunk
+
+    data = np.ones((2, 1, 4), np.float32)
+    host0 = (KVChunk.of("r", 0, "kv", 0, 2, 0, 1, data).header, KVChunk.of("r", 1, "state", 0, 0, 0, 0, data).header)
+    host1 = (KVChunk.of("r", 0, "kv", 2, 4, 0, 1, data).header,)
+    headers, handles = merge_published([(host0, ("a", "b")), (host1, ("c",))])
+    assert [h.index for h in headers] == [0, 1, 2] and handles == ("a", "b", "c")
+    assert [(h.kind, h.block_start) for h in headers] == [("kv", 0), ("state", 0), ("kv", 2)]
+    assert headers[2].checksum == host1[0].checksum
 
 
 def test_a_decode_channel_sends_one_batch_per_step_for_all_its_requests(model_dir):
@@ -255,3 +297,174 @@ def test_a_decode_channel_sends_one_batch_per_step_for_all_its_requests(model_di
         mine = [d for d in deltas if d.request_id == r.request_id]
         assert [d.num_output_tokens for d in mine] == list(range(1, 9)) and mine[-1].finish_reason == "length"
         assert all(d.finish_reason is None for d in mine[:-1])
+
+
+def test_only_the_blocks_the_decode_side_lacks_move(model_dir):
+    """The decode worker's own prefix cache holds the prompt's first blocks (an earlier request shared
+    them): the chunks of those blocks are not fetched, and the output is still exactly one engine's."""
+    import asyncio
+
+    async def scenario():
+        prefill, decode = worker_pair(model_dir, chunk_bytes=1)  # a chunk per block
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            shared = prompts(1, seed=30, lo=48, hi=49)[0]
+            prompt = shared + prompts(1, seed=31, lo=24, hi=25)[0]
+            earlier = [o async for o in decode.stream(DecodeRequest("e", shared + [7], params, "local"))]
+            assert earlier[-1].finished
+            handoff = await prefill.prefill(PrefillRequest("r", prompt, params))
+            outs = [
+                o async for o in decode.stream(DecodeRequest("r", prompt, params, "local", handoff), None, lambda: prefill.release("r"))
+            ]
+            single = [o async for o in decode.stream(DecodeRequest("s", prompt, params, "local"))]
+            return handoff, outs, single, decode.counters
+        finally:
+            prefill.engine.shutdown()
+            decode.engine.shutdown()
+
+    handoff, outs, single, counters = asyncio.run(scenario())
+    cached = sum(h.nbytes for h in handoff.chunks if h.block_end <= 6)  # the 48 shared tokens: 6 blocks of 8
+    assert cached == handoff.nbytes * 6 // 9  # of the prompt's 9 blocks
+    assert counters.handoffs == 1 and counters.import_failures == 0
+    assert counters.skipped_bytes == cached and counters.handoff_bytes == handoff.nbytes - cached
+    tokens = handoff.first.token_ids + [t for o in outs for t in o.token_ids]
+    assert tokens == [t for o in single for t in o.token_ids]
+
+
+def test_a_handoff_whose_whole_prompt_the_decode_side_has_cached_moves_nothing_and_completes(model_dir):
+    """Seen in the cluster suite: the same prompt twice, its length a multiple of the block size, so the
+    decode worker's prefix cache held every block: no chunk was needed, the KV was never marked ready and
+    the request waited forever."""
+    import asyncio
+
+    async def scenario():
+        prefill, decode = worker_pair(model_dir)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            prompt = prompts(1, seed=34, lo=48, hi=49)[0]  # 6 whole blocks of 8
+            first = [o async for o in decode.stream(DecodeRequest("e", prompt + [9], params, "local"))]
+            handoff = await prefill.prefill(PrefillRequest("r", prompt, params))
+            outs = await asyncio.wait_for(
+                _collect(decode.stream(DecodeRequest("r", prompt, params, "local", handoff), None, lambda: prefill.release("r"))), 60
+            )
+            single = [o async for o in decode.stream(DecodeRequest("s", prompt, params, "local"))]
+            return first, handoff, outs, single, decode.counters
+        finally:
+            prefill.engine.shutdown()
+            decode.engine.shutdown()
+
+    first, handoff, outs, single, counters = asyncio.run(scenario())
+    assert first[-1].finished and outs[-1].finished
+    assert counters.handoff_bytes == 0 and counters.skipped_bytes == handoff.nbytes and counters.import_failures == 0
+    tokens = handoff.first.token_ids + [t for o in outs for t in o.token_ids]
+    assert tokens == [t for o in single for t in o.token_ids]
+
+
+async def _collect(stream) -> list:
+    return [o async for o in stream]
+
+
+def test_the_prefill_engine_keeps_stepping_while_an_export_is_stuck(model_dir, monkeypatch):
+    """The export (waiting for the host copy, cutting and checksumming chunks) runs off the engine thread:
+    with it blocked, the same engine still runs other requests to the end; unblocked, the handoff completes."""
+    import asyncio
+    import threading
+
+    from workers import worker as worker_module
+    from workers.kv_transfer import KVExport
+    from workers.worker import PrefillWorker
+
+    release_export = threading.Event()
+    real_build = KVExport.build
+
+    def stuck_build(staged, chunk_bytes):
+        assert threading.current_thread() is not threading.main_thread()
+        release_export.wait(60)
+        return real_build(staged, chunk_bytes)
+
+    monkeypatch.setattr(worker_module.KVExport, "build", staticmethod(stuck_build))
+
+    async def scenario():
+        prefill = PrefillWorker(EngineConfig(model=str(model_dir), worker_id="p0", **ARGS))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            prompt, other = prompts(2, seed=32, lo=40, hi=41)
+            handing_off = asyncio.create_task(prefill.prefill(PrefillRequest("r", prompt, params)))
+            await until(lambda: prefill.engine.core.stats().num_held == 0 and "r" not in prefill.engine.core.scheduler.requests, timeout=60)
+            outs = [d async for d in prefill._deltas("q", other, params)]  # a whole request meanwhile
+            assert not handing_off.done()
+            release_export.set()
+            handoff = await asyncio.wait_for(handing_off, 60)
+            return outs, handoff
+        finally:
+            release_export.set()
+            prefill.engine.shutdown()
+
+    outs, handoff = asyncio.run(scenario())
+    assert outs[-1].finished and outs[-1].num_output_tokens == 8
+    assert handoff.chunks and handoff.nbytes > 0
+
+
+@pytest.mark.cluster
+def test_object_store_handoff_and_a_prefill_process_killed_before_the_fetch(model_dir, ray_serve):
+    """Real Ray: a prefill worker in its own process publishes its chunks in the object store and the handoff
+    carries the references. Fetched while it lives, the KV moves (no local prefill); once the process is
+    killed, its objects are gone with it: the decode worker's fetch fails (twice), it prefills locally and
+    the output is still exactly one engine's."""
+    import asyncio
+
+    import ray
+
+    from cluster.kv_transport import ObjectStoreTransport
+    from workers.worker import DecodeWorker, PrefillWorker
+
+    @ray.remote(num_cpus=0)
+    class PrefillProcess:
+        def __init__(self, model: str):
+            self.worker = PrefillWorker(
+                EngineConfig(model=model, worker_id="p0", **ARGS), transport=ObjectStoreTransport(inline_bytes=0), chunk_bytes=4096
+            )
+
+        async def prefill(self, request):
+            return await self.worker.prefill(request)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first_prompt, second_prompt = prompts(2, seed=33, lo=40, hi=41)
+    prefill = PrefillProcess.remote(str(model_dir))
+    live = ray.get(prefill.prefill.remote(PrefillRequest("live", first_prompt, params)), timeout=300)
+    orphaned = ray.get(prefill.prefill.remote(PrefillRequest("orphaned", second_prompt, params)), timeout=120)
+    assert live.transport == "object_store" and len(live.sources) == len(live.chunks) > 1
+    assert all(isinstance(ref, ray.ObjectRef) for ref in live.sources)
+
+    async def scenario():
+        decode = DecodeWorker(EngineConfig(model=str(model_dir), worker_id="d0", **ARGS), transport=ObjectStoreTransport())
+        try:
+            outs = {}
+            outs["live"] = [o async for o in decode.stream(DecodeRequest("live", first_prompt, params, "local", live))]
+            assert decode.counters.handoffs == 1 and decode.counters.import_failures == 0
+            ray.kill(prefill)
+            await until(lambda: _object_lost(orphaned.sources[-1]), timeout=60)  # Ray frees a dead owner's objects
+            outs["orphaned"] = [o async for o in decode.stream(DecodeRequest("orphaned", second_prompt, params, "local", orphaned))]
+            for rid, prompt in (("live", first_prompt), ("orphaned", second_prompt)):
+                outs[rid + "-single"] = [o async for o in decode.stream(DecodeRequest(rid + "-single", prompt, params, "local"))]
+            return outs, decode.counters
+        finally:
+            decode.engine.shutdown()
+
+    outs, counters = asyncio.run(scenario())
+    assert counters.handoffs == 1 and counters.import_failures == 1 and counters.refetched_chunks >= 1
+    for rid, handoff in (("live", live), ("orphaned", orphaned)):
+        tokens = handoff.first.token_ids + [t for o in outs[rid] for t in o.token_ids]
+        assert tokens == [t for o in outs[rid + "-single"] for t in o.token_ids], rid
+
+
+def _object_lost(ref) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=1)
+        return False
+    except ray.exceptions.OwnerDiedError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False

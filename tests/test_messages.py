@@ -21,15 +21,16 @@ from workers.engine.sampling_params import SamplingParams
 def examples() -> list:
     params = SamplingParams(max_tokens=4)
     delta = m.TokenDelta("r1", [5, 6], "ab", 2, 8, None, [{5: -0.1}, {6: -0.2}])
-    handoff = m.PrefillHandoff("r1", "p0", m.TokenDelta("r1", [5], "a", 1, 8), 12, 3, 0.01)
+    header = m.KVChunkHeader.of("r1", 0, "kv", 0, 2, 0, 4, np.zeros((2, 4, 3), np.float16))
+    handoff = m.PrefillHandoff("r1", "p0", m.TokenDelta("r1", [5], "a", 1, 8), 12, (header,), ("handle-0",), "local", 0.01, 0.002)
     return [
         delta,
         m.TokenDeltaBatch("d0", [delta, m.TokenDelta("r2", [], "", 3, 0, "abort")], closing=False),
         m.PrefillRequest("r1", [1, 2, 3], params, "s", {"traceparent": "00-x"}),
         handoff,
         m.DecodeRequest("r1", [1, 2, 3], params, "fe-1", handoff, "s", None),
-        m.KVChunk.of("r1", 0, 2, np.ones((2, 3), np.float32)),
-        m.KVChunkHeader.of("r1", 2, 3, np.zeros((1, 3), np.float16)),
+        m.KVChunk.of("r1", 1, "state", 0, 0, 0, 0, np.ones((6,), np.float32)),
+        header,
         m.EngineStats(num_running=2, kv_event_epoch=7),
         m.HandoffCounters(handoffs=1, bytes=10),
         heartbeat("d0", num_running=3),
@@ -107,7 +108,7 @@ class _Recorder:
                 recorder.calls.append((method, args, kwargs))
 
                 async def done():
-                    return None
+                    return [None] * len(args[0]) if method == "start_batch" else None  # each request started
 
                 return _Awaitable(done())
 
@@ -137,7 +138,6 @@ def test_the_wrappers_call_the_deployments_as_their_signatures_say():
 
     async def calls():
         await prefill.prefill("p0", ex["PrefillRequest"])
-        await prefill.kv_chunk("p0", "r1", 0, 2)
         await prefill.release("p0", "r1")
         decode.channel("d0", "fe-1")
         await decode.start("d0", ex["DecodeRequest"])
@@ -150,9 +150,146 @@ def test_the_wrappers_call_the_deployments_as_their_signatures_say():
         await registry.metrics()
 
     asyncio.run(calls())
-    owner = {"prefill": "PrefillServer", "kv_chunk": "PrefillServer", "release": "PrefillServer", "channel": "DecodeServer"}
-    owner |= {"start": "DecodeServer", "abort": "DecodeServer"}
+    owner = {"prefill": "PrefillServer", "release": "PrefillServer", "channel": "DecodeServer"}
+    owner |= {"start_batch": "DecodeServer", "abort": "DecodeServer"}
     for method, args, kwargs in rec.calls:
         cls = _deployment(owner.get(method, "Registry"))
         assert method in handles.CALLS[cls.__name__]
         inspect.signature(getattr(cls, method)).bind(None, *args, **kwargs)  # raises TypeError on a mismatch
+
+
+# ============================================================================ decode starts travel in batches
+
+
+class _SlowStarts:
+    """A decode handle whose `start_batch` calls wait until the test lets them return (`release()`), then
+    answer per request from `refuse` (request id -> exception), or fail whole with `fail`."""
+
+    def __init__(self):
+        import asyncio
+
+        self.batches: list[list[str]] = []
+        self.gate = asyncio.Event()
+        self.refuse: dict[str, BaseException] = {}
+        self.fail: BaseException | None = None
+        self.aborts: list[tuple[str, int]] = []  # (request id, batches returned when the abort arrived)
+        self.returned = 0
+
+    def options(self, **_):
+        return self
+
+    @property
+    def start_batch(self):
+        return _Remote(self._start_batch)
+
+    @property
+    def abort(self):
+        return _Remote(self._abort)
+
+    async def _start_batch(self, requests, target_replica=None):
+        self.batches.append([r.request_id for r in requests])
+        await self.gate.wait()
+        self.gate.clear()
+        self.returned += 1
+        if self.fail is not None:
+            raise self.fail
+        return [self.refuse.get(r.request_id) for r in requests]
+
+    async def _abort(self, request_id, target_replica=None):
+        self.aborts.append((request_id, self.returned))
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+def _decode_request(rid: str) -> m.DecodeRequest:
+    return m.DecodeRequest(rid, [1, 2, 3], SamplingParams(max_tokens=4), "fe-1")
+
+
+def test_starts_that_arrive_while_a_call_is_on_its_way_go_together_in_the_next():
+    import asyncio
+
+    handle = _SlowStarts()
+    handle.refuse["r3"] = ValueError("prompt too long")
+    pool = handles.DecodePool(handle)
+
+    async def main():
+        first = asyncio.create_task(pool.start("d0", _decode_request("r0")))
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(pool.start("d0", _decode_request(f"r{i}"))) for i in range(1, 5)]
+        while len(handle.batches) < 1:
+            await asyncio.sleep(0)
+        handle.gate.set()  # the first call returns; the four that waited leave as one
+        await first
+        while len(handle.batches) < 2:
+            await asyncio.sleep(0)
+        handle.gate.set()
+        return await asyncio.gather(*rest, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert handle.batches == [["r0"], ["r1", "r2", "r3", "r4"]]
+    assert results[:2] == [None, None] and isinstance(results[2], ValueError) and results[3] is None
+
+
+def test_a_start_given_up_before_it_left_is_never_sent_and_an_abort_never_overtakes_its_start():
+    import asyncio
+
+    handle = _SlowStarts()
+    pool = handles.DecodePool(handle)
+
+    async def main():
+        sent = asyncio.create_task(pool.start("d0", _decode_request("r0")))
+        while not handle.batches:
+            await asyncio.sleep(0)
+        waiting = asyncio.create_task(pool.start("d0", _decode_request("r1")))
+        await asyncio.sleep(0)
+        waiting.cancel()  # its client left before its batch went
+        sent.cancel()  # this one left with its batch on the way: the abort must wait for the start
+        await pool.abort("d0", "r1")
+        abort = asyncio.create_task(pool.abort("d0", "r0"))
+        await asyncio.sleep(0.01)
+        assert not handle.aborts  # still waiting for r0's start to return
+        handle.gate.set()
+        await abort
+        await asyncio.sleep(0.01)
+        return sent.cancelled(), waiting.cancelled()
+
+    assert asyncio.run(main()) == (True, True)
+    assert handle.batches == [["r0"]]  # r1 never left
+    assert handle.aborts == [("r0", 1)]  # after the call that carried r0 returned
+
+
+def test_a_failed_start_call_fails_every_request_it_carried():
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    handle = _SlowStarts()
+    handle.fail = ActorDiedError()
+    pool = handles.DecodePool(handle)
+
+    async def main():
+        tasks = [asyncio.create_task(pool.start("d0", _decode_request(f"r{i}"))) for i in range(3)]
+        await asyncio.sleep(0)
+        for _ in range(2):
+            while handle.gate.is_set():
+                await asyncio.sleep(0)
+            handle.gate.set()
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, ActorDiedError) for r in results) and sum(map(len, handle.batches)) == 3
+
+
+def test_a_start_cancelled_on_its_own_inside_a_batch_does_not_read_as_started():
+    import asyncio
+
+    from cluster.servers import _start_outcome
+
+    assert _start_outcome(None) is None
+    refused = ValueError("too long")
+    assert _start_outcome(refused) is refused
+    assert isinstance(_start_outcome(asyncio.CancelledError()), RuntimeError)

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from cluster_harness import cluster_config, http_json, served_app
 
@@ -94,6 +96,31 @@ def multihost_app(model_dir, ray_serve):
 
 
 @pytest.mark.cluster
+def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ray_serve):
+    """Serve's health check of a multi-host replica asks each follower; a follower busy with a long step
+    (a compile takes seconds on a loaded machine) must still answer, or Serve replaces a healthy replica
+    (seen: a prefill replica restarted mid-test)."""
+    import ray
+
+    from cluster.multihost import EngineFollowerActor, FollowerChannel
+
+    cfg = EngineConfig(model=str(model_dir), worker_id="follow", seed=3, warmup=False, **ENGINE)
+    actor = EngineFollowerActor.remote(cfg)
+    channel = FollowerChannel([actor])
+    channel.check(timeout_s=300)  # built
+    ops = [("add_request", ("r", PROMPTS[0] * 6, SamplingParams(max_tokens=60, ignore_eos=True)), {})] + [("step", (), {})] * 80
+    busy = actor.apply.remote(ops)  # compiles its step programs, then steps
+    try:
+        time.sleep(1.0)  # compiling or stepping by now
+        assert not ray.wait([busy], timeout=0)[0], "the batch of steps ended before the probe: make it longer"
+        channel.check(timeout_s=1.0)  # answered while the steps run
+        assert not ray.wait([busy], timeout=0)[0]
+        assert ray.get(busy, timeout=300) == len(ops)
+    finally:
+        ray.kill(actor)
+
+
+@pytest.mark.cluster
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
     from ray import serve
 
@@ -110,3 +137,68 @@ def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_d
         assert body["choices"][0]["text"] == want.text
     status, health = http_json(multihost_app + "/health", key=None)
     assert status == 200 and health["decode_workers"] == 1
+
+
+# ------------------------------------------------------------------ a multi-host prefill replica's export
+
+# Prompts whose padded copies split over the prefill replica's 2 hosts with blocks on both: 4 blocks (page
+# bucket 4: 2 per host) and 7 blocks (bucket 8: 4 on the first host, 3 on the second). Small buckets and
+# short prompts: each engine compiles few step programs.
+EXPORT_ENGINE = {**ENGINE, "max_model_len": 64, "page_buckets": [4, 8], "warmup": False}
+EXPORT_PROMPTS = [[(7 * i + k) % 97 + 3 for i in range(n)] for k, n in enumerate([30, 50])]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe", "deepseek_v3"])
+def multihost_prefill_app(request, tmp_path_factory, ray_serve):
+    """A disaggregated app whose prefill replica is one engine over 2 processes x 4 devices (mesh 2x4)
+    and whose decode replica another layout: 1 process, 4 devices (2x2), tp 2."""
+    arch = request.param
+    model_dir = make_model(tmp_path_factory.mktemp(f"mh-export-{arch}") / "tiny", arch, "tiny", seed=5)
+    env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}
+    cfg = cluster_config(
+        model_dir,
+        name=f"mhexport-{arch.replace('_', '')}",
+        # No warmup: a multi-host engine would compile every step program before serving.
+        engine=EXPORT_ENGINE,
+        prefill={
+            "resources": {"cpus": 1},
+            "hosts_per_replica": 2,
+            "placement_strategy": "PACK",
+            "env": env,
+            "engine_overrides": {"parallel": {"mesh": "2x4"}},
+        },
+        decode={"resources": {"cpus": 1}, "env": env, "engine_overrides": {"parallel": {"mesh": "2x2", "tp": 2}}},
+    )
+    with served_app(ray_serve, cfg) as app:
+        yield arch, model_dir, app
+
+
+@pytest.mark.cluster
+def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_prefill_app):
+    """Each host exports the blocks it holds, the decode replica writes them into its own layout: greedy
+    tokens equal a single-process run, every request's whole KV moved, none prefilled again locally."""
+    from ray import serve
+
+    arch, model_dir, app = multihost_prefill_app
+    prefill = serve.get_deployment_handle("PrefillServer", app.name)
+    decode = serve.get_deployment_handle("DecodeServer", app.name)
+    assert prefill.heartbeat.remote().result(timeout_s=60).num_processes == 2
+    llm = LLM(str(model_dir), **EXPORT_ENGINE)
+    expected = llm.generate(EXPORT_PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    before = decode.heartbeat.remote().result(timeout_s=60)
+    for prompt, want in zip(EXPORT_PROMPTS, expected):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        status, out = http_json(app.base + "/v1/completions", body)
+        assert status == 200, out
+        assert out["choices"][0]["text"] == want.text, arch
+    after = decode.heartbeat.remote().result(timeout_s=60)
+    moved = after.handoff.bytes - before.handoff.bytes - (after.handoff.state_bytes - before.handoff.state_bytes)
+    assert after.handoff.handoffs - before.handoff.handoffs == len(EXPORT_PROMPTS)
+    assert after.handoff.import_failures == before.handoff.import_failures  # no local re-prefill
+    block = ENGINE["block_size"]
+    blocks = sum(-(-len(p) // block) for p in EXPORT_PROMPTS)
+    assert moved == blocks * block * after.engine.kv_bytes_per_token  # every block, from both hosts
+    if arch == "qwen3_5_moe":
+        assert after.handoff.state_bytes > before.handoff.state_bytes
+    exports = prefill.heartbeat.remote().result(timeout_s=60).handoff
+    assert exports.exports >= len(EXPORT_PROMPTS) and exports.export_bytes >= moved

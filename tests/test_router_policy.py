@@ -339,6 +339,27 @@ def test_metrics_are_exported_with_decision_branches_and_reuse():
     assert "moray_router_decisions_total" in text and "moray_router_index_lag_seconds" in text
 
 
+def test_a_forgotten_workers_late_kv_events_do_not_bring_its_lag_series_back():
+    """Seen in the failover test: events a killed worker sent before dying reached the index after the
+    worker was forgotten, re-creating its lag series, which then stayed in /metrics for good."""
+    metrics = RouterMetrics()
+    value = metrics.registry.get_sample_value
+    metrics.maybe_update_loads({"d0": WorkerLoad("d0", "decode"), "d1": WorkerLoad("d1", "decode")}, force=True)
+    metrics.observe_event_lag("d0", 0.2)
+    metrics.observe_event_lag("d1", 0.1)
+    metrics.forget_worker("d0")
+    metrics.observe_event_lag("d0", 0.3)  # late
+    assert value("moray_router_index_lag_seconds", {"worker": "d0"}) is None
+    assert value("moray_router_index_lag_seconds", {"worker": "d1"}) == pytest.approx(0.1)
+    # A series set for a worker with no heartbeat goes at the next refresh; one that returns is tracked again.
+    metrics.observe_event_lag("d2", 0.1)
+    metrics.maybe_update_loads({"d1": WorkerLoad("d1", "decode")}, force=True)
+    assert value("moray_router_index_lag_seconds", {"worker": "d2"}) is None
+    metrics.maybe_update_loads({"d0": WorkerLoad("d0", "decode")}, force=True)
+    metrics.observe_event_lag("d0", 0.4)
+    assert value("moray_router_index_lag_seconds", {"worker": "d0"}) == pytest.approx(0.4)
+
+
 # ---------------------------------------------------------------- simulations with real KV cache managers
 
 

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import yaml
 from cluster_harness import API_KEY, cluster_config, http_json
@@ -30,7 +29,6 @@ from fakes import FakeEngineWorker, http_request, serving, until
 
 from cluster import logs, tracing
 from cluster.config import ConfigError, ObservabilityConfig, parse_cluster_config
-from workers.messages import KVChunk
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -67,12 +65,7 @@ def test_propagation_helpers_parent_a_remote_span_in_the_same_trace(spans):
     with tracing.span("prefill", tracing.extract(carrier), {"moray.request_id": "cmpl-1"}):
         pass
     decode = tracing.start_span("decode", tracing.extract(carrier))
-    fetch = tracing.traced_fetch(lambda a, b: _chunk(a, b), decode, num_layers=3)
-
-    async def handoff():
-        await asyncio.gather(fetch(0, 2), fetch(2, 3))
-
-    asyncio.run(handoff())
+    tracing.handoff_span(decode, 0.01, nbytes=3 * 64, chunks=2, skipped_bytes=64)  # an import that just ended
     tracing.end_span(decode, {"moray.completion_tokens": 5, "moray.finish_reason": "length"})
     tracing.end_span(ingress)
 
@@ -84,13 +77,9 @@ def test_propagation_helpers_parent_a_remote_span_in_the_same_trace(spans):
         assert got[name].parent.span_id == got["ingress"].context.span_id and got[name].parent.is_remote
     assert got["kv_handoff"].parent.span_id == got["decode"].context.span_id
     assert got["kv_handoff"].attributes["moray.handoff_bytes"] == 3 * 64
-    assert got["kv_handoff"].attributes["moray.handoff_seconds"] >= 0.01  # both chunks took 10 ms
+    assert got["kv_handoff"].attributes["moray.handoff_seconds"] == 0.01 and got["kv_handoff"].attributes["moray.skipped_bytes"] == 64
+    assert got["kv_handoff"].end_time - got["kv_handoff"].start_time == 10_000_000
     assert got["decode"].attributes["moray.finish_reason"] == "length"
-
-
-async def _chunk(layer_start: int, layer_end: int):
-    await asyncio.sleep(0.01)
-    return KVChunk.of("cmpl-1", layer_start, layer_end, np.zeros((layer_end - layer_start, 16), np.float32))
 
 
 def test_tracing_off_costs_nothing():
@@ -98,8 +87,7 @@ def test_tracing_off_costs_nothing():
     assert tracing.start_span("ingress") is None and tracing.inject(None) is None
     assert tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
     assert tracing.span("router") is tracing.span("prefill")  # one shared no-op, no allocation per request
-    fetch = _chunk
-    assert tracing.traced_fetch(fetch, None, 3) is fetch
+    tracing.handoff_span(None, 0.01, 64, 1, 0)  # no parent: nothing to do
 
 
 def test_a_sample_ratio_of_zero_records_nothing_and_tells_the_workers():
@@ -278,7 +266,7 @@ def test_tracing_off_sends_nothing_extra_to_the_workers(model_dir):
     assert [type(r).__name__ for r in prefill.requests + decode.requests] == ["PrefillRequest", "DecodeRequest"]
     assert all(r.trace_context is None for r in prefill.requests + decode.requests)
     calls = s.prefill_handle.calls + s.decode_handle.calls
-    assert {name for name, _, _ in calls} == {"prefill", "kv_chunk", "release", "channel", "start"}
+    assert {name for name, _, _ in calls} == {"prefill", "release", "channel", "start_batch"}
     assert all(set(kw) <= {"target_replica"} for _, _, kw in calls)
 
 

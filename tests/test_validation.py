@@ -509,7 +509,7 @@ class FakeCore:
         self.requests: dict[str, int] = {}
         self.to_finish: list[str] = []
 
-    def add_request(self, request_id, prompt, params, hold_kv=False, kv_import=None, session_id=None):
+    def add_request(self, request_id, prompt, params, hold_kv=False, kv_import=None, session_id=None, resume=None):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.requests[request_id] = 0

@@ -3,7 +3,8 @@
     worker --WorkerReport(WorkerHeartbeat, [KVEvent])--------------------> membership registry
     pipeline --PrefillRequest--> prefill worker --PrefillHandoff--> pipeline
     pipeline --DecodeRequest(PrefillHandoff | None)--> decode worker
-    decode worker --KVChunk(KVChunkHeader, data) pulled from--> prefill worker
+    prefill worker --KVChunk data, published through a KV transport--> decode worker (workers/kv_transfer.py;
+        the chunks' KVChunkHeaders travel in the PrefillHandoff, apart from the data they vouch for)
     decode worker --TokenDeltaBatch (one per step, per channel)--> pipeline --TokenDelta--> front end
 
 `TokenDelta` is the one type a request's new tokens travel in, from the engine's output processor to the
@@ -95,23 +96,31 @@ class PrefillRequest:
 
 @dataclass(frozen=True, slots=True)
 class PrefillHandoff:
-    """The prefill worker's answer: the first token and where the prompt's KV waits to be pulled.
+    """The prefill worker's answer: the first token and where the prompt's KV waits.
 
-    `num_units`: handoff units (one per full-attention layer, plus one for a hybrid model's packed
-    linear-attention state), pulled as `KVChunk`s in ranges of units."""
+    `chunks`: the headers of the KV chunks (their checksums travel here, apart from the data); `sources`:
+    one transport handle per chunk (`workers/kv_transfer.py`; object references on a Ray cluster).
+    `transport`: the name of the transport that published them."""
 
     request_id: str
-    worker_id: str  # the prefill worker holding the KV
+    worker_id: str  # the prefill worker that published the KV (told when the handoff is over)
     first: TokenDelta  # the first output token (finished: the request ended there, nothing is held)
     prompt_len: int
-    num_units: int
+    chunks: tuple[KVChunkHeader, ...] = ()
+    sources: tuple = ()
+    transport: str = ""
     prefill_time_s: float = 0.0
+    export_time_s: float = 0.0  # from the engine's dispatch of the copy to the chunks being published
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
-    """A request for a decode worker. Without a handoff the worker prefills the prompt itself. Its deltas go
-    out on `channel` (the front-end replica that sent it)."""
+    """A request for a decode worker. Without a handoff the worker prefills the prompt (and `resume`) itself.
+    Its deltas go out on `channel` (the front-end replica that sent it)."""
 
     request_id: str
     prompt: list[int]
@@ -120,6 +129,9 @@ class DecodeRequest:
     handoff: PrefillHandoff | None = None
     session_id: str | None = None
     trace_context: dict[str, str] | None = None
+    # A migrated request: the output tokens the client has already (from a decode replica that died or was
+    # drained). The new worker recomputes them with the prompt and continues after them.
+    resume: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------- KV transfer
@@ -131,19 +143,40 @@ class KVChunkCorrupt(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class KVChunkHeader:
-    """What a chunk of a request's KV claims to be; checked by the receiver before anything is written."""
+    """What a chunk of a request's KV claims to be; travels with the handoff (apart from the data) and is
+    checked by the receiver before anything is written. A "kv" chunk holds blocks [block_start,
+    block_end) x layers [layer_start, layer_end) as [blocks, layers, page, 2*Hkv, D]; a "state" chunk a
+    hybrid model's packed linear-attention state (its ranges are 0)."""
 
     request_id: str
-    unit_start: int  # handoff units [unit_start, unit_end)
-    unit_end: int
+    index: int  # position in the handoff's chunk list
+    kind: str  # "kv" | "state"
+    block_start: int
+    block_end: int
+    layer_start: int
+    layer_end: int
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
     checksum: int  # CRC-32 of the data's bytes
 
     @staticmethod
-    def of(request_id: str, unit_start: int, unit_end: int, data: np.ndarray) -> KVChunkHeader:
-        return KVChunkHeader(request_id, unit_start, unit_end, tuple(data.shape), str(data.dtype), int(data.nbytes), _crc(data))
+    def of(
+        request_id: str, index: int, kind: str, block_start: int, block_end: int, layer_start: int, layer_end: int, data
+    ) -> KVChunkHeader:
+        return KVChunkHeader(
+            request_id,
+            index,
+            kind,
+            block_start,
+            block_end,
+            layer_start,
+            layer_end,
+            tuple(data.shape),
+            str(data.dtype),
+            int(data.nbytes),
+            _crc(data),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,19 +185,19 @@ class KVChunk:
     data: np.ndarray
 
     @staticmethod
-    def of(request_id: str, unit_start: int, unit_end: int, data: np.ndarray) -> KVChunk:
-        return KVChunk(KVChunkHeader.of(request_id, unit_start, unit_end, data), data)
+    def of(request_id: str, index: int, kind: str, block_start: int, block_end: int, layer_start: int, layer_end: int, data) -> KVChunk:
+        return KVChunk(KVChunkHeader.of(request_id, index, kind, block_start, block_end, layer_start, layer_end, data), data)
 
-    def verified(self, request_id: str, unit_start: int, unit_end: int) -> np.ndarray:
-        """The data, once it is what was asked for and what the sender sent; else `KVChunkCorrupt`."""
-        h, data = self.header, self.data
-        wanted = (request_id, unit_start, unit_end)
-        if (h.request_id, h.unit_start, h.unit_end) != wanted:
-            raise KVChunkCorrupt(f"KV chunk is {(h.request_id, h.unit_start, h.unit_end)}, asked for {wanted}")
-        if tuple(data.shape) != h.shape or str(data.dtype) != h.dtype or data.nbytes != h.nbytes:
-            raise KVChunkCorrupt(f"KV chunk of {request_id} arrived as {data.dtype}{list(data.shape)}, sent as {h.dtype}{list(h.shape)}")
+    def verified(self, expected: KVChunkHeader) -> np.ndarray:
+        """The data, once it is what the handoff announced and what the sender sent; else `KVChunkCorrupt`."""
+        h, data = expected, self.data
+        if self.header != expected:
+            raise KVChunkCorrupt(f"KV chunk is {self.header.request_id}#{self.header.index}, expected {h.request_id}#{h.index}")
+        if not hasattr(data, "dtype") or tuple(data.shape) != h.shape or str(data.dtype) != h.dtype or data.nbytes != h.nbytes:
+            got = f"{data.dtype}{list(data.shape)}" if hasattr(data, "dtype") else type(data).__name__
+            raise KVChunkCorrupt(f"KV chunk {h.index} of {h.request_id} arrived as {got}, sent as {h.dtype}{list(h.shape)}")
         if _crc(data) != h.checksum:
-            raise KVChunkCorrupt(f"KV chunk of {request_id} units [{unit_start}, {unit_end}) fails its checksum")
+            raise KVChunkCorrupt(f"KV chunk {h.index} of {h.request_id} fails its checksum")
         return data
 
 
@@ -232,7 +265,12 @@ class HandoffCounters:
     seconds: float = 0.0
     import_failures: int = 0  # handoffs recomputed locally instead (the KV did not arrive, or arrived damaged)
     corrupt_chunks: int = 0  # chunks refused because they failed their header check or checksum
-    held_released_by_timeout: int = 0  # prefill side: held KV nobody pulled within the hold timeout
+    held_released_by_timeout: int = 0  # prefill side: published KV nobody fetched within the hold timeout
+    refetched_chunks: int = 0  # chunks fetched a second time (the first failed its check or its fetch)
+    skipped_bytes: int = 0  # KV not moved: the decode side's own prefix cache held those blocks
+    exports: int = 0  # prefill side: handoffs published
+    export_bytes: int = 0
+    export_seconds: float = 0.0  # from the engine's dispatch of the copy to the host copy being complete
 
 
 @dataclass(frozen=True, slots=True)

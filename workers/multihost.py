@@ -13,18 +13,33 @@ actor calls, which keep their submission order); `EngineFollower.apply(op)` runs
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from typing import Any, Callable
 
+import jax
+
 from .engine.config import EngineConfig
-from .engine.engine import EngineCore
+from .engine.engine import EngineCore, StagedKV
+from .kv_transfer import KVExport, KVTransferFailed, KVTransport, Published
 
 log = logging.getLogger("moray.engine")
 
 # EngineCore methods that change its state or run device computations. Everything else (stats, the
 # event publisher, reading requests) is leader-local.
 REPLICATED_METHODS = frozenset(
-    {"add_request", "abort", "step", "export_kv", "import_kv", "release_kv", "recompute_instead_of_import", "clear_prefix_cache"}
+    {
+        "add_request",
+        "abort",
+        "step",
+        "import_kv",
+        "import_state",
+        "finish_import",
+        "release_kv",
+        "recompute_instead_of_import",
+        "clear_prefix_cache",
+    }
 )
 
 Op = tuple[str, tuple, dict]
@@ -52,11 +67,16 @@ class ReplicatedCore:
 
 class EngineFollower:
     """A non-leader host of a multi-host engine: builds the same core (joining `jax.distributed` as the
-    process its config names) and runs the leader's ops in order."""
+    process its config names) and runs the leader's ops in order.
+
+    A prefill engine's handoff: the step that finished a `hold_kv` prompt staged, on every host, the part
+    of its KV that host holds; `export` (called from another thread than `apply`'s) takes this host's
+    part once this follower has run that step, builds its chunks and publishes them."""
 
     def __init__(self, config: EngineConfig):
         self.core = EngineCore(config, show_progress=False)
         self.ops = 0
+        self._applied = threading.Condition()
 
     def apply(self, ops: list[Op]) -> int:
         """Runs ops in order; returns how many ran so far (the leader checks for errors with it)."""
@@ -65,4 +85,21 @@ class EngineFollower:
                 raise ValueError(f"not a replicated engine call: {name!r}")
             getattr(self.core, name)(*args, **kwargs)
             self.ops += 1
+        with self._applied:
+            self._applied.notify_all()
         return self.ops
+
+    def take_staged(self, request_id: str, timeout_s: float) -> StagedKV | None:
+        """This host's staged part of a handoff, waiting (up to `timeout_s`) for this follower to reach the
+        step that staged it: it may run behind the leader."""
+        with self._applied:
+            self._applied.wait_for(lambda: request_id in self.core.staged, timeout_s)
+        return self.core.take_staged(request_id)
+
+    def export(self, request_id: str, transport: KVTransport, chunk_bytes: int, timeout_s: float) -> Published:
+        """Publishes this host's part of a handoff's KV; blocks (call it off the thread running `apply`)."""
+        staged = self.take_staged(request_id, timeout_s)
+        if staged is None:
+            raise KVTransferFailed(f"host {jax.process_index()} has no staged KV for {request_id}")
+        export = KVExport.build(staged, chunk_bytes)
+        return export.headers, asyncio.run(transport.publish(export))

@@ -4,11 +4,13 @@ These classes know nothing of Ray Serve; `cluster/servers.py` wraps them in depl
 transport (how a decode worker pulls a KV chunk from a prefill worker, how its channels reach the front
 ends). What they send and receive are the messages of `workers/messages.py`.
 
-Handoff: the prefill worker computes the uncached part of the prompt, samples the first token and holds
-the prompt's KV blocks (`PrefillHandoff`). The decode worker allocates blocks, pulls the KV in chunks of
-layers (all chunk requests in flight at once, each checked against its header and imported as it arrives)
-and continues decoding. Held KV that nobody pulls is released after `hold_timeout_s`, so a vanished
-decode side leaks nothing.
+Handoff (`workers/kv_transfer.py`): the prefill worker computes the uncached part of the prompt and samples
+the first token; its engine stages the prompt's KV to the host and frees the blocks; the worker cuts the
+copy into checksummed chunks and publishes them through its KV transport (`PrefillHandoff` carries their
+headers and handles). The decode worker allocates blocks, fetches the chunks its prefix cache lacks (a
+few in flight, each verified and written as it arrives, a bad one fetched once more) and continues
+decoding; whatever goes wrong, it prefills locally instead. Published KV that nobody fetched is dropped
+after `hold_timeout_s`, so a vanished decode side leaks nothing.
 
 Channels: a decode worker sends a front end's tokens on one channel per front-end replica, one
 `TokenDeltaBatch` per engine step with every one of its requests' new tokens (`workers/outbox.py`).
@@ -26,13 +28,25 @@ import jax
 
 from workers.engine.async_engine import AsyncEngine, Sink
 from workers.engine.config import EngineConfig
-from workers.engine.engine import KVImport
+from workers.engine.engine import KVImport, StagedKV
 from workers.engine.sampler import check_stop
+from workers.kv_transfer import (
+    DEFAULT_CHUNK_BYTES,
+    ImportStats,
+    KVExport,
+    KVTransferFailed,
+    KVTransport,
+    LocalTransport,
+    PeerExports,
+    Published,
+    import_chunks,
+    merge_published,
+    needed,
+)
 from workers.messages import (
     DecodeRequest,
     HandoffCounters,
-    KVChunk,
-    KVChunkCorrupt,
+    KVChunkHeader,
     PrefillHandoff,
     PrefillRequest,
     TokenDelta,
@@ -46,9 +60,10 @@ from .outbox import ChannelClosed, Outbox
 
 log = logging.getLogger("moray.worker")
 
-FetchChunk = Callable[[int, int], Awaitable[KVChunk]]
+FetchChunk = Callable[[KVChunkHeader, object], Awaitable[object]]  # (header, handle) -> data
 Release = Callable[[], Awaitable[object]]
 OnEnd = Callable[[TokenDelta | None, BaseException | None], None]
+OnImport = Callable[[ImportStats, float, BaseException | None], None]  # an import ended: what moved, seconds, why it failed
 
 
 @dataclass
@@ -62,6 +77,11 @@ class WorkerCounters:
     held_released_by_timeout: int = 0
     import_failures: int = 0
     corrupt_chunks: int = 0
+    refetched_chunks: int = 0
+    skipped_bytes: int = 0
+    exports: int = 0
+    export_bytes: int = 0
+    export_seconds: float = 0.0
     misrouted: int = 0  # requests that reached this worker although the router chose another
     history: list[dict] = field(default_factory=list)  # the last handoffs: bytes, seconds, chunks
 
@@ -74,6 +94,11 @@ class WorkerCounters:
             self.import_failures,
             self.corrupt_chunks,
             self.held_released_by_timeout,
+            self.refetched_chunks,
+            self.skipped_bytes,
+            self.exports,
+            self.export_bytes,
+            self.export_seconds,
         )
 
 
@@ -87,11 +112,6 @@ class EngineWorker:
         self.counters = WorkerCounters()
         self.state = WorkerState.ALIVE
         self._events = self.engine.core.events.subscribe()
-
-    @property
-    def num_handoff_units(self) -> int:
-        """Units of a KV handoff: full-attention layers, plus the packed state of a hybrid model."""
-        return self.engine.core.num_handoff_layers
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -151,26 +171,36 @@ class EngineWorker:
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
-    def __init__(self, engine_config: EngineConfig, hold_timeout_s: float = 60.0, **kw):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        hold_timeout_s: float = 60.0,
+        transport: KVTransport | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        peers: PeerExports | None = None,
+        **kw,
+    ):
         super().__init__(engine_config, **kw)
         self.hold_timeout_s = hold_timeout_s
-        # Requests released before their KV was held (the client left during the prefill): let go of
-        # the KV as soon as the prefill ends instead of holding it for nobody. request -> when (monotonic)
+        self.transport = transport or LocalTransport()
+        self.chunk_bytes = chunk_bytes
+        self.peers = peers  # the other hosts of a multi-host engine: each exports the blocks it holds
+        self._published: set[str] = set()  # requests whose chunks are published, until released or expired
+        # Requests released before their KV was published (the client left during the prefill): let go of
+        # it as soon as the prefill ends instead of holding it for nobody. request -> when (monotonic)
         self._unwanted: dict[str, float] = {}
 
     async def prefill(self, request: PrefillRequest) -> PrefillHandoff:
         start = time.perf_counter()
-        params = request.params
+        rid, params = request.request_id, request.params
         first_only = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1), "stop": ()})
-        deltas = [
-            d async for d in self._deltas(request.request_id, request.prompt, first_only, hold_kv=True, session_id=request.session_id)
-        ]
+        deltas = [d async for d in self._deltas(rid, request.prompt, first_only, hold_kv=True, session_id=request.session_id)]
         token = deltas[0].token_ids[0]
         text = "".join(d.text for d in deltas)
         stop = check_stop([token], "", text, params, self.engine.core.eos_token_ids)
         last = deltas[-1]
         first = TokenDelta(
-            request.request_id,
+            rid,
             [token],
             stop.text,
             1,
@@ -179,38 +209,73 @@ class PrefillWorker(EngineWorker):
             deltas[0].logprobs,
             deltas[0].prompt_logprobs,
         )
-        handoff = PrefillHandoff(
-            request.request_id, self.worker_id, first, len(request.prompt), self.num_handoff_units, time.perf_counter() - start
+        prefill_s = time.perf_counter() - start
+        staged = self.engine.take_staged(rid)
+        if first.finished or staged is None or self._unwanted.pop(rid, None) is not None:
+            await self.engine.release_kv(rid)  # nothing to hand over
+            return PrefillHandoff(rid, self.worker_id, first, len(request.prompt), prefill_time_s=prefill_s)
+        try:
+            export, headers, sources = await self._publish(staged)
+        except Exception as e:  # noqa: BLE001 - a host's export failed: the decode side prefills instead
+            log.warning("could not export the KV of %s (%s): the decode worker prefills it", rid, e)
+            await self.engine.release_kv(rid)
+            return PrefillHandoff(rid, self.worker_id, first, len(request.prompt), prefill_time_s=prefill_s)
+        c = self.counters
+        c.exports, c.export_bytes, c.export_seconds = (
+            c.exports + 1,
+            c.export_bytes + sum(h.nbytes for h in headers),
+            c.export_seconds + export.staged_seconds,
         )
-        if first.finished or self._unwanted.pop(request.request_id, None) is not None:
-            await self.engine.release_kv(request.request_id)
+        if self._unwanted.pop(rid, None) is not None:  # released while it was being published
+            self._unpublish(rid)
         else:
-            asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, request.request_id)
-        return handoff
+            asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, rid)
+        export_s = time.perf_counter() - start - prefill_s
+        return PrefillHandoff(rid, self.worker_id, first, len(request.prompt), headers, sources, self.transport.name, prefill_s, export_s)
+
+    async def _publish(self, staged: StagedKV) -> tuple[KVExport, tuple, tuple]:
+        """Publishes this host's part of the KV (waiting for its host copy off the event loop), and the
+        other hosts' parts on a multi-host engine; returns the export and the handoff's chunk list."""
+        rid = staged.request_id
+        export = await asyncio.to_thread(KVExport.build, staged, self.chunk_bytes)
+        try:
+            parts: list[Published] = [(export.headers, await self.transport.publish(export))]
+            if self.peers is not None:
+                parts += await self.peers.export(rid, self.chunk_bytes)
+        except BaseException:
+            self.transport.unpublish(rid)  # whatever part got published
+            if self.peers is not None:
+                self.peers.unpublish(rid)
+            raise
+        # Published only now: a release that came during the export marked it unwanted (see `prefill`).
+        self._published.add(rid)
+        headers, sources = merge_published(parts)
+        return export, headers, sources
+
+    def _unpublish(self, request_id: str) -> bool:
+        if request_id not in self._published:
+            return False
+        self._published.discard(request_id)
+        self.transport.unpublish(request_id)
+        if self.peers is not None:
+            self.peers.unpublish(request_id)
+        return True
 
     def _expire_hold(self, request_id: str) -> None:
-        def release(core):
-            if core.release_kv(request_id):
-                self.counters.held_released_by_timeout += 1
-                log.warning("released unclaimed KV of %s after %.0fs", request_id, self.hold_timeout_s)
-
-        if self.engine.healthy:
-            self.engine.submit(release)
-
-    async def kv_chunk(self, request_id: str, unit_start: int, unit_end: int) -> KVChunk:
-        data = await self.engine.export_kv(request_id, unit_start, unit_end)
-        return KVChunk.of(request_id, unit_start, unit_end, data)
+        if self._unpublish(request_id):
+            self.counters.held_released_by_timeout += 1
+            log.warning("dropped the unclaimed KV of %s after %.0fs", request_id, self.hold_timeout_s)
 
     async def release(self, request_id: str) -> bool:
-        """Frees the KV held for a handoff (idempotent). Called before the hold exists (the client left
-        during the prefill), it makes the prefill let go of the KV when it ends."""
-        if await self.engine.release_kv(request_id):
+        """Lets go of a handoff's KV (idempotent): the decode side has it, or gave up on it. Called before
+        the KV was published (the client left during the prefill), it drops the KV when the prefill ends."""
+        if self._unpublish(request_id) or await self.engine.release_kv(request_id):
             return True
         now = time.monotonic()
         if len(self._unwanted) > 1024:
             self._unwanted = {r: t for r, t in self._unwanted.items() if t > now - self.hold_timeout_s}
         self._unwanted[request_id] = now
-        return await self.engine.release_kv(request_id)  # held in the meantime
+        return False
 
 
 @dataclass
@@ -222,16 +287,26 @@ class _Running:
     importer: asyncio.Task | None = None
     release: Release | None = None
     on_end: OnEnd | None = None
+    on_import: OnImport | None = None
 
 
 class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(
-        self, engine_config: EngineConfig, layers_per_chunk: int = 1, channel_linger_s: float = 2.0, stream_interval_s: float = 0.0, **kw
+        self,
+        engine_config: EngineConfig,
+        channel_linger_s: float = 2.0,
+        stream_interval_s: float = 0.0,
+        transport: KVTransport | None = None,
+        chunks_in_flight: int = 4,
+        handoff_timeout_s: float = 30.0,
+        **kw,
     ):
         super().__init__(engine_config, **kw)
-        self.layers_per_chunk = layers_per_chunk
+        self.transport = transport or LocalTransport()
+        self.chunks_in_flight = chunks_in_flight
+        self.handoff_timeout_s = handoff_timeout_s
         self.channel_linger_s = channel_linger_s
         self.stream_interval_s = stream_interval_s
         self.channels: dict[str, Outbox] = {}
@@ -263,13 +338,20 @@ class DecodeWorker(EngineWorker):
     def _running_on(self, outbox: Outbox) -> bool:
         return any(run.outbox is outbox for run in self._running.values())
 
-    async def start(self, request: DecodeRequest, fetch_chunk: FetchChunk | None = None, release: Release | None = None, on_end=None):
+    async def start(
+        self,
+        request: DecodeRequest,
+        fetch_chunk: FetchChunk | None = None,
+        release: Release | None = None,
+        on_end: OnEnd | None = None,
+        on_import: OnImport | None = None,
+    ):
         """Starts a request whose deltas go out on its channel (`ChannelClosed` if that is not open here)."""
         outbox = self.channels.get(request.channel)
         if outbox is None or outbox.closed:
             # The prefill side keeps its hold: the front end opens the channel and sends this request again.
             raise ChannelClosed(f"channel {request.channel!r} is not open on {self.worker_id}")
-        await self._begin(request, outbox.put, fetch_chunk, release, on_end, outbox)
+        await self._begin(request, outbox.put, fetch_chunk, release, on_end, outbox, on_import)
 
     async def stream(self, request: DecodeRequest, fetch_chunk: FetchChunk | None = None, release: Release | None = None):
         """The request's deltas as an async iterator, without a channel (in-process callers and tests)."""
@@ -297,7 +379,7 @@ class DecodeWorker(EngineWorker):
 
     # ---------------------------------------------------------------- running a request
 
-    async def _begin(self, request: DecodeRequest, deliver, fetch_chunk, release, on_end, outbox) -> None:
+    async def _begin(self, request: DecodeRequest, deliver, fetch_chunk, release, on_end, outbox, on_import=None) -> None:
         rid = request.request_id
 
         def sink(item: TokenDelta | BaseException) -> None:
@@ -307,11 +389,13 @@ class DecodeWorker(EngineWorker):
             elif item.finished:
                 self._ended(rid, item, None)
 
-        run = self._running[rid] = _Running(sink, outbox, release=release, on_end=on_end)
+        run = self._running[rid] = _Running(sink, outbox, release=release, on_end=on_end, on_import=on_import)
         handoff = request.handoff
         kv_import = KVImport(handoff.first.token_ids[0], handoff.first.num_cached_tokens) if handoff is not None else None
         try:
-            await self._add(rid, request.prompt, request.params, sink, kv_import=kv_import, session_id=request.session_id)
+            await self._add(
+                rid, request.prompt, request.params, sink, kv_import=kv_import, session_id=request.session_id, resume=request.resume
+            )
         except BaseException as e:
             # Refused or cancelled before the import began: nobody else will free the prefill side's KV.
             if self._running.get(rid) is run:
@@ -322,7 +406,7 @@ class DecodeWorker(EngineWorker):
                 on_end(None, e)
             raise
         if handoff is not None and rid in self._running:
-            run.importer = asyncio.create_task(self._import_all(rid, handoff, fetch_chunk, release))
+            run.importer = asyncio.create_task(self._import_all(rid, handoff, fetch_chunk, release, on_import))
 
     def _ended(self, request_id: str, last: TokenDelta | None, error: BaseException | None) -> None:
         run = self._running.pop(request_id, None)
@@ -335,47 +419,59 @@ class DecodeWorker(EngineWorker):
         if run.on_end is not None:
             run.on_end(last, error)
 
-    async def _import_all(self, request_id: str, handoff: PrefillHandoff, fetch_chunk: FetchChunk, release) -> None:
+    async def _import_all(self, request_id: str, handoff: PrefillHandoff, fetch_chunk: FetchChunk | None, release, on_import=None) -> None:
+        """Moves the handoff's KV into the engine (`workers/kv_transfer.py`), or makes the request prefill
+        locally if anything goes wrong: it is never decoded on missing or damaged KV."""
         start = time.perf_counter()
-        moved = {"bytes": 0, "state_bytes": 0, "chunks": 0}
-        core = self.engine.core
+        stats = ImportStats()
+        engine = self.engine
+        error: BaseException | None = None
 
-        async def one(unit_start: int, unit_end: int) -> None:
-            chunk = await fetch_chunk(unit_start, unit_end)
-            try:
-                data = chunk.verified(request_id, unit_start, unit_end)
-            except KVChunkCorrupt:
-                self.counters.corrupt_chunks += 1
-                raise
-            moved["bytes"] += data.nbytes
-            if unit_start >= core.cfg.num_kv_layers:
-                moved["state_bytes"] += data.nbytes
-            moved["chunks"] += 1
-            await self.engine.import_kv(request_id, unit_start, data)
+        async def write(header: KVChunkHeader, data, last: bool) -> bool:
+            return await engine.import_chunk(request_id, header.kind, header.block_start, header.layer_start, data, finish=last)
 
         try:
-            await asyncio.gather(*(one(a, b) for a, b in core.handoff_chunks(self.layers_per_chunk)))
-        except asyncio.CancelledError:
+            if not handoff.chunks:
+                raise KVTransferFailed(f"{handoff.worker_id} published no KV for it")
+            from_block = engine.import_from_block_now(request_id)
+            if from_block is None:
+                return  # it prefills locally already (no room for the KV when it arrived), or it ended
+            if not needed(handoff.chunks, from_block):  # our prefix cache holds the whole prompt: nothing moves
+                stats.skipped_bytes = handoff.nbytes
+                importing = engine.call(lambda c: c.finish_import(request_id))
+            else:
+                importing = import_chunks(
+                    handoff.chunks, handoff.sources, from_block, fetch_chunk or self.transport.fetch, write, stats, self.chunks_in_flight
+                )
+            if await asyncio.wait_for(importing, self.handoff_timeout_s):
+                # Counted before the release: a short request can finish (and cancel this task) while the
+                # release is in flight, and the bytes it moved must still show.
+                self._count_handoff(stats, time.perf_counter() - start)
+        except asyncio.CancelledError as e:
+            error = e
             raise
-        except Exception as e:  # noqa: BLE001 - any transport failure or damaged chunk: recompute locally
-            log.warning("KV import for %s failed (%s); prefilling locally", request_id, e)
+        except Exception as e:  # noqa: BLE001 - a transport failure, a chunk bad twice, the deadline: recompute locally
+            error = e
+            log.warning("KV import for %s failed (%s); prefilling locally", request_id, str(e) or type(e).__name__)
             self.counters.import_failures += 1
             self.engine.submit(lambda c: c.recompute_instead_of_import(request_id))
-        else:
-            # Counted before the release: a short request can finish (and cancel this task) while the
-            # release is in flight, and the bytes it moved must still show.
-            self._count_handoff(moved, time.perf_counter() - start)
         finally:
-            # Shielded: the cancellation above must not leave the prefill side holding the blocks.
+            self.counters.corrupt_chunks += stats.corrupt
+            self.counters.refetched_chunks += stats.refetched
+            if on_import is not None:
+                on_import(stats, time.perf_counter() - start, error)
+            # Shielded: the cancellation above must not leave the prefill side holding the KV.
             await asyncio.shield(_release_quietly(release))
 
-    def _count_handoff(self, moved: dict, seconds: float) -> None:
+    def _count_handoff(self, stats: ImportStats, seconds: float) -> None:
         c = self.counters
         c.handoffs += 1
-        c.handoff_bytes += moved["bytes"]
-        c.handoff_state_bytes += moved["state_bytes"]
+        c.handoff_bytes += stats.bytes
+        c.handoff_state_bytes += stats.state_bytes
+        c.skipped_bytes += stats.skipped_bytes
         c.handoff_seconds += seconds
-        c.history = (c.history + [{**moved, "seconds": seconds}])[-256:]
+        moved = {"bytes": stats.bytes, "state_bytes": stats.state_bytes, "skipped_bytes": stats.skipped_bytes, "chunks": stats.chunks}
+        c.history = (c.history + [{**moved, "seconds": seconds, "first_chunk_seconds": stats.first_chunk_s}])[-256:]
 
 
 async def _release_quietly(release) -> None:

@@ -61,6 +61,9 @@ class RouterMetrics:
         self._gauge_interval_s = gauge_interval_s
         self._gauges_at = 0.0
         self._gauge_workers: set[str] = set()
+        # Workers forgotten since their last heartbeat: KV events they sent before dying still reach the
+        # index afterwards and must not bring their series back.
+        self._gone: set[str] = set()
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels: str):
@@ -72,12 +75,18 @@ class RouterMetrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def _forget_child(self, metric, *labels: str) -> None:
+        _remove(metric, *labels)
+        self._children.pop((id(metric), *labels), None)
+
     def on_purge(self, worker_id: str, reason: str) -> None:
         if self.sequence_gaps is not None:
             self.sequence_gaps.labels(worker_id, reason).inc()
 
     def observe_event_lag(self, worker_id: str, lag_s: float) -> None:
-        self.index_lag.labels(worker_id).set(max(0.0, lag_s))
+        if worker_id in self._gone:
+            return
+        self.child(self.index_lag, worker_id).set(max(0.0, lag_s))
 
     def load_gauges_due(self) -> bool:
         return time.monotonic() - self._gauges_at >= self._gauge_interval_s
@@ -92,7 +101,9 @@ class RouterMetrics:
         for w in self._gauge_workers - loads.keys():  # dead workers' series go away
             for f in _LOAD_FIELDS:
                 _remove(self.worker_load, w, f)
-            _remove(self.index_lag, w)
+        for (w,) in [k for k in self.index_lag._metrics if k[0] not in loads]:  # also ones set by a late event
+            self._forget_child(self.index_lag, w)
+        self._gone -= loads.keys()  # a worker that came back
         for w, load in loads.items():
             for f in _LOAD_FIELDS:
                 self.worker_load.labels(w, f).set(getattr(load, f))
@@ -108,6 +119,7 @@ class RouterMetrics:
         _remove(self.index_lag, worker_id)
         _remove(self.routed_tokens, worker_id)
         self._gauge_workers.discard(worker_id)
+        self._gone.add(worker_id)
         if self.sequence_gaps is not None:
             forget_purges(self.sequence_gaps, worker_id)
         # Cached children of removed series would be orphans: the next inc must create a fresh one.

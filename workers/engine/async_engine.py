@@ -143,6 +143,7 @@ class AsyncEngine:
         hold_kv: bool = False,
         kv_import: KVImport | None = None,
         session_id: str | None = None,
+        resume: Sequence[int] = (),
     ) -> None:
         """Adds a request (ValueError at once for invalid input) whose deltas are passed to `sink` on this
         event loop, ending with the one whose `finish_reason` is set (or an `EngineDeadError`).
@@ -154,7 +155,7 @@ class AsyncEngine:
         self._sinks[request_id] = (asyncio.get_running_loop(), sink)
         try:
             self.check_health()
-            await self.call(lambda c: c.add_request(request_id, prompt_token_ids, params, hold_kv, kv_import, session_id=session_id))
+            await self.call(lambda c: c.add_request(request_id, prompt_token_ids, params, hold_kv, kv_import, session_id, resume))
         except BaseException:
             self._drop_sink(request_id, sink)
             raise
@@ -191,11 +192,23 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         await self.call(lambda c: c.abort(request_id))
 
-    async def export_kv(self, request_id: str, layer_start: int, layer_end: int):
-        return await self.call(lambda c: c.export_kv(request_id, layer_start, layer_end))
+    def take_staged(self, request_id: str):
+        """A finished `hold_kv` request's staged KV (`EngineCore.take_staged`; thread-safe, no engine call)."""
+        return self.core.take_staged(request_id)
 
-    async def import_kv(self, request_id: str, layer_start: int, data) -> bool:
-        return await self.call(lambda c: c.import_kv(request_id, layer_start, data))
+    def import_from_block_now(self, request_id: str) -> int | None:
+        """`EngineCore.import_from_block`, read from this thread without an engine call (it waits for a
+        step boundary): set when the request was added (whose call has returned), and one dict lookup."""
+        return self.core.import_from_block(request_id)
+
+    async def import_chunk(self, request_id: str, kind: str, block_start: int, layer_start: int, data, finish: bool = False) -> bool:
+        """Writes one KV chunk ("kv" or "state"); with `finish`, also marks the KV ready, in the same engine call."""
+
+        def write(c) -> bool:
+            done = c.import_state(request_id, data) if kind == "state" else c.import_kv(request_id, block_start, layer_start, data)
+            return done and (not finish or c.finish_import(request_id))
+
+        return await self.call(write)
 
     async def release_kv(self, request_id: str) -> bool:
         return await self.call(lambda c: c.release_kv(request_id))

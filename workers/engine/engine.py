@@ -50,6 +50,25 @@ class KVImport:
     num_cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class StagedKV:
+    """A finished `hold_kv` request's KV on its way to the host (`workers/kv_transfer.py` takes it from
+    here): the engine dispatched the copies and freed the blocks.
+
+    `blocks`: device array [padded blocks, layers, page, 2*Hkv, D] whose first `num_blocks` are the
+    prompt's blocks from `block_start` on (one engine over several hosts: the part this host holds; None
+    if it holds none); `state`: the device copy of a hybrid model's state slot (on one host only),
+    `pack_state` packs it flat."""
+
+    request_id: str
+    num_blocks: int
+    blocks: jax.Array | None
+    block_start: int = 0
+    state: object = None
+    pack_state: object = None
+    staged_at: float = 0.0
+
+
 @dataclass
 class _InFlight:
     """A launched step: the requests it samples a token for (row j = requests[j]) and the sampled arrays,
@@ -152,6 +171,10 @@ class EngineCore:
         self.prefix_queries = self.prefix_hits = 0
         self.host_copy_seconds = 0.0  # host time spent on the host tier's copies (dispatch and fetch)
         self._staged_loads: dict[str, list] = {}  # request -> its host-tier blocks on their way to the device
+        # Finished hold_kv requests' KV on its way to the host, until the worker takes it (`take_staged`, from
+        # another thread: single dict operations are atomic).
+        self.staged: dict[str, StagedKV] = {}
+        self.export_dispatch_seconds = 0.0  # engine-thread time spent staging exports (dispatching the copies)
         if config.warmup:
             self.warmup(show_progress)
 
@@ -184,29 +207,51 @@ class EngineCore:
         hold_kv: bool = False,
         kv_import: KVImport | None = None,
         session_id: str | None = None,
+        resume: Sequence[int] = (),
     ) -> None:
-        """Queues a request. `hold_kv` keeps its blocks after it finishes, for `export_kv`;
+        """Queues a request. `hold_kv` keeps its KV after it finishes, for the handoff (staged);
         `kv_import` makes it wait for its prompt's KV via `import_kv` instead of prefilling;
-        `session_id` (the conversation it continues) keeps its cached blocks longest while the session is live."""
+        `session_id` (the conversation it continues) keeps its cached blocks longest while the session is live;
+        `resume`: output tokens another engine already generated and streamed (a migrated request): they
+        are recomputed with the prompt, count as output (max_tokens, penalties, stop strings, the seeded
+        random stream's position, the grammar) and are not sent again."""
         params = params or SamplingParams()
-        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held or request_id in self.staged:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         self.validate(prompt, params)
+        resumed = [int(t) for t in resume]
+        if resumed:
+            self._validate_resume(prompt, resumed, params, kv_import)
         request = Request(request_id, prompt, params, hold_kv=hold_kv, session_id=session_id)
-        prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs) if params.prompt_logprobs is not None else None
+        wants_prompt_logprobs = params.prompt_logprobs is not None and not resumed  # sent with the first delta already
+        prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs) if wants_prompt_logprobs else None
         self.outputs.add(request_id, params, prompt_logprobs)
+        if resumed:
+            request.output_token_ids = resumed
+            self.outputs.continue_from(request, resumed)
         if kv_import is None:
             self.scheduler.add(request)
         else:
             self._start_import(request, kv_import)
+
+    def _validate_resume(self, prompt: list[int], resumed: list[int], params: SamplingParams, kv_import: KVImport | None) -> None:
+        if kv_import is not None:
+            raise ValueError("a resumed request recomputes its KV: it cannot also import it")
+        if len(prompt) + len(resumed) >= self.max_model_len:
+            raise ValueError(f"prompt and resumed output have {len(prompt) + len(resumed)} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+            raise ValueError(f"{len(resumed)} resumed tokens leave nothing to generate (max_tokens {params.max_tokens})")
+        for t in resumed:
+            if not 0 <= t < self.cfg.vocab_size:
+                raise ValueError(f"resumed token id {t} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
     # ---------------------------------------------------------------- KV handoff
 
     def _start_import(self, request: Request, kv_import: KVImport) -> None:
         """Allocates the prompt's blocks (reusing our own cached prefix) and waits for the rest."""
         request.output_token_ids = [int(kv_import.first_token)]
-        self.outputs.continue_from(request, kv_import.first_token)  # already streamed by the prefill side
+        self.outputs.continue_from(request, [int(kv_import.first_token)])  # already streamed by the prefill side
         prompt_len = request.num_prompt_tokens
         prefix = self.kv.cached_prefix(request)[: prompt_len // self.kv.block_size]
         request.num_computed_tokens = len(prefix) * self.kv.block_size
@@ -218,44 +263,49 @@ class EngineCore:
         if getattr(self.kv, "host", None) is not None:
             self._dispatch_host_saves()  # the imported KV is written at once, into blocks this may have evicted
         request.kv_import_from_block = len(prefix)
-        request.pending_kv_layers = set(range(self.num_handoff_layers))
         self.scheduler.add_importing(request)
 
-    @property
-    def num_handoff_layers(self) -> int:
-        """Units of a KV handoff: one per full-attention layer, plus one for the linear-attention state
-        of a hybrid model (index `cfg.num_kv_layers`: every linear layer's state, packed)."""
-        return self.cfg.num_kv_layers + (1 if self.cfg.is_hybrid else 0)
+    def import_from_block(self, request_id: str) -> int | None:
+        """The first prompt block a waiting import needs (earlier ones were in our prefix cache); None when
+        the request does not wait for KV (it prefills locally: no room when it arrived, or aborted)."""
+        request = self.scheduler.importing.get(request_id)
+        return None if request is None else request.kv_import_from_block
 
-    def handoff_chunks(self, layers_per_chunk: int) -> list[tuple[int, int]]:
-        """[start, end) ranges of handoff units; the state always travels as a chunk of its own."""
-        step, n = max(1, layers_per_chunk), self.cfg.num_kv_layers
-        chunks = [(l, min(l + step, n)) for l in range(0, n, step)]
-        return chunks + [(n, n + 1)] if self.cfg.is_hybrid else chunks
-
-    def import_kv(self, request_id: str, layer_start: int, data: np.ndarray) -> bool:
-        """Writes layers [layer_start, layer_start + len(data)) of the prompt's KV
-        ([layers, prompt blocks, page, 2*Hkv, D]); the request runs once every layer arrived.
-        Returns False when the request no longer waits for KV (aborted, or recomputing locally)."""
+    def import_kv(self, request_id: str, block_start: int, layer_start: int, data: np.ndarray) -> bool:
+        """Writes prompt blocks [block_start, block_start + len(data)) x layers [layer_start, ...) of the
+        prompt's KV (data blocks first: [blocks, layers, page, 2*Hkv, D]); blocks our own prefix cache holds
+        are skipped. Returns False when the request no longer waits for KV (aborted, or recomputing)."""
         request = self.scheduler.importing.get(request_id)
         if request is None:
             return False
-        if self.cfg.is_hybrid and layer_start == self.cfg.num_kv_layers:
-            self.runner.scatter_state(self.kv.working_slot(request_id), data)
-            self.kv.state_written(request_id)
-            return self._imported(request, {layer_start})
-        first = request.kv_import_from_block
         num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
-        if data.shape[1] != num_blocks:
-            raise ValueError(f"KV chunk has {data.shape[1]} blocks; the prompt needs {num_blocks}")
-        self.runner.scatter_blocks(request.block_ids[first:num_blocks], layer_start, data[:, first:num_blocks])
-        return self._imported(request, set(range(layer_start, layer_start + data.shape[0])))
+        block_end = block_start + data.shape[0]
+        if block_end > num_blocks or data.shape[1] + layer_start > self.cfg.num_kv_layers:
+            raise ValueError(
+                f"KV chunk covers blocks [{block_start}, {block_end}) x {data.shape[1]} layers from {layer_start}; "
+                f"the prompt has {num_blocks} blocks and the model {self.cfg.num_kv_layers} layers"
+            )
+        skip = max(0, request.kv_import_from_block - block_start)
+        if skip < data.shape[0]:
+            ids = request.block_ids[block_start + skip : block_end]
+            self.runner.scatter_blocks(ids, layer_start, data[skip:])
+        return True
 
-    def _imported(self, request: Request, units: set[int]) -> bool:
-        request.pending_kv_layers -= units
-        if not request.pending_kv_layers:
-            request.num_computed_tokens = request.num_prompt_tokens
-            self.scheduler.admit_imported(request)
+    def import_state(self, request_id: str, packed: np.ndarray) -> bool:
+        """Writes a hybrid model's packed linear-attention state (the handoff's state chunk)."""
+        if request_id not in self.scheduler.importing:
+            return False
+        self.runner.scatter_state(self.kv.working_slot(request_id), packed)
+        self.kv.state_written(request_id)
+        return True
+
+    def finish_import(self, request_id: str) -> bool:
+        """Every chunk is written: the request runs from the next step. False if it no longer waits."""
+        request = self.scheduler.importing.get(request_id)
+        if request is None:
+            return False
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.scheduler.admit_imported(request)
         return True
 
     def recompute_instead_of_import(self, request_id: str) -> None:
@@ -264,22 +314,35 @@ class EngineCore:
         if request is not None:
             self.kv.free(request)
             request.num_computed_tokens = 0
-            request.pending_kv_layers = None
             self.scheduler.waiting.append(request)
 
-    def export_kv(self, request_id: str, layer_start: int, layer_end: int) -> np.ndarray:
-        """The prompt KV of a finished `hold_kv` request for layers [start, end), on the host."""
-        request = self.scheduler.held.get(request_id)
-        if request is None:
-            raise KeyError(f"no held KV for request {request_id!r}")
-        if self.cfg.is_hybrid and layer_start == self.cfg.num_kv_layers:
-            return self.runner.gather_state(self.kv.working_slot(request_id))
-        num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
-        return self.runner.gather_blocks(request.block_ids[:num_blocks], layer_start, layer_end)
+    def _stage_held(self) -> None:
+        """Finished `hold_kv` requests: dispatch the copy of their prompt's KV (and state) to the host and free
+        their blocks at once; the copy overlaps the next steps and the worker exports from it. On one engine
+        over several hosts every host runs this (the copy is one program over all of them) and stages the
+        part it holds: each host's worker exports its own part."""
+        if not self.scheduler.held:
+            return
+        start = time.perf_counter()
+        for request_id, request in list(self.scheduler.held.items()):
+            num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
+            offset, part = self.runner.stage_export(request.block_ids[:num_blocks])
+            local = 0 if part is None else max(0, min(part.shape[0], num_blocks - offset))
+            staged = StagedKV(request_id, local, part, block_start=offset, staged_at=time.perf_counter())
+            if self.cfg.is_hybrid:
+                staged.state = self.runner.stage_state_export(self.kv.working_slot(request_id))
+                staged.pack_state = self.runner.pack_state
+            self.staged[request_id] = staged
+            self.scheduler.release_held(request_id)
+        self.export_dispatch_seconds += time.perf_counter() - start
+
+    def take_staged(self, request_id: str) -> StagedKV | None:
+        """The staged KV of a finished `hold_kv` request (once: the taker owns it). Thread-safe."""
+        return self.staged.pop(request_id, None)
 
     def release_kv(self, request_id: str) -> bool:
-        """Frees a held request's blocks (after export, or when the handoff was abandoned)."""
-        return self.scheduler.release_held(request_id)
+        """Lets go of a finished `hold_kv` request's KV: its staged copy, or its held blocks."""
+        return self.staged.pop(request_id, None) is not None or self.scheduler.release_held(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stops a request now and frees its KV blocks; its final output (reason "abort") comes with the next step."""
@@ -314,7 +377,7 @@ class EngineCore:
             num_pending_prefill_tokens=sum(
                 max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in [*self.scheduler.waiting, *running]
             ),
-            num_held=len(self.scheduler.held),
+            num_held=len(self.scheduler.held) + len(self.staged),
             num_importing=len(self.scheduler.importing),
             num_requests=len(self.scheduler.requests),
             num_preemptions=self.scheduler.num_preemptions,
@@ -442,7 +505,9 @@ class EngineCore:
         deltas = self._schedule_prelude()
         sched = self._schedule()
         launched = self._run(sched) if sched.scheduled else None
-        return deltas + self._postprocess(launched)
+        deltas += self._postprocess(launched)
+        self._stage_held()  # before the deltas leave: whoever reads a finished prefill finds its copy staged
+        return deltas
 
     def _schedule_prelude(self) -> list[TokenDelta]:
         """What must be known before planning: requests ended from outside the step (aborts), and the tokens

@@ -54,13 +54,16 @@ class OutputProcessor:
             bad_words=self._bad_word_ids(params.bad_words),
         )
 
-    def continue_from(self, request: Request, first_token: int) -> None:
-        """The decode side of a handoff: the prefill worker already sampled (and streamed) the first token
-        under the same grammar; the output state takes it as its own."""
+    def continue_from(self, request: Request, tokens: list[int]) -> None:
+        """A request whose first output `tokens` were sampled (and streamed) elsewhere under the same
+        parameters: the prefill side of a handoff (its first token), or a decode replica that died mid-stream
+        (every token it sent). The output state takes them as its own: the text so far (so new text, stop
+        strings across the boundary and held-back partial characters continue exactly) and the grammar."""
         state = self._states[request.request_id]
         state.detokenizer.update(request.output_token_ids)
         if state.grammar is not None:
-            state.grammar.accept(first_token)
+            for t in tokens:
+                state.grammar.accept(t)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._states

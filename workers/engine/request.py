@@ -40,8 +40,7 @@ class Request:
     num_preemptions: int = 0
     # Prefill-only requests (disaggregation) keep their blocks after finishing until exported.
     hold_kv: bool = False
-    # Decode side of a handoff: layers of the prompt's KV still to import (None when not importing).
-    pending_kv_layers: set[int] | None = None
+    # Decode side of a handoff: the first prompt block to import (those before it were in our prefix cache).
     kv_import_from_block: int = 0
     # The conversation this request continues (the router's session hint): its cached blocks are
     # evicted after sessionless ones while the session is live (retention.py).

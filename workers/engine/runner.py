@@ -12,6 +12,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import math
@@ -140,6 +141,7 @@ class ModelRunner:
         # Shapes and placements of the weights, KV pages and state pools, fixed for the runner's life (taken
         # now: the live pages are donated to every step).
         self._cache_specs = jax.tree.map(_spec, (self.model.weights, self.kv_pages, self.state_pools))
+        self._export_gathers: dict[int, object] = {}  # multi-host: padded blocks -> gather split over hosts
 
     def _replicated(self, make) -> jax.Array:
         # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
@@ -424,16 +426,65 @@ class ModelRunner:
         host fetches the array when it needs it."""
         return _gather_jit(self.kv_pages[layer_start:layer_end], self._padded_ids(block_ids, 0))
 
+    def stage_export(self, block_ids: list[int]) -> tuple[int, jax.Array | None]:
+        """Dispatches a copy of every layer's KV of `block_ids`, blocks first ([padded blocks, layers, page,
+        2*Hkv, D]: a run of whole blocks is then a contiguous slice on the host), starts its transfer to
+        the host and returns at once. Dispatch order makes it read the pages before any later step writes
+        them, so the blocks may be freed right after.
+
+        Returns (the first block this process holds, this process's part). One engine over several hosts
+        splits the copy by blocks across the hosts, so that each host exports the blocks it holds and no
+        host receives the whole KV; the part is None on a host that holds none of it."""
+        ids = self._padded_ids(block_ids, 0)
+        out = self._export_gather(len(ids))(self.kv_pages, ids)
+        offset, part = _local_part(out)
+        if part is not None:
+            part.copy_to_host_async()
+        return offset, part
+
+    def stage_state_export(self, slot: int):
+        """The slot's state on its way to the host; None on every host but the first of a multi-host engine
+        (the state is small: one host exports all of it)."""
+        state = self._gather_state_export(self.state_pools, jnp.int32(slot))
+        if jax.process_count() > 1:
+            if jax.process_index() != 0:
+                return None
+            state = jax.tree.map(lambda a: a.addressable_shards[0].data, state)  # replicated: any shard is all
+        for a in jax.tree.leaves(state):
+            a.copy_to_host_async()
+        return state
+
+    def _export_gather(self, padded_blocks: int):
+        if jax.process_count() == 1:
+            return _gather_blocks_first_jit
+        fn = self._export_gathers.get(padded_blocks)
+        if fn is None:
+            sharding = _split_over_hosts(self.model.mesh, padded_blocks)
+            fn = self._export_gathers[padded_blocks] = jax.jit(_gather_blocks_first, out_shardings=sharding)
+        return fn
+
+    @functools.cached_property
+    def _gather_state_export(self):
+        if jax.process_count() == 1:
+            return _gather_state_jit
+        return jax.jit(_gather_state, out_shardings=NamedSharding(self.model.mesh, PartitionSpec()))
+
     def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray) -> None:
-        """Writes host KV [layers, blocks, ...] into `block_ids` for layers starting at `layer_start`."""
+        """Writes host KV, blocks first ([blocks, layers, page, 2*Hkv, D], as chunks and the host tier hold
+        it), into `block_ids` for the layers from `layer_start`."""
         ids, padded = self._padded_blocks(block_ids, data)
-        end = layer_start + data.shape[0]
+        end = layer_start + data.shape[1]
         self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
 
     def _padded_blocks(self, block_ids: list[int], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ids = self._padded_ids(block_ids, self.num_blocks)  # padding ids point past the pool: dropped
-        padded = np.zeros((data.shape[0], len(ids), *data.shape[2:]), data.dtype)
-        padded[:, : len(block_ids)] = data
+        """Block ids padded to a page bucket (padding ids point past the pool: dropped) and the data to
+        match; the data is copied only when its block count is not a bucket already (a transfer's chunks
+        are whole buckets but the last)."""
+        ids = self._padded_ids(block_ids, self.num_blocks)
+        if len(ids) == data.shape[0]:
+            return ids, data
+        padded = np.zeros((len(ids), *data.shape[1:]), data.dtype)
+        padded[: len(block_ids)] = data
         return ids, padded
 
     def stage_blocks(self, block_ids: list[int], data: np.ndarray) -> list[tuple[np.ndarray, jax.Array]]:
@@ -443,7 +494,7 @@ class ModelRunner:
         chunk = self.page_buckets[-1]
         staged = []
         for i in range(0, len(block_ids), chunk):
-            ids, padded = self._padded_blocks(block_ids[i : i + chunk], np.moveaxis(data[i : i + chunk], 0, 1))
+            ids, padded = self._padded_blocks(block_ids[i : i + chunk], data[i : i + chunk])
             staged.append((ids, jax.device_put(padded)))
         return staged
 
@@ -463,11 +514,6 @@ class ModelRunner:
     @property
     def init_buckets(self) -> list[int]:
         return powers_of_two_up_to(max(self.max_num_seqs, 1))
-
-    def gather_state(self, slot: int) -> np.ndarray:
-        """One sequence's linear-attention state, packed flat (float32): every layer's conv state, then
-        every layer's recurrent state (the handoff's state chunk)."""
-        return self.pack_state(self.gather_state_async(slot))
 
     def gather_state_async(self, slot: int):
         """Dispatches the copy of one slot's state into fresh device arrays and returns them at once."""
@@ -566,8 +612,8 @@ def _gather_blocks(kv_pages, ids):
 
 
 def _scatter_blocks(kv_pages, ids, data):
-    # Padded ids point past the pool and are dropped.
-    return [pages.at[ids].set(d, mode="drop") for pages, d in zip(kv_pages, data)]
+    # data blocks first: [blocks, layers, page, 2*Hkv, D]; ids past the pool (padding) are dropped
+    return [pages.at[ids].set(data[:, i], mode="drop") for i, pages in enumerate(kv_pages)]
 
 
 def _copy_pages(kv_pages, src, dst):
@@ -580,6 +626,36 @@ def _merge_tokens(tokens, prev_tokens, sources):
 
 _merge_tokens_jit = jax.jit(_merge_tokens)
 _gather_jit = jax.jit(_gather_blocks)
+
+
+def _gather_blocks_first(kv_pages, ids):
+    return jnp.stack([pages[ids] for pages in kv_pages], axis=1)
+
+
+_gather_blocks_first_jit = jax.jit(_gather_blocks_first)
+
+
+def _split_over_hosts(mesh, padded_blocks: int) -> NamedSharding:
+    """Where a multi-host engine puts an export's copy: split by blocks over the mesh's first axis when
+    that axis is the hosts (each row of devices on one process) and the blocks divide evenly; else
+    replicated (every host gets all of it, the first exports it)."""
+    rows = mesh.devices.reshape(mesh.devices.shape[0], -1)
+    per_host = rows.shape[0] == jax.process_count() and all(len({d.process_index for d in row}) == 1 for row in rows)
+    spec = PartitionSpec(mesh.axis_names[0]) if per_host and padded_blocks % rows.shape[0] == 0 else PartitionSpec()
+    return NamedSharding(mesh, spec)
+
+
+def _local_part(out: jax.Array) -> tuple[int, jax.Array | None]:
+    """(first block, this process's part) of an export copy: all of it in one process; across processes
+    the one shard this process holds the primary replica of (None if it holds none)."""
+    if out.is_fully_addressable:
+        return 0, out
+    for shard in out.addressable_shards:
+        if shard.replica_id == 0:
+            return shard.index[0].start or 0, shard.data
+    return 0, None
+
+
 _scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
 
 

@@ -104,7 +104,6 @@ class Scheduler:
     def admit_imported(self, request: Request) -> None:
         """All of its KV arrived: it runs next, ahead of new prompts."""
         self.importing.pop(request.request_id, None)
-        request.pending_kv_layers = None
         self.kv.cache_full_blocks(request)
         self.waiting.appendleft(request)
 
