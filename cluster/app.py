@@ -11,6 +11,10 @@ In `colocated` mode there is no prefill pool: decode replicas prefill locally.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -56,6 +60,9 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        # How often a stopping replica checks whether its requests ended (default 2 s): a decode replica's
+        # streams move away within about a second of the stop (the registry's drain), so it can go then.
+        "graceful_shutdown_wait_loop_s": 0.5,
         "request_router_config": RequestRouterConfig(request_router_class=REQUEST_ROUTER_CLASS),
         "logging_config": serve_logging(cfg),
         **placement_options(pool),
@@ -71,35 +78,82 @@ def pool_options(cfg: ClusterConfig, pool: PoolConfig) -> dict[str, Any]:
     return opts
 
 
+def replica_args(cfg: ClusterConfig) -> dict[str, Any]:
+    """The config every replica is built with, without the pools' scaling (`replicas`, `autoscaling`): that
+    is Serve's (the deployments' options) and no replica reads it. Serve restarts the replicas of a
+    deployment whose arguments changed, so a change of scale alone must leave them as they are: a scale-down
+    stops only the replicas it removes (whose streams move elsewhere), and no model loads again."""
+    args = cfg.model_dump(mode="json")
+    default = PoolConfig().model_dump(mode="json")
+    for pool in ("prefill", "decode"):
+        args[pool]["replicas"], args[pool]["autoscaling"] = default["replicas"], default["autoscaling"]
+    return args
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of Moray's own source (the packages its replicas run): part of every deployment's version."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for package in ("cluster", "workers", "kernels", "protos"):
+        for f in sorted((root / package).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def deployment_version(args: dict[str, Any]) -> str:
+    """The version of the deployments built from `args` (`replica_args`): the same config and code give the
+    same version. `serve.run` otherwise gives every deployment a random one, and a deployment whose
+    version changed restarts all its replicas: redeploying with a new replica count alone would reload
+    every model instead of starting or stopping only the replicas that differ. (Declarative deploys,
+    `serve deploy` / KubeRay, version an app by a hash of its args: the pools' scale goes into the
+    deployments' options there, see `serve_config`.)"""
+    return hashlib.sha256(json.dumps(args, sort_keys=True).encode() + code_fingerprint().encode()).hexdigest()[:16]
+
+
+def _versioned(deployment, version: str):
+    """`deployment` with `version`. Serve took `version` out of its public options (it versions deployments
+    itself, randomly for `serve.run`); the internal form still takes it."""
+    try:
+        return deployment.options(version=version, _internal=True)
+    except (TypeError, ValueError):  # a Serve without it: random versions (a redeploy restarts every replica)
+        return deployment
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     cfg = parse_cluster_config(args)
-    cfg_dict = cfg.model_dump(mode="json")
-    decode_deployment = serve.deployment(DecodeServer).options(name="DecodeServer", **pool_options(cfg, cfg.decode))
+    cfg_dict = replica_args(cfg)
+    version = deployment_version(cfg_dict)
+    decode_deployment = _versioned(serve.deployment(DecodeServer).options(name="DecodeServer", **pool_options(cfg, cfg.decode)), version)
     if cfg.mode == "colocated":
         prefill = None
         decode = decode_deployment.bind(cfg_dict, None)
     else:
-        prefill_deployment = serve.deployment(PrefillServer).options(name="PrefillServer", **pool_options(cfg, cfg.prefill))
+        prefill_deployment = _versioned(
+            serve.deployment(PrefillServer).options(name="PrefillServer", **pool_options(cfg, cfg.prefill)), version
+        )
         prefill = prefill_deployment.bind(cfg_dict)
         decode = decode_deployment.bind(cfg_dict, prefill)
-    registry = (
-        serve.deployment(Registry)
-        .options(
+    registry = _versioned(
+        serve.deployment(Registry).options(
             name=REGISTRY_DEPLOYMENT,
             num_replicas=1,  # the one owner of liveness
             ray_actor_options={"num_cpus": 0},
             max_ongoing_requests=10_000,  # reports are short; none may wait behind another
             logging_config=serve_logging(cfg),
             graceful_shutdown_timeout_s=1,  # nothing to drain: its state is rebuilt from the next reports
-        )
-        .bind(cfg_dict)
-    )
-    frontend = Frontend.options(
-        name="Frontend",
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=1000,
-        logging_config=serve_logging(cfg),
-        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        ),
+        version,
+    ).bind(cfg_dict)
+    frontend = _versioned(
+        Frontend.options(
+            name="Frontend",
+            ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=1000,
+            logging_config=serve_logging(cfg),
+            graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        ),
+        version,
     )
     return frontend.bind(cfg_dict, prefill, decode, registry)
 

@@ -7,7 +7,8 @@ before it is started, so no delta can arrive before its queue exists.
 A channel opens on first use and ends by itself when the worker had nothing of ours to run for a while
 (its `closing` batch); the next request opens it again. A channel that fails (the worker died: its
 stream raised, or ended without the `closing` batch) fails every request on it with `ChannelFailed`,
-which the pipeline treats as that worker's failure (failover, or a clean error).
+which the pipeline treats as that worker's failure (failover, or a clean error). A channel to a worker
+that drains gives each of its requests a `Draining` marker: the request moves to another worker.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ class ChannelIdleClosed(Exception):
 class StreamEndedEarly(Exception):
     """A worker's stream ended before its requests finished (a killed replica's Serve stream sometimes
     just ends instead of raising)."""
+
+
+class Draining:
+    """Queued on a request whose decode worker drains (Serve stops its replica): move the request elsewhere."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: str):
+        self.worker = worker
 
 
 class RequestTokens:
@@ -85,6 +95,7 @@ class _Channel:
         self.subscribers: dict[str, RequestTokens] = {}
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
         self.done = False
+        self.draining = False  # its requests were told to move: so is every request that subscribes later
         self._on_end = on_end
         self._pool, self._channel_id = pool, channel_id
         self._stream = None
@@ -125,6 +136,14 @@ class _Channel:
             for q in self.subscribers.values():
                 q.put_nowait(failure)
 
+    def drain(self) -> None:
+        """Tells every request on the channel (once each) to move to another worker."""
+        if self.draining:
+            return
+        self.draining = True
+        for q in self.subscribers.values():
+            q.put_nowait(Draining(self.worker))
+
     def close(self) -> None:
         self._reader.cancel()
         if self._stream is not None:
@@ -147,12 +166,24 @@ class DecodeChannels:
             await asyncio.shield(channel.opened)
             if not channel.done:  # it may have ended (idle) in the meantime: then open it again
                 tokens = channel.subscribers[request_id] = RequestTokens()
+                if channel.draining:  # routed here just before the drain was known
+                    tokens.put_nowait(Draining(worker))
                 return tokens
 
     def unsubscribe(self, worker: str, request_id: str) -> None:
         channel = self._channels.get(worker)
         if channel is not None:
             channel.subscribers.pop(request_id, None)
+            if channel.draining and not channel.subscribers:
+                # The last request moved off a draining worker: end the channel now (a replica Serve stops
+                # waits for its open calls), not at the worker's idle close.
+                channel.close()
+
+    def drain(self, worker: str) -> None:
+        """The worker drains: the requests this front end runs on it move elsewhere."""
+        channel = self._channels.get(worker)
+        if channel is not None and not channel.done:
+            channel.drain()
 
     def _ended(self, channel: _Channel) -> None:
         if self._channels.get(channel.worker) is channel:

@@ -178,6 +178,12 @@ class ServerConfig(_Strict):
         description="a stream whose decode replica dies (or is drained) continues on another one, resumed after the tokens "
         "already sent, at most this many times; then it ends with an error",
     )
+    drain_watch_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="how often the registry asks Serve which worker replicas it is stopping (scale-down, redeploy): "
+        "their streams then move to other replicas instead of holding the stop up to graceful_shutdown_timeout_s; 0 = never",
+    )
     max_queued_requests: int = Field(
         default=256,
         ge=0,

@@ -5,7 +5,9 @@ last heartbeat and its verdict. Workers report to the registry a few times a sec
 a call to it failed because it is gone (the pipeline says so) or when its heartbeat is older than
 `heartbeat_ttl_s`. A failed worker comes back only with a heartbeat measured after the failure (plus a grace
 for clock skew): a report that was in flight when it died cannot revive it, one wrongly suspected comes back
-by itself. Draining workers finish what they run and get nothing new.
+by itself. Draining workers get nothing new, and front ends move the streams they run elsewhere (mid-stream
+migration). A worker drains when it says so in its heartbeat, or when Serve is stopping its replica (a
+scale-down, a redeploy: the registry asks Serve's controller, `Membership.stopping`).
 
 `MembershipView` is a front end's copy (refreshed from the registry a few times a second), plus the failures
 this front end saw itself and has not yet seen the registry confirm, so it routes around a dead worker at
@@ -61,6 +63,7 @@ class Membership:
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
         self._gone_listeners: list[Callable[[str], None]] = []
+        self._stopping: set[str] = set()  # replicas Serve is stopping: draining whatever their heartbeats say
 
     def on_gone(self, listener: Callable[[str], None]) -> None:
         """`listener(worker_id)` is called once when a worker dies (failed, or its heartbeat expired)."""
@@ -73,6 +76,8 @@ class Membership:
             if m is not None and m.failed_at is not None and hb.ts < m.failed_at + FAILED_GRACE_S:
                 return False
             state = hb.state if hb.state is not WorkerState.DEAD else WorkerState.ALIVE
+            if hb.worker_id in self._stopping and state is WorkerState.ALIVE:
+                state = WorkerState.DRAINING
             self._members[hb.worker_id] = Member(hb.worker_id, hb.role, state, hb, self.clock())
         return True
 
@@ -87,6 +92,21 @@ class Membership:
         log.warning("worker %s failed: dropped from routing and /health", worker_id)
         self._gone(worker_id)
         return True
+
+    def stopping(self, worker_ids: set[str]) -> list[str]:
+        """The replicas Serve is stopping now: draining from now on (their own heartbeats cannot undo it).
+        Returns those that were routable until now."""
+        with self._lock:
+            self._stopping = set(worker_ids)
+            newly = []
+            for w in worker_ids:
+                m = self._members.get(w)
+                if m is not None and m.state is WorkerState.ALIVE:
+                    m.state = WorkerState.DRAINING
+                    newly.append(w)
+        for w in newly:
+            log.info("worker %s is being stopped by Serve: draining", w)
+        return newly
 
     def expire(self) -> list[str]:
         """Forgets workers whose last heartbeat is older than the TTL; returns those that were not dead yet."""
@@ -180,6 +200,14 @@ class MembershipView:
 
     def live(self, role: str | None = None) -> list[str]:
         return sorted(w for w, m in self._members.items() if (role is None or m.role == role) and self.routable(w))
+
+    def draining(self, role: str | None = None) -> list[str]:
+        """Workers the registry says are draining (and not failed here)."""
+        return sorted(
+            w
+            for w, m in self._members.items()
+            if m.state is WorkerState.DRAINING and (role is None or m.role == role) and w not in self._failed
+        )
 
     def filter(self, workers: Iterable[str]) -> set[str]:
         return {w for w in workers if self.routable(w)}

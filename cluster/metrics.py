@@ -221,7 +221,7 @@ class FrontendMetrics:
         self.failovers = Counter(
             "moray_failovers",
             "requests whose worker failed: retried on another (before any token went out), migrated (resumed on another after "
-            "the tokens already sent) or failed",
+            "the tokens already sent) or failed; and requests moved off a draining worker (drained)",
             ["result"],
             registry=r,
         )

@@ -22,7 +22,9 @@ worker published, or recomputes the prompt when that is gone). A stream whose de
 *migrates*: it is sent to another decode worker with every output token the client has (`DecodeRequest.
 resume`), which recomputes prompt + those tokens and continues after them: the client sees one unbroken
 stream, nothing twice (greedy and seeded output equal an uninterrupted run). After `server.max_migrations`
-moves it ends with a final delta (finish_reason "error") and `WorkerFailed`.
+moves it ends with a final delta (finish_reason "error") and `WorkerFailed`. A decode worker that drains
+(Serve stops its replica: scale-down, redeploy) hands its streams over the same way, while moves remain
+(counted as migrations too); the worker is not failed, and streams that may not move finish where they are.
 
 Held KV: when a stream ends early after a remote prefill (client gone, failure, timeout), the prefill
 worker is told to release the KV it holds for the handoff at once (idempotent), whatever stage the
@@ -49,7 +51,7 @@ from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, Toke
 from workers.outbox import ChannelClosed
 
 from . import tracing
-from .channels import ChannelFailed, ChannelIdleClosed, DecodeChannels
+from .channels import ChannelFailed, ChannelIdleClosed, DecodeChannels, Draining
 from .handles import DecodePool, PrefillPool, WrongReplica, detached
 from .openai_api import APIError
 from .router.types import NoWorkersAvailable, RouteDecision, RouteRequest
@@ -115,12 +117,17 @@ def worker_gone(e: BaseException) -> bool:
     return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError, WrongReplica, ChannelFailed))
 
 
+class WorkerDraining(Exception):
+    """The decode worker drains: the request moves to another one."""
+
+
 class _Failure(Exception):
     def __init__(self, worker: str, stage: str, cause: BaseException):
         if isinstance(cause, ChannelFailed):  # the channel is the messenger: name what broke it
             cause = cause.cause
         super().__init__(f"{stage} worker {worker} failed: {type(cause).__name__}")
         self.worker, self.stage, self.cause = worker, stage, cause
+        self.drained = isinstance(cause, WorkerDraining)  # not a failure: the worker is being stopped
 
     @property
     def detail(self) -> str:
@@ -296,7 +303,18 @@ class Orchestrator:
                     # Migrated: the new worker recomputes prompt + output so far (no handoff) and goes on.
                     resume = tuple(generated) if migrations else ()
                     decoder = self._decode(
-                        request_id, prompt, params, decision, None if resume else handoff, deadline, session_id, trace.span, whole, resume
+                        request_id,
+                        prompt,
+                        params,
+                        decision,
+                        None if resume else handoff,
+                        deadline,
+                        session_id,
+                        trace.span,
+                        whole,
+                        resume,
+                        # Whether a drain may move the request now (once moves are used up it finishes there).
+                        movable=lambda: migrations < self.max_migrations if sent_decode else trace.attempts < MAX_ATTEMPTS,
                     )
                     # aclosing: a client that leaves at a yield below stops the decode side at once.
                     async with aclosing(decoder):
@@ -313,7 +331,8 @@ class Orchestrator:
                                 return
                     return
                 except _Failure as f:
-                    self.on_worker_failed(f.worker)
+                    if not f.drained:
+                        self.on_worker_failed(f.worker)
                     # Nothing of the decode side went out: run it again elsewhere. Tokens went out: migrate
                     # (the new worker continues after them), at most `server.max_migrations` times.
                     migrate = sent_decode > 0
@@ -342,11 +361,15 @@ class Orchestrator:
                         migrations += 1
                         trace.attempts -= 1  # a migration is not a failed start
                     if self.metrics is not None:
-                        self.metrics.failovers.labels("migrated" if migrate else "retried").inc()
-                    # ERROR although the request goes on: a worker failed under it (`moray serve` shows it).
+                        self.metrics.failovers.labels("drained" if f.drained else "migrated" if migrate else "retried").inc()
                     context = {"request_id": request_id, "stage": f.stage}
                     how = f"moving it after {len(generated)} tokens to" if migrate else "retrying on"
-                    log.error("request %s failed during %s: %s; %s %s", request_id, f.stage, f, how, fresh.decode_worker, extra=context)
+                    if f.drained:
+                        log.info(
+                            "request %s: its decode worker %s drains; %s %s", request_id, f.worker, how, fresh.decode_worker, extra=context
+                        )
+                    else:  # ERROR although the request goes on: a worker failed under it (`moray serve` shows it).
+                        log.error("request %s failed during %s: %s; %s %s", request_id, f.stage, f, how, fresh.decode_worker, extra=context)
                     # After a remote prefill whose token went out, only the decode side moves.
                     decision = replace(fresh, prefill_worker=None) if handoff is not None or migrate else fresh
         except RequestTimedOut:
@@ -380,10 +403,22 @@ class Orchestrator:
             raise
 
     async def _decode(
-        self, request_id, prompt, params, decision: RouteDecision, handoff, deadline, session_id=None, span=None, whole=False, resume=()
+        self,
+        request_id,
+        prompt,
+        params,
+        decision: RouteDecision,
+        handoff,
+        deadline,
+        session_id=None,
+        span=None,
+        whole=False,
+        resume=(),
+        movable: Callable[[], bool] = lambda: False,
     ):
         """The decode worker's deltas for the request, from this front end's channel to it. `resume`: the
-        output tokens the client has already (a migrated request)."""
+        output tokens the client has already (a migrated request). When the worker drains and `movable()`,
+        it stops here with a `_Failure` whose `drained` is set (the request is aborted there)."""
         worker = decision.decode_worker
         request = DecodeRequest(request_id, prompt, params, self.channels.channel_id, handoff, session_id, tracing.inject(span), resume)
         started = finished = False
@@ -411,6 +446,10 @@ class Orchestrator:
                         item = await tokens.get()
                         if item is _DEADLINE:
                             raise _timed_out("decode")
+                        if isinstance(item, Draining):
+                            if movable():
+                                raise _Failure(worker, "decode", WorkerDraining(f"decode worker {worker} drains"))
+                            continue
                         if isinstance(item, BaseException):
                             finished = True  # the channel is gone: so is the request on the worker
                             raise _Failure(worker, "decode", item)

@@ -129,6 +129,15 @@ class RequestPipeline:
         self._cursor = changes.cursor
         self.membership.update(changes.membership)
         self.router.refresh_load_gauges()
+        self._move_off_draining()
+
+    def _move_off_draining(self) -> None:
+        """Streams on a draining decode worker move to another (mid-stream migration), so that the replica
+        can stop now; with no other decode worker alive they stay and finish there."""
+        if not self.membership.live("decode"):
+            return
+        for worker in self.membership.draining("decode"):
+            self.channels.drain(worker)
 
     def start_membership_refresh(self) -> None:
         """Follows the registry in the background (called once an event loop runs)."""

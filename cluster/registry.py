@@ -12,6 +12,12 @@ request costs the registry nothing; a front end that starts late, or falls behin
 index first. With a Redis index the workers write their KV events to Redis and the routers read it there;
 the registry still owns liveness, and the routers drop whatever it says is not routable.
 
+Draining: Serve gives a replica it stops (scale-down, redeploy) no signal before it waits for the replica's
+requests to end, and a decode replica's channels are requests that last as long as their streams. So the
+registry asks Serve's controller every `server.drain_watch_s` which replicas it keeps for this app; a
+worker that reports but is not among them is being stopped, and drains: front ends then move their streams elsewhere (mid-stream migration), the channels
+close, and the stop completes in seconds instead of at `graceful_shutdown_timeout_s`.
+
 Worker reports used to go to the ingress, the replica that also serves every client; they no longer share
 its event loop (or its CPU) with the streams.
 """
@@ -19,11 +25,13 @@ its event loop (or its CPU) with the streams.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prometheus_client import generate_latest
 
@@ -78,6 +86,9 @@ class Registry:
         self._changed: asyncio.Event | None = None
         self._maintain_every_s = router.heartbeat_ttl_s / 4
         self._maintained_at = time.monotonic()
+        # Which replicas Serve keeps (None outside a Serve replica: nothing to ask).
+        self.replicas_source: Callable[[], set[str] | None] | None = _serve_replicas_source() if self.config.server.drain_watch_s else None
+        self._watcher: asyncio.Task | None = None
 
     def _gone(self, worker_id: str) -> None:
         self.worker_metrics.forget_worker(worker_id)
@@ -86,6 +97,7 @@ class Registry:
     # ---------------------------------------------------------------- from workers and pipelines
 
     async def report(self, report: WorkerReport) -> None:
+        self._start_watcher()
         hb = report.heartbeat
         if self.index is not None and report.events:
             self.index.apply(report.events)  # real cache changes, even from a worker believed dead
@@ -113,6 +125,32 @@ class Registry:
             for w in set(self.index.remove_dead_workers()) | set(gone):
                 self.index.remove_worker(w)
         return gone
+
+    # ---------------------------------------------------------------- draining (from Serve's controller)
+
+    def _start_watcher(self) -> None:
+        if self.replicas_source is None or (self._watcher is not None and not self._watcher.done()):
+            return
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_stopping(), context=contextvars.Context())
+
+    async def _watch_stopping(self) -> None:
+        while True:
+            try:
+                await self.watch_stopping_once()
+            except Exception as e:  # noqa: BLE001 - a controller that does not answer now may answer later
+                log.warning("could not ask Serve which replicas it is stopping: %s", e)
+            await asyncio.sleep(self.config.server.drain_watch_s)
+
+    async def watch_stopping_once(self) -> list[str]:
+        """Asks Serve which replicas it keeps: workers that report but are not among them are being stopped,
+        and those still routable drain from now on (returned)."""
+        kept = await asyncio.to_thread(self.replicas_source)
+        if kept is None:  # the app is not listed (being deployed, or deleted): nothing to conclude
+            return []
+        newly = self.membership.stopping({m.worker_id for m in self.membership.members()} - kept)
+        if newly:
+            self._wake()
+        return newly
 
     # ---------------------------------------------------------------- to front ends
 
@@ -170,9 +208,42 @@ class Registry:
     def _fed(self, events: list[KVEvent], load: WorkerLoad | None) -> None:
         self._feed_seq += 1
         self._feed.append((self._feed_seq, events, load))
+        self._wake()
+
+    def _wake(self) -> None:
         if self._changed is not None:
             self._changed.set()  # wakes every waiting front end; the next wait gets a fresh event
             self._changed = None
+
+
+def _serve_replicas_source() -> Callable[[], set[str] | None] | None:
+    """A function returning the ids of the replicas Serve keeps for this app; None when this is not a Serve
+    replica (a test's registry in process)."""
+    try:
+        from ray import serve
+
+        app_name = serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - RayServeException outside a replica
+        return None
+    return lambda: serve_replicas(app_name)
+
+
+def serve_replicas(app_name: str) -> set[str] | None:
+    """The replicas (ids as `ReplicaContext.replica_id.unique_id`) Serve's controller keeps for `app_name`
+    (starting, running, updating; not stopping); None when it does not list the app. A replica it is
+    stopping (scale-down, redeploy) is no longer listed, although it runs until its requests end."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    app = (details.get("applications") or {}).get(app_name)
+    if not app:
+        return None
+    return {
+        r["replica_id"]
+        for deployment in (app.get("deployments") or {}).values()
+        for r in deployment.get("replicas") or ()
+        if str(getattr(r.get("state"), "value", r.get("state"))) != "STOPPING"
+    }
 
 
 class RegistryFeed:

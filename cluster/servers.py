@@ -60,8 +60,11 @@ class _WorkerServer:
         return self.worker.heartbeat()
 
     async def drain(self, target_replica: str | None = None) -> None:
-        """Takes no new requests from now on: its heartbeats say `draining`, the registry tells the routers,
-        and what it runs finishes (before a scale-down or a restart; mid-stream migration builds on it)."""
+        """Takes no new requests from now on: its heartbeats say `draining`, the registry tells the front ends,
+        and they move the streams it runs to other replicas (those that may not move finish here). Serve's
+        own stops (scale-down, redeploy) drain a replica the same way: the registry sees them (registry.py)."""
+        if not self._arrived(target_replica):
+            raise WrongReplica(f"drain for {target_replica} reached {self.worker_id}")
         self.worker.drain()
 
     def _arrived(self, target_replica: str | None) -> bool:
@@ -108,6 +111,8 @@ class PrefillServer(_WorkerServer):
         return handoff
 
     async def release(self, request_id: str, target_replica: str | None = None) -> bool:
+        if not self._arrived(target_replica):  # another replica's hold (a retried prefill may be held here)
+            return False
         return await self.worker.release(request_id)
 
 
@@ -160,7 +165,10 @@ class DecodeServer(_WorkerServer):
         )
 
     async def abort(self, request_id: str, target_replica: str | None = None) -> None:
-        self.worker.abort(request_id)
+        # Only on the replica it was meant for: Serve sends a call for a replica it is stopping to another
+        # one, where the same request may run now (it moved there when this one began draining).
+        if self._arrived(target_replica):
+            self.worker.abort(request_id)
 
     def _release_for(self, request_id: str, handoff: PrefillHandoff):
         source = handoff.worker_id

@@ -125,7 +125,7 @@ def test_failed_worker_is_dropped_at_once_and_comes_back_only_with_a_later_heart
     assert not view.is_failed("d0") and {route(r, f"d{i}").decode_worker for i in range(4)} == {"d0", "d1"}
 
 
-def test_draining_worker_finishes_but_gets_nothing_new():
+def test_a_draining_worker_gets_nothing_new():
     from workers.messages import WorkerState
 
     m, view, r, tell = members()
@@ -134,6 +134,21 @@ def test_draining_worker_finishes_but_gets_nothing_new():
     tell(replace(report("d0"), state=WorkerState.DRAINING))
     assert {route(r, f"a{i}").decode_worker for i in range(4)} == {"d1"}
     assert view.live("decode") == ["d1"] and m.get("d0").state is WorkerState.DRAINING
+    assert view.draining("decode") == ["d0"]
+
+
+def test_a_replica_serve_stops_drains_whatever_its_heartbeats_say():
+    from workers.messages import WorkerState
+
+    m, view, r, tell = members()
+    tell(report("d0"))
+    tell(report("d1"))
+    assert m.stopping({"d1"}) == ["d1"] and m.stopping({"d1"}) == []  # newly draining: once
+    tell(report("d1"))  # its own heartbeat says alive: Serve's word stands
+    assert m.get("d1").state is WorkerState.DRAINING and view.live("decode") == ["d0"] and view.draining() == ["d1"]
+    m.stopping(set())  # Serve no longer stops it (its stop was undone): the next heartbeat counts again
+    tell(report("d1"))
+    assert view.live("decode") == ["d0", "d1"] and view.draining() == []
 
 
 def test_expired_worker_leaves_the_registry_its_series_and_the_router_gauges():

@@ -214,7 +214,7 @@ class WorkerState(str, Enum):
     """What a worker says of itself. The registry adds DEAD (a failed call, or no heartbeat for a TTL)."""
 
     ALIVE = "alive"  # takes new requests
-    DRAINING = "draining"  # finishes what it has, takes nothing new (scale-down, shutdown)
+    DRAINING = "draining"  # takes nothing new; front ends move its streams elsewhere (scale-down, shutdown)
     DEAD = "dead"
 
 
