@@ -87,6 +87,10 @@ class _Common(BaseModel):
     logit_bias: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Moray: token offsets in the prompt where a prefix other prompts share ends (the chat path adds the
+    # end of the system prompt and tools, and of the conversation before its last message); a hybrid
+    # model keeps its linear-attention state there so those prompts resume from it.
+    prefix_boundaries: list[int] | None = None
     # Tool calling (chat only; see ChatCompletionRequest.tool_spec).
     tools: Any = None
     tool_choice: Any = None
@@ -147,6 +151,7 @@ class _Common(BaseModel):
             "logit_bias",
             "allowed_token_ids",
             "bad_words",
+            "prefix_boundaries",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -110,7 +110,14 @@ class RequestPipeline:
     def _build_router(self) -> Router:
         cfg = self.config
         index = self.feed.index if self.feed is not None else build_index(cfg.kv_index, cfg.engine.model_name, cfg.router)
-        return Router(index, cfg.router, block_size=cfg.engine.block_size, metrics=RouterMetrics(), membership=self.membership)
+        return Router(
+            index,
+            cfg.router,
+            block_size=cfg.engine.block_size,
+            metrics=RouterMetrics(),
+            membership=self.membership,
+            state_boundaries=self.model_cfg.is_hybrid,
+        )
 
     # ------------------------------------------------------------------ membership
 

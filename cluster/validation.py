@@ -294,6 +294,40 @@ class RequestValidator:
         # The template wrote the special tokens itself.
         return await self.encode(text, add_special_tokens=False), text
 
+    async def message_boundaries(
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        prompt: list[int],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Where prefixes that other prompts likely share end in `prompt` (rendered as `text`), in tokens:
+        the leading system messages with the tools (many requests, one system prompt), and the conversation
+        before its last message (an agent forks there; the next turn continues there). A hybrid model keeps
+        its state at those points (`SamplingParams.prefix_boundaries`). A prefix counts only where its own
+        rendering and tokens are exactly the prompt's start (a template that renders a partial
+        conversation differently, or a token merged across the junction, gives no boundary there)."""
+        kwargs = {**(template_kwargs or {}), "tools": tools}
+        system = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+        out = []
+        for k in sorted({system, len(messages) - 1}):
+            if not 0 < k < len(messages):
+                continue
+            try:
+                if len(text) <= OFFLOAD_CHARS:
+                    part = self._render(messages[:k], False, kwargs)
+                else:
+                    part = await asyncio.to_thread(self._render, messages[:k], False, kwargs)
+            except oa.APIError:  # a template that refuses a partial conversation: no boundary there
+                continue
+            if not part or not text.startswith(part):
+                continue
+            ids = await self.encode(part, add_special_tokens=False)
+            if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+                out.append(len(ids))
+        return out
+
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> str:
         reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt", "tokenize", "chat_template"})
         if reserved:
@@ -405,6 +439,8 @@ class RequestValidator:
                 raise oa.APIError(400, f"tool_choice: {e}", param="tool_choice") from None
             fields["structured"] = StructuredOutputs(kind="lark", value=grammar)
         reasoning = prompt_opens_reasoning(text) if template_thinks(self.tokenizer.chat_template) else None
+        shared = await self.message_boundaries(messages, text, prompt, body.chat_template_kwargs, rendered_tools)
+        fields["prefix_boundaries"] = sorted(set(fields.get("prefix_boundaries") or ()) | set(shared))
         params = self.sampling_params(fields, len(prompt), max_tokens)
         return Checked(prompt, params, reasoning, self.tool_format if rendered_tools is not None else None)
 
@@ -429,6 +465,7 @@ class RequestValidator:
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise oa.APIError(400, f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id")
         kind = request.WhichOneof("input")
+        shared: list[int] = []
         if kind == "prompt":
             prompt = await self.encode(request.prompt)
         elif kind == "token_ids":
@@ -436,7 +473,8 @@ class RequestValidator:
         elif kind == "messages":
             # OpenAI's "developer" role is a system message, as on the HTTP API.
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in request.messages.messages]
-            prompt = await self.render_chat(messages)
+            prompt, text = await self.render_chat_text(messages)
+            shared = await self.message_boundaries(messages, text, prompt)
         else:
             raise oa.APIError(400, "one of prompt, token_ids or messages is required")
         self.check_prompt(prompt)
@@ -444,5 +482,6 @@ class RequestValidator:
         fields: dict[str, Any] = {name: getattr(s, name) for name in _GRPC_SAMPLING_FIELDS if s.HasField(name)}
         max_tokens = fields.pop("max_tokens", None)
         fields.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        fields["prefix_boundaries"] = sorted(set(s.prefix_boundaries) | set(shared))
         fields["structured"] = _grpc_structured(s)
         return Checked(prompt, self.sampling_params(fields, len(prompt), max_tokens))

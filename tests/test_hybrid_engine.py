@@ -122,27 +122,43 @@ def test_prefix_without_a_snapshot_is_recomputed_not_reused(model_dir):
     assert again.token_ids == first.token_ids
 
 
-def test_events_predict_the_engines_reuse_to_the_block(model_dir):
-    """The router's index, fed the engine's events, predicts exactly the tokens the engine reuses."""
+def test_the_routers_prediction_equals_the_engines_reuse(model_dir):
+    """The router, over an index fed the engine's events, predicts exactly the tokens the engine reuses,
+    on probes that branch off earlier prompts inside their blocks (the engine then keeps a state at the
+    branch point, and later probes reuse it), and on block-aligned prompts fully cached (the engine
+    resumes a block before the end: the last token is computed)."""
+    from cluster.config import RouterConfig
+    from cluster.router import Router, RouteRequest
+
     llm = LLM(str(model_dir), **ARGS)
     engine = llm.engine
     index = MemoryKVIndex(heartbeat_ttl_s=1e9)
     index.heartbeat(WorkerLoad(engine.config.worker_id, ts=0.0))
     engine.events.add_listener(lambda e: index.apply([e]))
+    router = Router(index, RouterConfig(policy="kv-aware"), block_size=8, clock=lambda: 0.0, state_boundaries=True)
     rng = random.Random(9)
     base = prompts(3, seed=9, lo=20, hi=45)
     for p in base:
         llm.generate([p], GREEDY)
-    stored = engine.kv.num_snapshots
-    assert stored > 0
-    for i in range(12):
+    assert engine.kv.num_snapshots > 0
+    pairs = []
+    for i in range(8):
         p = base[i % 3]
-        probe = p[: rng.randrange(1, len(p) + 1)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))]
-        hashes = block_hashes(probe, 8, engine.config.model_name)
-        predicted = index.longest_prefix(hashes).get(engine.config.worker_id, 0) * 8
-        out = llm.generate([probe], SamplingParams(temperature=0.0, max_tokens=1))[0]
-        # The engine never reuses the last prompt token's block boundary (that token is computed).
-        assert out.num_cached_tokens == min(predicted, (len(probe) - 1) // 8 * 8), (i, len(probe))
+        # Two probes cut from p at the same point: block-aligned (p's prefix alone) or branching off p
+        # anywhere, inner boundaries included, with different continuations.
+        cut = 8 * rng.randrange(1, len(p) // 8 + 1) if i % 4 == 3 else rng.randrange(1, len(p) + 1)
+        pair = []
+        for _ in range(2):
+            probe = p[:cut] + ([] if i % 4 == 3 else [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))])
+            hashes = block_hashes(probe, 8, engine.config.model_name)
+            predicted = router.route(RouteRequest(f"probe{i}-{len(pair)}", hashes, len(probe))).expected_cached_tokens
+            out = llm.generate([probe], SamplingParams(temperature=0.0, max_tokens=1))[0]
+            assert out.num_cached_tokens == predicted, (i, len(pair), cut, len(probe))
+            pair.append(out.num_cached_tokens)
+        # The first kept a state at the branch point (or had one): the second resumes there (an aligned
+        # probe, p's prefix alone, one block before its end).
+        pairs.append((pair[1], ((cut - 1) // 8 if i % 4 == 3 else cut // 8) * 8))
+    assert all(second >= branch for second, branch in pairs), pairs
 
 
 def test_events_announce_only_reusable_boundaries(model_dir):
@@ -217,3 +233,42 @@ def test_aborts_return_every_block_and_state_slot(qwen35):
     _assert_all_free(engine)
     held = engine.kv.slots
     assert len(held.free) + len(held.snapshots) == held.num_slots  # every slot is free or a snapshot
+
+
+def _shared_prefix_prompts(seed: int, shared_len: int = 50, n: int = 4) -> list[list[int]]:
+    """n prompts sharing their first `shared_len` tokens (6 full blocks of 8 for 50), each under one
+    64-token prefill step, so no step of the first one ends at the shared boundary by itself."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(shared_len)]
+    return [shared + [rng.randrange(3, 500) for _ in range(rng.randrange(8, 14))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("hint", [False, True])
+def test_prompts_sharing_a_prefix_inside_a_step_reuse_it(model_dir, llm, hint):
+    """Four prompts share 50 tokens and differ after them. Without a hint the second one finds the first's
+    attention blocks but no state at their end: it keeps one there (a branch point), and the third and
+    fourth reuse the 48 tokens. With the end of the shared part as a hint (`prefix_boundaries`, as the
+    chat path sets for a system prompt) the first keeps it, and the second reuses it already. Greedy
+    tokens equal an uncached run's."""
+    engine = LLM(str(model_dir), **ARGS)
+    batch = _shared_prefix_prompts(seed=21 + hint)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prefix_boundaries=[50] if hint else [])
+    outs = [engine.generate([p], params)[0] for p in batch]
+    assert [o.num_cached_tokens for o in outs] == ([0, 48, 48, 48] if hint else [0, 0, 48, 48])
+    uncached = llm.generate(batch, GREEDY.model_copy(update={"max_tokens": 6}))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in uncached]
+
+
+def test_a_forked_conversation_reuses_up_to_the_fork_on_every_branch(model_dir, llm):
+    """A conversation (system prompt + turns: 43 tokens) forked into four continuations, each sent with the
+    fork point as a hint (the chat path marks the conversation before its last message): every branch
+    after the first resumes at the fork's block boundary (40 tokens); greedy tokens equal an uncached run."""
+    engine = LLM(str(model_dir), **ARGS)
+    rng = random.Random(31)
+    conversation = [rng.randrange(3, 500) for _ in range(43)]
+    branches = [conversation + [rng.randrange(3, 500) for _ in range(rng.randrange(5, 15))] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prefix_boundaries=[len(conversation)])
+    outs = [engine.generate([b], params)[0] for b in branches]
+    assert [o.num_cached_tokens for o in outs] == [0, 40, 40, 40]
+    uncached = llm.generate(branches, GREEDY.model_copy(update={"max_tokens": 6}))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in uncached]

@@ -573,3 +573,42 @@ def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(method, pat
     assert words in error["message"] and error["type"] in ("not_found_error", "invalid_request_error"), error
     if status == 405:
         assert "allow" in {k.lower() for k in r.headers}
+
+
+def test_chat_marks_where_shared_prefixes_end(validator):
+    """The chat path sets `prefix_boundaries` (a hybrid model keeps its state there): the end of the
+    system prompt with the tools, and of the conversation before its last message; each is exactly the
+    token count of that part rendered alone, and a prefix of the prompt. The user's own are kept."""
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+    system = {"role": "system", "content": "Be brief."}
+    turns = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "go"},
+    ]
+    body = {"model": "tiny", "messages": [system, *turns], "max_tokens": 2, "tools": tools}
+    checked = chat(validator, body)
+    tok = validator.tokenizer
+
+    def tokens(messages) -> int:
+        text = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False, tools=tools)
+        return len(validator._encode(text, add_special_tokens=False))
+
+    expected = [tokens([system]), tokens([system, *turns[:2]])]
+    assert list(checked.params.prefix_boundaries) == expected and expected[0] < expected[1] < len(checked.prompt)
+    assert chat(validator, {**body, "messages": turns[:1]}).params.prefix_boundaries == ()  # nothing shared to mark
+    mine = chat(validator, {**body, "prefix_boundaries": [5]}).params.prefix_boundaries
+    assert list(mine) == sorted({5, *expected})
+    assert completion(validator, {**GOOD, "prefix_boundaries": [3]}).params.prefix_boundaries == (3,)
+    e = refused(completion, validator, {**GOOD, "prefix_boundaries": [0]})
+    assert e.status == 400 and e.param == "prefix_boundaries"
+    # gRPC: messages input gets the same (no tools here), the field's own are kept.
+    grpc_messages = [moray_pb2.ChatMessage(role="system", content=system["content"]), moray_pb2.ChatMessage(role="user", content="go")]
+    req = moray_pb2.GenerateRequest(
+        model="tiny",
+        messages=moray_pb2.ChatMessages(messages=grpc_messages),
+        sampling=moray_pb2.SamplingOptions(prefix_boundaries=[2]),
+    )
+    system_alone = tok.apply_chat_template([system], add_generation_prompt=False, tokenize=False)
+    got = asyncio.run(validator.grpc(req)).params.prefix_boundaries
+    assert list(got) == [2, len(validator._encode(system_alone, add_special_tokens=False))]

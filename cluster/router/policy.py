@@ -93,6 +93,9 @@ class RoutingContext:
     lookup: Lookup
     pending: dict[str, tuple[int, int]] = field(default_factory=dict)
     upcoming: dict[str, float] = field(default_factory=dict)  # worker -> blocks about to come (router._upcoming_work)
+    # The engines are hybrid (linear-attention state): they resume only at a block boundary before the
+    # prompt's last token, so a block-aligned prompt fully cached reuses one block less.
+    state_boundaries: bool = False
     _kv_costs: dict[tuple, dict[str, float]] = field(default_factory=dict, repr=False)  # per candidate set
 
     @property
@@ -107,7 +110,13 @@ class RoutingContext:
         return self.lookup.matches.get(w, _NO_MATCH)
 
     def cached_tokens(self, w: str) -> int:
-        return min(self.request.prompt_len, self.match(w).blocks * self.block_size)
+        return self.reusable_tokens(self.match(w).blocks)
+
+    def reusable_tokens(self, blocks: int) -> int:
+        """Prompt tokens an engine reuses from `blocks` cached blocks of this request's chain."""
+        if self.state_boundaries:
+            return min(blocks, (self.request.prompt_len - 1) // self.block_size) * self.block_size
+        return min(self.request.prompt_len, blocks * self.block_size)
 
     def uncached_blocks(self, w: str) -> float:
         m = self.match(w)

@@ -154,8 +154,10 @@ class Router:
         clock: Callable[[], float] = time.time,
         fallback_workers: dict[str, Role] | None = None,
         membership=None,
+        state_boundaries: bool = False,
     ):
         self.index = index
+        self.state_boundaries = state_boundaries  # hybrid engines: see RoutingContext.state_boundaries
         self.config = config or RouterConfig()
         self.block_size = block_size
         self.metrics = metrics or RouterMetrics()
@@ -215,13 +217,20 @@ class Router:
         if hasattr(self.index, "alookup"):
             t0 = time.perf_counter()
             try:
-                lookup = await self.index.alookup(request.block_hashes, request.session_id)
+                lookup = await self.index.alookup(self._reusable_hashes(request), request.session_id)
             except IndexUnavailable:
                 return self._decided(request, *self._degraded_lookup(), t0)
             return self._decided(request, *self._looked_up(lookup), t0)
         if not getattr(self.index, "blocking_lookups", False):
             return self.route(request)
         return await asyncio.to_thread(self.route, request)
+
+    def _reusable_hashes(self, request: RouteRequest) -> list[int]:
+        """The blocks an engine could resume after: all of them, but for hybrid engines only those ending
+        before the prompt's last token (a state there is the deepest they can use; one past it is not)."""
+        if not self.state_boundaries:
+            return request.block_hashes
+        return request.block_hashes[: (request.prompt_len - 1) // self.block_size]
 
     def _upcoming_work(self) -> dict[str, float]:
         """worker -> blocks of work likely to arrive soon that its load does not show yet: the next turns
@@ -233,7 +242,7 @@ class Router:
 
     def _lookup(self, request: RouteRequest) -> tuple[Lookup, bool]:
         try:
-            lookup = self.index.lookup(request.block_hashes, request.session_id)
+            lookup = self.index.lookup(self._reusable_hashes(request), request.session_id)
         except IndexUnavailable:
             return self._degraded_lookup()
         return self._looked_up(lookup)
@@ -258,7 +267,7 @@ class Router:
         loads = lookup.loads
         if not loads:
             raise NoWorkersAvailable("no live workers: every heartbeat has expired" + (" (KV index unavailable)" if degraded else ""))
-        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending, upcoming or {})
+        ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending, upcoming or {}, self.state_boundaries)
         # Without the index there is nothing to match: by load alone.
         policy = self._load_only if degraded else self.policy
         # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
@@ -280,7 +289,7 @@ class Router:
             prefill_worker=prefill,
             expected_cached_tokens=ctx.cached_tokens(side),
             reason=reason,
-            best_cached_tokens=min(request.prompt_len, max((m.blocks for m in lookup.matches.values()), default=0) * self.block_size),
+            best_cached_tokens=ctx.reusable_tokens(max((m.blocks for m in lookup.matches.values()), default=0)),
             uncached_tokens=request.prompt_len - ctx.cached_tokens(side),
             cost=cost,
             degraded=degraded,
@@ -319,10 +328,13 @@ class Router:
         if decision.degraded:
             return  # the index is down; nothing to write, and no request should wait on it
         workers = [decision.decode_worker] + ([decision.prefill_worker] if decision.prefill_worker else [])
+        ahead = [held.get(w, 0) for w in workers]
+        if self.state_boundaries:
+            # A hybrid engine will hold the prompt's last full block (a state at its end), not the blocks
+            # before it: entries there would predict reuse it cannot give.
+            ahead = [max(h, len(request.block_hashes) - 1) for h in ahead]
         try:
-            self.index.record_decision(
-                workers, request.block_hashes, self.config.speculative_ttl_s, request.session_id, held=[held.get(w, 0) for w in workers]
-            )
+            self.index.record_decision(workers, request.block_hashes, self.config.speculative_ttl_s, request.session_id, held=ahead)
         except IndexUnavailable:
             self.metrics.index_errors.labels("record").inc()
 

@@ -155,6 +155,10 @@ class DataParallelKVCacheManager:
         with self._on_rank(request) as (manager, _):
             return manager.plan_step(request, start, num_new_tokens)
 
+    def chunk_tokens(self, request: Request, start: int, num_new_tokens: int) -> int:
+        with self._on_rank(request) as (manager, _):
+            return manager.chunk_tokens(request, start, num_new_tokens)
+
     def working_slot(self, request_id: str) -> int | None:
         """A hybrid request's working slot as a global id (rank r's slots follow rank r - 1's)."""
         r = self._rank_of.get(request_id)

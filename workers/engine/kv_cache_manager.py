@@ -257,6 +257,12 @@ class KVCacheManager:
         """Nothing beyond the block table: attention-only models need no per-step cache directions."""
         return None
 
+    def chunk_tokens(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """How many of the `num_new_tokens` the scheduler may give the request from `start` this step: a
+        cache that wants something kept at a position inside (a hybrid model's state) ends the chunk there.
+        Attention-only models keep every block anyway: all of them."""
+        return num_new_tokens
+
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the blocks that became full and computed in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 MAX_LOGPROBS = 20
+MAX_PREFIX_BOUNDARIES = 16
 
 _StrictInt = Annotated[int, Field(strict=True)]
 _StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -162,6 +163,11 @@ class SamplingParams(BaseModel):
     allowed_token_ids: tuple[int, ...] = ()
     # vLLM: words never generated (a word's last token is banned where the output ends with the rest).
     bad_words: tuple[str, ...] = ()
+    # Token offsets in the prompt where a prefix other prompts are likely to share ends (the system prompt
+    # and tools, the conversation before its last message): a hybrid model keeps its linear-attention state
+    # at the block boundary at or before each, so those prompts can resume from it. Not sampling, but it
+    # travels with the request to whichever worker prefills it. Attention-only models ignore it.
+    prefix_boundaries: tuple[int, ...] = ()
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -258,6 +264,17 @@ class SamplingParams(BaseModel):
         if not ids:
             raise ValueError("must not be empty (leave it out to allow every token)")
         return tuple(sorted(set(ids)))
+
+    @field_validator("prefix_boundaries", mode="before")
+    @classmethod
+    def _normalise_prefix_boundaries(cls, offsets: Any) -> tuple[int, ...]:
+        if offsets is None:
+            return ()
+        if not isinstance(offsets, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in offsets):
+            raise ValueError(f"must be a list of positive token offsets into the prompt (got {offsets!r})")
+        if len(offsets) > MAX_PREFIX_BOUNDARIES:
+            raise ValueError(f"at most {MAX_PREFIX_BOUNDARIES} offsets (got {len(offsets)})")
+        return tuple(sorted(set(offsets)))
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":

@@ -143,6 +143,7 @@ class Scheduler:
             if self._ends_with_pending_token(request):
                 continue  # the token a step in flight samples is its last: nothing more to compute
             n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            n = self.kv.chunk_tokens(request, request.num_computed_tokens, n)
             while True:
                 copies = self.kv.allocate(request, n)
                 if copies is not None:
@@ -182,7 +183,7 @@ class Scheduler:
                 hit = (len(prefix) + len(host)) * self.kv.block_size
                 # The last token is always computed: its logits give the first sampled token.
                 request.num_computed_tokens = min(hit, request.num_tokens - 1)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self.kv.chunk_tokens(request, request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens, budget))
             copies = self.kv.allocate(request, n, prefix, host) if host else self.kv.allocate(request, n, prefix)
             if copies is None:
                 if not request.block_ids:

@@ -17,6 +17,14 @@ which slot holds what:
 - A prefix is reusable only up to a boundary whose snapshot exists: the hit is the deepest such
   boundary within the run of cached attention blocks (never the whole prompt: its last token is always
   computed, and the state before it is only known at a boundary).
+- Snapshots where prompts are likely to be shared, not only where steps happen to end (`chunk_tokens`
+  ends a prefill chunk at such a boundary, so that the step's last boundary is it):
+  - branch points: a prompt whose cached attention blocks run deeper than its deepest snapshot shares a
+    prefix with an earlier prompt up to there; it keeps a state at that boundary, so every later prompt
+    with the prefix resumes from it (Marconi, MLSys 2025, admits states at such points);
+  - hints: `SamplingParams.prefix_boundaries` (the chat path sets the end of the system prompt and tools,
+    and of the conversation before its last message): the boundary at or before each.
+  Each costs its prompt one extra prefill step, once per prefix (a boundary with a snapshot wants nothing).
 
 KV events: a hybrid engine publishes a block as STORED only when the prefix through it is reusable
 (attention blocks cached and a snapshot at its end) and REMOVED when that stops being true, so the
@@ -126,6 +134,7 @@ class HybridCacheManager:
         self.pending_state_loads: list[tuple[int, object]] = []
         self.pending_state_copies: list[tuple[int, int]] = []  # (working slot, device snapshot slot)
         self._host_plan: dict[str, list[int]] = {}  # request -> host attention slots its prefix continues into
+        self._keep: dict[str, list[int]] = {}  # request -> boundaries (tokens) its prefill should end a chunk at
 
     # ---------------------------------------------------------------- totals (EngineStats)
 
@@ -220,7 +229,42 @@ class HybridCacheManager:
             if i > len(blocks):
                 self._host_plan[request.request_id] = host_slots[: i - len(blocks)]
             break
+        self._plan_keeps(request, len(prefix), limit)
         return prefix
+
+    def _plan_keeps(self, request: Request, hit_blocks: int, shared_blocks: int) -> None:
+        """The boundaries the request's prefill should keep a state at (beyond the last one of each step):
+        the branch point where its cached attention blocks end (`shared_blocks`, deeper than the hit:
+        another prompt computed this prefix without a state at its end), and its hints."""
+        if not self.enable_prefix_caching or self.slots.max_snapshots == 0:
+            return
+        bs = self.block_size
+        wanted = {p - p % bs for p in request.sampling_params.prefix_boundaries if p < request.num_tokens}
+        if shared_blocks > hit_blocks:
+            wanted.add(shared_blocks * bs)
+        self.attn.update_hashes(request)
+        keep = sorted(
+            b
+            for b in wanted
+            if hit_blocks * bs < b <= len(request.block_hashes) * bs and request.block_hashes[b // bs - 1] not in self.slots.snapshots
+        )
+        if keep:
+            self._keep[request.request_id] = keep
+        else:
+            self._keep.pop(request.request_id, None)
+
+    def chunk_tokens(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """Ends the chunk at the first boundary inside it that the request should keep a state at."""
+        keep = self._keep.get(request.request_id)
+        if not keep:
+            return num_new_tokens
+        end = start + num_new_tokens
+        for b in keep:
+            if start < b < end:
+                return b - start
+        if keep[-1] <= end:
+            del self._keep[request.request_id]  # all passed (each was a step's last boundary)
+        return num_new_tokens
 
     def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=(), host_slots=()) -> list[BlockCopy] | None:
         rid = request.request_id
@@ -322,6 +366,7 @@ class HybridCacheManager:
         self.attn.free(request)
         self._init.pop(rid, None)
         self._host_plan.pop(rid, None)
+        self._keep.pop(rid, None)
         pending = self.slots.pending.pop(rid, None)
         if pending is not None:
             self.slots.give_back(pending[2])
