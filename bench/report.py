@@ -30,6 +30,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "engine": ("kv_bytes_per_token",),  # also `--sizes-only`
     "collectives": ("modes", "summary", "mesh"),
     "routing": ("policies", "oracle"),
+    "hybrid-reuse": ("engines", "oracle"),
     "route": ("cached_sequences", "hash_us_per_block"),
     "memory": ("results", "memory_dtype"),
     "fuzz": ("cases_run", "http"),
@@ -61,6 +62,14 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "policies.*.*.max_over_mean_load",
         "policies.*.*.hit_rate_vs_oracle",
         "oracle.*.hit_rate",
+        "verdict.*.*",
+    ),
+    "hybrid-reuse": (
+        "engines.*.*.hit_rate",
+        "engines.*.*.hit_rate_vs_oracle",
+        "engines.*.*.ttft_p50_s",
+        "engines.*.*.ttft_p99_s",
+        "engines.*.*.state_bytes",
         "verdict.*.*",
     ),
     "engine": (
@@ -411,6 +420,18 @@ def _routing_ttft(policies: dict, workloads: list[str], rep: Report) -> None:
     rep.save(fig, "ttft", "Time to first token per policy, p50 and p99.")
 
 
+def plot_hybrid_reuse(result: dict, rep: Report) -> None:
+    """`bench routing --hybrid`: the engines (attention-only, hybrid, hybrid with the old snapshot rule) side
+    by side, drawn like routing policies."""
+    engines = result.get("engines", {})
+    workloads = sorted({wl for per in engines.values() for wl in per})
+    if not workloads:
+        rep.note("no engine ran")
+        return
+    _routing_hit_rates(result, engines, workloads, rep)
+    _routing_ttft(engines, workloads, rep)
+
+
 # ---------------------------------------------------------------------------------------- engine
 
 ENGINE_PEERS = ("transformers", "llama_cpp")
@@ -733,6 +754,7 @@ PLOTS = {
     "handoff": plot_handoff,
     "serve": plot_serve,
     "routing": plot_routing,
+    "hybrid-reuse": plot_hybrid_reuse,
     "engine": plot_engine,
     "collectives": plot_collectives,
     "route": plot_route,

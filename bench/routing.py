@@ -68,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also run a peer router over the same workloads: sglang-router (cache_aware) in front of --workers "
         "single-worker `moray serve` processes (bench extra: pip install sglang-router==0.3.2)",
     )
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="instead: prefix reuse of a hybrid model against an attention-only one and its old snapshot rule, "
+        "kv-aware, on system-prompt, branching-agent and multi-turn chat traffic (bench/hybrid_reuse.py)",
+    )
+    p.add_argument("--engines", nargs="+", help="with --hybrid: which of attention, hybrid, hybrid-step-ends (default all)")
+    p.add_argument("--state-snapshots", type=int, default=64, help="with --hybrid: state snapshots per hybrid worker")
+    p.add_argument("--hybrid-workloads", nargs="+", help="with --hybrid: which of system-tools, branching, multi-turn (default all)")
     p.add_argument("--json", help="also write the JSON result here")
     add_report_argument(p)
 
@@ -364,6 +373,10 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hybrid:
+        from bench import hybrid_reuse
+
+        return hybrid_reuse.run(args)
     model = args.model
     tmp = None
     if model is None:

@@ -79,6 +79,8 @@ class Item:
     session: str | None = None
     turn: int = 0
     think_s: float = 0.0  # pause before this turn (the user reading and typing)
+    messages: list[dict] | None = None  # a chat request instead (`prompt` unused): /v1/chat/completions
+    tools: list[dict] | None = None
 
 
 def make_workload(name: str, n: int, seed: int, vocab: int = 500) -> list[list[Item]]:
@@ -158,9 +160,10 @@ class Result:
 
 
 async def one_request(session, url: str, model: str, item: Item, api_key: str | None, extra: dict | None = None) -> Result:
+    chat = item.messages is not None
     body = {
         "model": model,
-        "prompt": item.prompt,
+        **({"messages": item.messages, **({"tools": item.tools} if item.tools else {})} if chat else {"prompt": item.prompt}),
         "max_tokens": item.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -175,7 +178,7 @@ async def one_request(session, url: str, model: str, item: Item, api_key: str | 
         headers["x-session-id"] = item.session
     start = time.perf_counter()
     result = Result(ok=False)
-    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+    async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, headers=headers) as r:
         if r.status != 200:
             return Result(ok=False, error=f"HTTP {r.status}: {(await r.text())[:200]}")
         async for raw in r.content:

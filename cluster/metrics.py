@@ -280,6 +280,15 @@ class WorkerMetrics:
         self.kv_bytes_per_token = Gauge(
             "moray_kv_cache_bytes_per_token", "KV bytes one token takes over all layers on a worker", ["worker", "role"], registry=r
         )
+        self.state_bytes = Gauge(
+            "moray_state_snapshot_bytes", "device bytes a hybrid model's state snapshots hold on a worker", ["worker", "role"], registry=r
+        )
+        self.state_budget = Gauge(
+            "moray_state_snapshot_budget_bytes",
+            "device bytes a hybrid model's state snapshots may hold on a worker (state_cache_memory_bytes)",
+            ["worker", "role"],
+            registry=r,
+        )
         for _, (attr, name, help_, role) in _WORKER_COUNTERS.items():
             setattr(self, attr, Counter(name, help_, _worker_label_names(name, role), registry=r))
         self._totals: dict[str, dict[str, float]] = {}  # worker -> heartbeat field -> last total seen
@@ -306,6 +315,8 @@ class WorkerMetrics:
         self.kv_usage.labels(name, w, role).set(e.kv_usage)
         self.host_kv_usage.labels(w, role).set(e.host_kv_usage)
         self.kv_bytes_per_token.labels(w, role).set(e.kv_bytes_per_token)
+        self.state_bytes.labels(w, role).set(e.state_snapshot_bytes)
+        self.state_budget.labels(w, role).set(e.state_snapshot_budget_bytes)
         totals = self._totals.setdefault(w, {})
         for path, (attr, metric, _, only) in _WORKER_COUNTERS.items():
             if only is not None and role != only:
@@ -326,7 +337,7 @@ class WorkerMetrics:
             return
         for gauge in (self.queue_depth, self.running, self.kv_usage):
             _remove(gauge, self.model_name, worker_id, role)
-        for gauge in (self.host_kv_usage, self.kv_bytes_per_token):
+        for gauge in (self.host_kv_usage, self.kv_bytes_per_token, self.state_bytes, self.state_budget):
             _remove(gauge, worker_id, role)
         for _, (attr, metric, _, only) in _WORKER_COUNTERS.items():
             _remove(getattr(self, attr), *self._worker_labels(worker_id, role, metric, only))

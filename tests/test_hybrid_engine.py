@@ -272,3 +272,60 @@ def test_a_forked_conversation_reuses_up_to_the_fork_on_every_branch(model_dir, 
     assert [o.num_cached_tokens for o in outs] == [0, 40, 40, 40]
     uncached = llm.generate(branches, GREEDY.model_copy(update={"max_tokens": 6}))
     assert [o.token_ids for o in outs] == [o.token_ids for o in uncached]
+
+
+def test_state_memory_stays_within_its_budget(model_dir):
+    """state_cache_memory_bytes: as many snapshots as fit, taken out of the KV pool's memory; under more
+    distinct prefixes than fit, the snapshots' bytes never pass the budget (the engine's stats say so)."""
+    from workers.engine.runner import state_bytes_per_sequence
+
+    state = state_bytes_per_sequence(LLM(str(model_dir), **ARGS).engine.cfg)
+    kv_bytes = 8 << 20
+    plain = LLM(str(model_dir), **{**ARGS, "kv_cache_memory_bytes": kv_bytes}).engine
+    engine = LLM(str(model_dir), **{**ARGS, "kv_cache_memory_bytes": kv_bytes, "state_cache_memory_bytes": 3 * state + state // 2})
+    core = engine.engine
+    assert core.max_snapshots == 3 and core.stats().state_snapshot_budget_bytes == 3 * state
+    per_block = core.runner.kv_bytes_per_block
+    assert core.kv.pool.num_blocks == (kv_bytes - 3 * state) // per_block < plain.kv.pool.num_blocks
+    held = []
+    for p in prompts(10, seed=41, lo=20, hi=60):
+        engine.generate([p], GREEDY)
+        held.append(core.stats().state_snapshot_bytes)
+        assert core.kv.num_snapshots <= 3
+    assert max(held) == 3 * state and all(h <= 3 * state for h in held)
+    with pytest.raises(ValueError, match="state_cache_memory_bytes"):
+        EngineConfig(model=str(model_dir), kv_cache_memory_bytes=kv_bytes, state_cache_memory_bytes=kv_bytes)
+
+
+def test_a_state_many_prompts_resume_from_outlives_recent_one_off_ones(model_dir):
+    """Room for 4 snapshots. A system prompt's state (kept at its end: a hint) that three requests resumed
+    from stays while one-off prompts' states come and go: eviction weighs use and depth (GDSF), not
+    recency alone (least recently used, it went with the third one-off prompt)."""
+    engine = LLM(str(model_dir), **{**ARGS, "state_snapshots": 4})
+    rng = random.Random(51)
+    system = [rng.randrange(3, 500) for _ in range(42)]
+
+    def ask(user_len: int, params=None):
+        prompt = system + [rng.randrange(3, 500) for _ in range(user_len)]
+        p = params or SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prefix_boundaries=[len(system)])
+        return engine.generate([prompt], p)[0].num_cached_tokens
+
+    assert [ask(9) for _ in range(3)] == [0, 40, 40]
+    for p in prompts(5, seed=52, lo=30, hi=60):  # one-off prompts, each leaving a state at its end
+        engine.generate([p], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert ask(11) == 40
+
+
+@pytest.mark.parametrize("points,every,expected", [("step-ends", 0, [0, 0, 0, 0]), ("shared", 2, [0, 48, 48, 48])])
+def test_where_states_are_kept_is_configurable(model_dir, llm, points, every, expected):
+    """state_keep_points: step-ends keeps only each step's last boundary (the rule before branch points and
+    hints: four prompts sharing 50 tokens inside one step reuse nothing, whatever the hint says);
+    state_snapshot_every_blocks keeps one every N blocks, so the second prompt resumes without a hint."""
+    engine = LLM(str(model_dir), **{**ARGS, "state_keep_points": points, "state_snapshot_every_blocks": every})
+    batch = _shared_prefix_prompts(seed=61)
+    hint = [50] if points == "step-ends" else []
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prefix_boundaries=hint)
+    outs = [engine.generate([p], params)[0] for p in batch]
+    assert [o.num_cached_tokens for o in outs] == expected
+    uncached = llm.generate(batch, GREEDY.model_copy(update={"max_tokens": 6}))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in uncached]

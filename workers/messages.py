@@ -249,6 +249,8 @@ class EngineStats:
     kv_event_last_seq: int = -1
     kv_bytes_per_token: int = 0  # KV bytes one token takes over all layers (MLA: one latent row per layer)
     sparse_blocks: bool = False  # publishes only resumable block boundaries (hybrid models; the router's lookup)
+    state_snapshot_bytes: int = 0  # device bytes the hybrid model's state snapshots hold now
+    state_snapshot_budget_bytes: int = 0  # ... and may hold (state_cache_memory_bytes or state_snapshots)
 
     @property
     def host_kv_usage(self) -> float:

@@ -162,9 +162,25 @@ class EngineConfig(BaseModel):
         description="a session with no turn for this long has ended: its cached blocks (device and host tier) are "
         "evicted like sessionless ones; until then after them (workers/engine/retention.py)",
     )
-    # Hybrid (linear-attention) models: per-sequence state slots, float32, outside kv_cache_memory_bytes.
+    # Hybrid (linear-attention) models: per-sequence state slots, float32, outside kv_cache_memory_bytes
+    # unless state_cache_memory_bytes takes the snapshots' share out of it.
     state_snapshots: int | None = Field(
-        default=None, ge=0, description="most state snapshots kept for prefix caching (LRU); default 2 x max_num_seqs"
+        default=None, ge=0, description="most state snapshots kept for prefix caching; default 2 x max_num_seqs"
+    )
+    state_cache_memory_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="device bytes for state snapshots (prefix caching of hybrid models), taken out of kv_cache_memory_bytes: "
+        "as many snapshots as fit, the KV pool gets the rest; instead of state_snapshots",
+    )
+    state_keep_points: Literal["shared", "step-ends"] = Field(
+        default="shared",
+        description="where a hybrid model's prefill keeps states: shared = also at branch points (a prefix another prompt "
+        "computed) and the chat path's message boundaries (prefix_boundaries); step-ends = only the last block boundary of "
+        "each step (the old rule, for comparison)",
+    )
+    state_snapshot_every_blocks: int = Field(
+        default=0, ge=0, description="also keep a state every this many blocks of a prompt (0: off); each costs a prefill step"
     )
     num_state_slots: int | None = Field(
         default=None, ge=1, description="state slots: one per live request plus snapshots; default 2 x max_num_seqs + state_snapshots"
@@ -195,6 +211,14 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
+        if self.state_cache_memory_bytes is not None and self.state_snapshots is not None:
+            raise ValueError("state_snapshots and state_cache_memory_bytes both size the snapshots: set one")
+        if (
+            self.state_cache_memory_bytes is not None
+            and self.num_kv_blocks is None
+            and self.state_cache_memory_bytes >= self.kv_cache_memory_bytes
+        ):
+            raise ValueError("state_cache_memory_bytes is taken out of kv_cache_memory_bytes: it must be smaller")
         if self.host_kv.enabled and not self.enable_prefix_caching:
             raise ValueError("host_kv needs enable_prefix_caching: the host tier keeps evicted prefix-cache blocks")
         for name in ("token_buckets", "page_buckets"):
@@ -203,14 +227,28 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"{name} must be a non-empty, strictly increasing list of positive integers")
         return self
 
-    @property
-    def max_state_snapshots(self) -> int:
+    def max_state_snapshots(self, state_bytes: int) -> int:
+        """Snapshots kept, given one state's bytes: what state_cache_memory_bytes holds, else state_snapshots
+        (default 2 x max_num_seqs)."""
+        if self.state_cache_memory_bytes is not None:
+            return self.state_cache_memory_bytes // max(1, state_bytes)
         return 2 * self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
 
-    @property
-    def state_slots(self) -> int:
+    def state_slots(self, state_bytes: int) -> int:
         """Working slots for running, held and importing requests (2 x max_num_seqs), plus snapshots."""
-        return self.num_state_slots or 2 * self.max_num_seqs + self.max_state_snapshots
+        return self.num_state_slots or 2 * self.max_num_seqs + self.max_state_snapshots(state_bytes)
+
+    def keep_points(self):
+        """Where a hybrid model's prefill keeps states (state_cache.KeepPoints)."""
+        from .state_cache import KeepPoints
+
+        return KeepPoints(shared=self.state_keep_points == "shared", every_blocks=self.state_snapshot_every_blocks)
+
+    def kv_pool_bytes(self, state_bytes: int, hybrid: bool) -> int:
+        """kv_cache_memory_bytes less the snapshots' share when state_cache_memory_bytes sets it."""
+        if not hybrid or self.state_cache_memory_bytes is None:
+            return self.kv_cache_memory_bytes
+        return self.kv_cache_memory_bytes - self.max_state_snapshots(state_bytes) * state_bytes
 
     @property
     def model_name(self) -> str:

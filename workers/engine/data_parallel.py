@@ -33,7 +33,7 @@ from .kv_events import KVEventPublisher
 from .request import Request
 from .runner import KEEP, ModelRunner, StepInputs, pick_bucket
 from .scheduler import SchedulerOutput
-from .state_cache import HybridCacheManager, HybridPrefix
+from .state_cache import HybridCacheManager, HybridPrefix, KeepPoints
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,19 @@ class DataParallelKVCacheManager:
         events: KVEventPublisher | None = None,
         slots_per_rank: int = 0,
         snapshots_per_rank: int = 0,
+        keep_points: KeepPoints = KeepPoints(),
     ):
         if slots_per_rank:
             self.ranks = [
                 HybridCacheManager(
-                    blocks_per_rank, block_size, slots_per_rank, snapshots_per_rank, enable_prefix_caching, extra_keys, events
+                    blocks_per_rank,
+                    block_size,
+                    slots_per_rank,
+                    snapshots_per_rank,
+                    enable_prefix_caching,
+                    extra_keys,
+                    events,
+                    keep_points=keep_points,
                 )
                 for _ in range(dp)
             ]

@@ -28,7 +28,7 @@ from .kv_events import KVEventPublisher
 from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - RequestOutput: the offline result type
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
-from .runner import ModelRunner, kv_bytes_per_block
+from .runner import ModelRunner, kv_bytes_per_block, state_bytes_per_sequence
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -110,7 +110,12 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.grammars, self.max_model_len)
-        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // kv_bytes_per_block(self.model, config.block_size)
+        # Hybrid models: one state's bytes size the snapshots (state_cache_memory_bytes takes them out of the
+        # KV pool's memory).
+        self.state_bytes = state_bytes_per_sequence(self.cfg)
+        self.max_snapshots = config.max_state_snapshots(self.state_bytes) if self.cfg.is_hybrid else 0
+        kv_bytes = config.kv_pool_bytes(self.state_bytes, self.cfg.is_hybrid)
+        num_blocks = config.num_kv_blocks or kv_bytes // kv_bytes_per_block(self.model, config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
@@ -118,7 +123,7 @@ class EngineCore:
             )
         self.events = KVEventPublisher(config.worker_id)
         # Hybrid models: paged KV for the full-attention layers + state slots for the linear ones.
-        slots = config.state_slots if self.cfg.is_hybrid else 0
+        slots = config.state_slots(self.state_bytes) if self.cfg.is_hybrid else 0
         if self.model.data_parallel_size > 1:  # each rank its own sequences, blocks and state slots
             dp = self.model.data_parallel_size
             self.kv = DataParallelKVCacheManager(
@@ -129,7 +134,8 @@ class EngineCore:
                 config.model_name,
                 self.events,
                 slots_per_rank=slots,
-                snapshots_per_rank=config.max_state_snapshots,
+                snapshots_per_rank=self.max_snapshots,
+                keep_points=config.keep_points(),
             )
             self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots)
         elif self.cfg.is_hybrid:
@@ -138,14 +144,15 @@ class EngineCore:
             self.kv = HybridCacheManager(
                 num_blocks,
                 config.block_size,
-                config.state_slots,
-                config.max_state_snapshots,
+                slots,
+                self.max_snapshots,
                 config.enable_prefix_caching,
                 config.model_name,
                 self.events,
                 host,
                 host_states,
                 config.session_idle_s,
+                config.keep_points(),
             )
         else:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
@@ -385,6 +392,8 @@ class EngineCore:
             kv_event_last_seq=self.events.last_seq,
             kv_bytes_per_token=self.runner.kv_bytes_per_block // self.config.block_size,
             sparse_blocks=bool(self.cfg.is_hybrid),
+            state_snapshot_bytes=getattr(self.kv, "num_snapshots", 0) * self.state_bytes,
+            state_snapshot_budget_bytes=self.max_snapshots * self.state_bytes * self.model.data_parallel_size,
             **self._host_stats(),
         )
 
@@ -418,10 +427,10 @@ class EngineCore:
     def _hybrid_host_tiers(self, config: EngineConfig, num_blocks: int) -> tuple[HostKVTier | None, HostKVTier | None]:
         """A hybrid model's host tiers: attention blocks (publishing nothing: the model's events are its
         boundaries) and state snapshots, as many per block as the device keeps, from one budget."""
-        per_block = config.max_state_snapshots / num_blocks
+        per_block = self.max_snapshots / num_blocks
         state_nbytes = self.runner.state_bytes_per_slot
         host = self._host_tier(config, per_block * state_nbytes, events=False)
-        if host is None or not config.max_state_snapshots:
+        if host is None or not self.max_snapshots:
             return None, None
         num_states = max(1, int(np.ceil(host.num_blocks * per_block)))
         log.info("host state tier: %d snapshots (%.2f GiB)", num_states, num_states * state_nbytes / (1 << 30))

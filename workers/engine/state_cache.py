@@ -25,6 +25,11 @@ which slot holds what:
   - hints: `SamplingParams.prefix_boundaries` (the chat path sets the end of the system prompt and tools,
     and of the conversation before its last message): the boundary at or before each.
   Each costs its prompt one extra prefill step, once per prefix (a boundary with a snapshot wants nothing).
+- Which snapshot goes when room is needed: not the least recently used, but the one worth least, by
+  Greedy-Dual-Size-Frequency (Cao & Irani's GDS with Cherkasova's frequency): a snapshot's value is
+  L + hits x (prompt tokens a hit skips) / (its bytes), L being the value of the last one evicted (so
+  what is not used ages out). Every state has the same bytes, so this weighs depth and use: a system
+  prompt's state that many requests resume from outlives the ends of one-off prompts, however recent.
 
 KV events: a hybrid engine publishes a block as STORED only when the prefix through it is reusable
 (attention blocks cached and a snapshot at its end) and REMOVED when that stops being true, so the
@@ -41,7 +46,6 @@ host snapshot is written into the request's working slot before it runs.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from .block_hash import ROOT_PARENT
@@ -64,6 +68,15 @@ class StateStep:
     snap_len: int = 0
 
 
+@dataclass(frozen=True)
+class KeepPoints:
+    """Where a prefill keeps states beyond the last boundary of each step (EngineConfig.state_keep_points,
+    state_snapshot_every_blocks): at shared prefixes (branch points and hints), and every N blocks (0: not)."""
+
+    shared: bool = True
+    every_blocks: int = 0
+
+
 class HybridPrefix(list):
     """The attention blocks of a prefix hit (a list, as the scheduler sees every cache's prefix) plus where
     the state at its end is: a device snapshot slot, or a host state-tier slot."""
@@ -73,7 +86,8 @@ class HybridPrefix(list):
 
 
 class StateSlotPool:
-    """Slot bookkeeping: free slots, working slots by request, snapshots by block hash (LRU)."""
+    """Slot bookkeeping: free slots, working slots by request, snapshots by block hash with their value
+    (GDSF: see the module's docstring)."""
 
     def __init__(self, num_slots: int, max_snapshots: int):
         if num_slots < 1:
@@ -82,8 +96,34 @@ class StateSlotPool:
         self.max_snapshots = max_snapshots
         self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot first
         self.working: dict[str, int] = {}
-        self.snapshots: OrderedDict[int, int] = OrderedDict()  # block hash -> slot; first = least recent
-        self.pending: dict[str, tuple[int, int, int]] = {}  # request -> (hash, parent, slot) written this step
+        self.snapshots: dict[int, int] = {}  # block hash -> slot
+        self.pending: dict[str, tuple[int, int, int, int]] = {}  # request -> (hash, parent, slot, depth) written this step
+        self._saves: dict[int, int] = {}  # block hash -> prompt tokens a hit on it skips (its depth)
+        self._hits: dict[int, int] = {}
+        self._value: dict[int, float] = {}
+        self._floor = 0.0  # L: the value of the last snapshot evicted for room
+
+    def keep(self, h: int, slot: int, saves: int) -> None:
+        self.snapshots[h] = slot
+        self._saves[h], self._hits[h] = saves, 1
+        self._value[h] = self._floor + saves
+
+    def touch(self, h: int) -> None:
+        """A request resumes from the snapshot: its value grows."""
+        self._hits[h] += 1
+        self._value[h] = self._floor + self._hits[h] * self._saves[h]
+
+    def forget(self, h: int) -> int:
+        """Drops the snapshot from the books; returns its slot."""
+        del self._saves[h], self._hits[h], self._value[h]
+        return self.snapshots.pop(h)
+
+    def least_valuable(self, keep_slot: int | None = None) -> int | None:
+        """The snapshot to evict for room (never the one in `keep_slot`), raising L to its value."""
+        victim = min((h for h, slot in self.snapshots.items() if slot != keep_slot), key=self._value.__getitem__, default=None)
+        if victim is not None:
+            self._floor = self._value[victim]
+        return victim
 
     @property
     def num_free(self) -> int:
@@ -92,7 +132,7 @@ class StateSlotPool:
 
     def take(self, evict) -> int | None:
         if not self.free and self.snapshots:
-            evict(next(iter(self.snapshots)))
+            evict(self.least_valuable())
         return self.free.pop() if self.free else None
 
     def give_back(self, slot: int) -> None:
@@ -115,11 +155,13 @@ class HybridCacheManager:
         host: HostKVTier | None = None,
         host_states: HostKVTier | None = None,
         session_idle_s: float = 600.0,
+        keep_points: KeepPoints = KeepPoints(),
     ):
         self.attn = KVCacheManager(num_blocks, block_size, enable_prefix_caching, extra_keys, None, host, session_idle_s)
         self.attn.pool.on_evict = self._attention_block_evicted
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.keep_points = keep_points
         self.events = events
         self.slots = StateSlotPool(num_state_slots, max_snapshots if enable_prefix_caching else 0)
         self._init: dict[str, int] = {}  # request -> how its working slot starts (ZERO or a snapshot)
@@ -220,7 +262,7 @@ class HybridCacheManager:
             slot = self.slots.snapshots.get(h)
             if slot is not None:
                 prefix.snapshot_slot = slot
-                self.slots.snapshots.move_to_end(h)
+                self.slots.touch(h)
             elif self.host_states is not None and h in self.host_states:
                 (prefix.host_state,) = self.host_states.lookup([h], request.session_id)
             else:
@@ -239,9 +281,14 @@ class HybridCacheManager:
         if not self.enable_prefix_caching or self.slots.max_snapshots == 0:
             return
         bs = self.block_size
-        wanted = {p - p % bs for p in request.sampling_params.prefix_boundaries if p < request.num_tokens}
-        if shared_blocks > hit_blocks:
-            wanted.add(shared_blocks * bs)
+        wanted = set()
+        if self.keep_points.shared:
+            wanted = {p - p % bs for p in request.sampling_params.prefix_boundaries if p < request.num_tokens}
+            if shared_blocks > hit_blocks:
+                wanted.add(shared_blocks * bs)
+        if self.keep_points.every_blocks:
+            step = self.keep_points.every_blocks * bs
+            wanted.update(range(step, request.num_tokens, step))
         self.attn.update_hashes(request)
         keep = sorted(
             b
@@ -324,13 +371,12 @@ class HybridCacheManager:
             return StateStep(slot, init)
         h = request.block_hashes[block]
         if h in self.slots.snapshots:
-            self.slots.snapshots.move_to_end(h)
             return StateStep(slot, init)
         snap = self._snapshot_slot(protect=init)
         if snap is None:
             return StateStep(slot, init)
         parent = request.block_hashes[block - 1] if block else ROOT_PARENT
-        self.slots.pending[rid] = (h, parent, snap)
+        self.slots.pending[rid] = (h, parent, snap, boundary)
         return StateStep(slot, init, snap, boundary - start)
 
     def _snapshot_slot(self, protect: int) -> int | None:
@@ -340,11 +386,11 @@ class HybridCacheManager:
         s = self.slots
         if len(s.snapshots) < s.max_snapshots and s.free:
             return s.free.pop()
-        for h, slot in s.snapshots.items():
-            if slot != protect:
-                self._evict_snapshot(h)
-                return s.free.pop()
-        return None
+        victim = s.least_valuable(keep_slot=protect)
+        if victim is None:
+            return None
+        self._evict_snapshot(victim)
+        return s.free.pop()
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a step: attention blocks that became full enter the prefix cache, then this step's
@@ -353,11 +399,11 @@ class HybridCacheManager:
         pending = self.slots.pending.pop(request.request_id, None)
         if pending is None:
             return
-        h, parent, slot = pending
+        h, parent, slot, depth = pending
         if h not in self.attn.pool.cached or h in self.slots.snapshots:
             self.slots.give_back(slot)
             return
-        self.slots.snapshots[h] = slot
+        self.slots.keep(h, slot, depth)
         self._snap_parent[h] = parent
         self._emit(KVEventKind.STORED, h, parent)
 
@@ -376,7 +422,7 @@ class HybridCacheManager:
 
     def clear_prefix_cache(self) -> None:
         for h in list(self.slots.snapshots):
-            self.slots.give_back(self.slots.snapshots.pop(h))
+            self.slots.give_back(self.slots.forget(h))
         self._snap_parent.clear()
         self.attn.clear_prefix_cache()
         self.pending_state_saves, self.inflight_state_saves = [], []
@@ -387,7 +433,7 @@ class HybridCacheManager:
     # ---------------------------------------------------------------- snapshots leaving
 
     def _evict_snapshot(self, h: int, session: str | None = None) -> None:
-        slot = self.slots.snapshots.pop(h)
+        slot = self.slots.forget(h)
         parent = self._snap_parent.pop(h, None)
         if self.host_states is not None:  # copied out before the slot is written again (the engine)
             self.pending_state_saves.append((slot, h, parent, session))
