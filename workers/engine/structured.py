@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .json_schema import Unenforceable, enforceable, refused_keyword
 from .sampling_params import StructuredOutputs
 
 _CACHE_SIZE = 256  # compiled grammars kept (by spec)
@@ -112,6 +113,9 @@ class GrammarCompiler:
         grammar = _grammar_text(llg, spec)
         error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
+            keyword = refused_keyword(error) if spec.kind == "json" else None
+            if keyword:
+                raise GrammarError(f"json_schema: {keyword} cannot be enforced exactly ({error.strip().splitlines()[0]})")
             raise GrammarError(f"{spec.kind} cannot be compiled: {error}")
         with self._lock:
             self._grammars[spec] = grammar
@@ -142,7 +146,11 @@ class GrammarCompiler:
 def _grammar_text(llg, spec: StructuredOutputs) -> str:
     try:
         if spec.kind == "json":
-            return llg.LLMatcher.grammar_from_json_schema(spec.value, overrides=_JSON_OPTIONS)
+            try:
+                schema = enforceable(json.loads(spec.value))
+            except Unenforceable as e:
+                raise GrammarError(f"json_schema cannot be enforced exactly: {e}") from None
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
         if spec.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
         if spec.kind == "regex":

@@ -1,0 +1,353 @@
+"""JSON schemas as applications send them, made enforceable without letting through anything invalid.
+
+llguidance compiles most of JSON Schema, but not `not`, `if`/`then`/`else`, `dependencies`
+(`dependentRequired`, `dependentSchemas`), `uniqueItems`, `propertyNames`, unknown `format`s, overlapping
+`patternProperties` or `oneOf` branches it cannot prove disjoint; about one real-world schema in seven
+uses one of them. `enforceable(schema)` rewrites those into what the grammar engine can enforce, only
+where every output the rewrite allows still validates against the schema as sent (sound); what it cannot
+rewrite soundly is left for the engine to refuse, by keyword:
+
+- `format` the engine does not know: dropped (in JSON Schema a format is an annotation);
+- `if`/`then`/`else`: the instance satisfies `if` and `then` (or `else` alone when there is no `then`);
+- `dependencies` / `dependentRequired` / `dependentSchemas` on property p: p required -> its dependents
+  are required too (or its schema applies); p optional -> p is left out;
+- `uniqueItems`: arrays of at most one item (every such array is unique);
+- `propertyNames`: only the listed properties whose names satisfy it, nothing else;
+- `patternProperties` that may overlap: only the listed properties, each also satisfying the patterns
+  its name matches;
+- `not: {"required": [...]}`: those properties left out; other `not`s are refused.
+
+Each rewrite narrows what the model may write, never widens it. `oneOf` stays `oneOf` (the engine
+refuses branches it cannot prove disjoint): treating it as `anyOf` would let through outputs valid for
+two branches, which the schema forbids.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+# The formats llguidance knows (others fail to compile).
+KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
+
+# Keywords whose value is one schema, a list of schemas, or a map of name -> schema.
+_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames", "additionalItems")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def enforceable(schema: Any) -> Any:
+    """A copy of `schema` with the sound rewrites above applied to every subschema."""
+    out = copy.deepcopy(schema)
+    _walk(out)
+    _walk_one_ofs(out, out)
+    return out
+
+
+def _walk(node: Any) -> None:
+    if not isinstance(node, dict):
+        return
+    _rewrite(node)
+    for key in _ONE:
+        if key in node:
+            value = node[key]
+            for item in value if isinstance(value, list) else [value]:  # draft-4 `items` may be a list
+                _walk(item)
+    for key in _LIST:
+        for item in node.get(key) or []:
+            _walk(item)
+    for key in _MAP:
+        value = node.get(key)
+        if isinstance(value, dict):
+            for item in value.values():
+                _walk(item)
+
+
+def _rewrite(s: dict) -> None:
+    fmt = s.get("format")
+    if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
+        del s["format"]
+    if "if" in s or "then" in s or "else" in s:
+        cond, then, other = s.pop("if", None), s.pop("then", None), s.pop("else", None)
+        if cond is not None:
+            if then is not None:
+                _all_of(s, cond, then)
+            elif other is not None:
+                _all_of(s, other)
+    _dependencies(s)
+    if s.get("uniqueItems") is True and s.get("minItems", 0) <= 1:  # else left for the engine to refuse
+        del s["uniqueItems"]
+        s["maxItems"] = min(s.get("maxItems", 1), 1)
+    elif s.get("uniqueItems") is False:
+        del s["uniqueItems"]
+    if "propertyNames" in s:
+        _property_names(s, s.pop("propertyNames"))
+    if isinstance(s.get("patternProperties"), dict) and len(s["patternProperties"]) > 1:
+        _only_listed_properties(s)
+    if isinstance(s.get("not"), dict):
+        _not(s)
+    if isinstance(s.get("oneOf"), list):
+        _one_of_types(s["oneOf"])
+
+
+_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null")
+# Keywords that constrain instances of one type only (the others pass them untouched).
+_BY_TYPE = {
+    "string": {"minLength", "maxLength", "pattern", "format", "contentEncoding", "contentMediaType"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "object": {
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "required",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+    },
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains", "unevaluatedItems"},
+}
+_BY_TYPE["integer"] = _BY_TYPE["number"]
+# Keywords that say nothing about which instances are valid.
+_ANNOTATIONS = {
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "markdownDescription",
+    "$id",
+    "$schema",
+    "$anchor",
+    "x-intellij-html-description",
+    "errorMessage",
+}
+
+
+def _not(s: dict) -> None:
+    """The `not`s that have an exact positive form: not {} (nothing), not {type: T} (the other types),
+    not {required: [...]} (those left out); other forms stay for the engine to refuse."""
+    neg = s["not"]
+    if not neg:
+        del s["not"]
+        s["enum"] = []  # `{}` accepts everything, so its negation nothing
+    elif set(neg) == {"type"}:
+        banned = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
+        if "number" in banned:
+            banned.add("integer")
+        allowed = s.get("type", list(_TYPES))
+        allowed = [allowed] if isinstance(allowed, str) else list(allowed)
+        del s["not"]
+        s["type"] = [t for t in allowed if t not in banned]
+    elif set(neg) == {"required"} and isinstance(neg["required"], list) and len(neg["required"]) == 1:
+        del s["not"]
+        _leave_out(s, neg["required"][0], "not")
+
+
+def _types_unconstrained(branch: dict) -> set[str] | None:
+    """The types whose every instance `branch` accepts (None when it is more than a type test)."""
+    if not isinstance(branch, dict) or "type" not in branch:
+        return None
+    types = {branch["type"]} if isinstance(branch["type"], str) else set(branch["type"])
+    rest = set(branch) - {"type"} - _ANNOTATIONS
+    if rest - set().union(*(_BY_TYPE.get(t, set()) for t in _TYPES)):
+        return None  # enum, const, allOf, $ref, ...: applies to every type
+    return {t for t in types if not (rest & _BY_TYPE.get(t, set()))}
+
+
+def _one_of_types(branches: list) -> None:
+    """A type that two or more branches accept whole (e.g. null in ["string", "null"] and ["integer",
+    "null"], Kubernetes' int-or-string) makes every instance of it match several branches: oneOf refuses
+    them all, so those branches drop the type. What remains is the same oneOf, with disjoint types."""
+    whole = [_types_unconstrained(b) for b in branches]
+    for t in _TYPES:
+        holders = [i for i, w in enumerate(whole) if w is not None and t in w]
+        if len(holders) < 2:
+            continue
+        for i in holders:
+            b = branches[i]
+            types = [b["type"]] if isinstance(b["type"], str) else list(b["type"])
+            b["type"] = [x for x in types if x != t]
+
+
+def _all_of(s: dict, *schemas: Any) -> None:
+    s["allOf"] = list(s.get("allOf") or []) + [x for x in schemas if x is not None]
+
+
+class Unenforceable(ValueError):
+    """A keyword no sound rewrite can make enforceable here (the request is refused, naming it)."""
+
+    def __init__(self, keyword: str, why: str):
+        super().__init__(f"{keyword}: {why}")
+        self.keyword = keyword
+
+
+def _leave_out(s: dict, name: str, keyword: str = "") -> None:
+    """Property `name` never appears (a false schema for it)."""
+    if name in (s.get("required") or []):
+        raise Unenforceable(keyword, f"leaving out {name!r} would break the schema (it is required)")
+    s.setdefault("properties", {})[name] = False
+
+
+def _dependencies(s: dict) -> None:
+    deps: dict[str, Any] = {}
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        value = s.pop(key, None)
+        if isinstance(value, dict):
+            deps.update(value)
+    required = set(s.get("required") or [])
+    for name, dep in deps.items():
+        if name not in required:
+            _leave_out(s, name, "dependencies")
+        elif isinstance(dep, list):
+            s["required"] = list(s.get("required") or []) + [d for d in dep if d not in required]
+            required |= set(dep)
+        else:
+            _all_of(s, dep)
+
+
+def _names(s: dict) -> list[str]:
+    return list((s.get("properties") or {}).keys())
+
+
+def _property_names(s: dict, rule: Any) -> None:
+    """Only the listed properties whose names satisfy `rule`; nothing else."""
+    import jsonschema
+
+    for name in _names(s):
+        if s["properties"][name] is not False and not jsonschema.Draft202012Validator(rule).is_valid(name):
+            _leave_out(s, name, "propertyNames")
+    s["additionalProperties"] = False
+    s.pop("patternProperties", None)
+
+
+def _only_listed_properties(s: dict) -> None:
+    """Overlapping patternProperties: only the listed properties, each also satisfying every pattern
+    its name matches (what the schema asks of it), and nothing else."""
+    import re
+
+    patterns = s.pop("patternProperties")
+    for name in _names(s):
+        matched = [sub for pattern, sub in patterns.items() if _search(re, pattern, name)]
+        if matched and s["properties"][name] is not False:
+            s["properties"][name] = {"allOf": [s["properties"][name], *matched]}
+    s["additionalProperties"] = False
+
+
+def _search(re, pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True  # a pattern Python cannot read: assume it applies (narrower, never wider)
+
+
+# The grammar engine's refusals, by the keyword they name.
+_ENGINE_ERRORS = (
+    ("oneOf constraints are not supported", "oneOf"),
+    ("patternProperty regexes", "patternProperties"),
+    ("look-around", "pattern"),
+    ("regex parse error", "pattern"),
+    ("Unknown format", "format"),
+)
+
+
+def refused_keyword(error: str) -> str | None:
+    """The JSON Schema keyword a grammar-engine error is about (None when it names none)."""
+    import re
+
+    m = re.search(r"Unimplemented keys: \[([^\]]*)\]", error)
+    if m:
+        return ", ".join(k.strip().strip('"') for k in m.group(1).split(","))
+    return next((kw for text, kw in _ENGINE_ERRORS if text in error), None)
+
+
+# ---------------------------------------------------------------- oneOf whose branches cannot overlap
+
+
+def _walk_one_ofs(node: Any, root: Any) -> None:
+    """Every `oneOf` whose branches accept instances of disjoint JSON types becomes `anyOf`: no instance
+    can match two branches, so the two mean the same (llguidance proves this itself only for plain types,
+    not through `$ref`s, enums or allOf)."""
+    if isinstance(node, dict):
+        branches = node.get("oneOf")
+        if isinstance(branches, list) and branches and _disjoint([_possible_types(b, root, 0) for b in branches]):
+            node["anyOf"] = node.pop("oneOf") if "anyOf" not in node else node["anyOf"]
+        for value in node.values():
+            _walk_one_ofs(value, root)
+    elif isinstance(node, list):
+        for value in node:
+            _walk_one_ofs(value, root)
+
+
+_ALL = frozenset(_TYPES)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _possible_types(node: Any, root: Any, depth: int) -> frozenset[str]:
+    """The JSON types of the instances `node` may accept (an over-approximation: never too few)."""
+    if node is False:
+        return frozenset()
+    if not isinstance(node, dict) or depth > 32:
+        return _ALL
+    out = _ALL
+    if "type" in node:
+        types = {node["type"]} if isinstance(node["type"], str) else set(node["type"])
+        if "number" in types:
+            types.add("integer")
+        out = out & frozenset(types)
+    for key in ("enum", "const"):
+        if key in node:
+            values = node[key] if key == "enum" and isinstance(node[key], list) else [node[key]]
+            out = out & frozenset(_json_type(v) for v in values)
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = _resolve(root, ref)
+        out = out & (_possible_types(target, root, depth + 1) if target is not None else _ALL)
+    for part in node.get("allOf") or []:
+        out = out & _possible_types(part, root, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            out = out & frozenset().union(*(_possible_types(b, root, depth + 1) for b in node[key]))
+    return out
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """A local `#/...` reference's target in `root` (None for anything else)."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _disjoint(type_sets: list[frozenset[str]]) -> bool:
+    seen: set[str] = set()
+    for types in type_sets:
+        if seen & types:
+            return False
+        seen |= types
+    return True
