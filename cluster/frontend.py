@@ -9,12 +9,15 @@ RESOURCE_EXHAUSTED with a one-line message. A `ValueError` a worker raises (the 
 second line of defence) is a 400 / INVALID_ARGUMENT too; nothing a client gets carries a traceback.
 """
 
+import asyncio
 import gc
 import json
 import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -65,12 +68,23 @@ def _channel_id() -> str:
         return "frontend-" + uuid.uuid4().hex[:8]
 
 
-class _StreamRefused(Exception):
-    """A stream that failed before its first event (carries the cause to `Frontend._streaming`)."""
+class _ChoiceFailed(Exception):
+    """One choice's stream failed (carries the request, for the error's mapping, and the cause)."""
 
-    def __init__(self, error: BaseException):
+    def __init__(self, req: PreparedRequest, error: BaseException):
         super().__init__(str(error))
-        self.error = error
+        self.req, self.error = req, error
+
+
+@dataclass
+class _Collected:
+    """One choice's whole output (non-streamed responses)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    last: TokenDelta | None = None
 
 
 @serve.deployment
@@ -123,45 +137,47 @@ class Frontend:
     async def completions(self, request: Request):
         try:
             body = await self._parse(request, oa.CompletionRequest)
-            req = await self.pipeline.decide(
+            reqs = await self.pipeline.decide_all(
                 await self.pipeline.prepare_completion(body, request.headers.get("x-session-id")), request.headers
             )
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         if body.stream:
-            return await self._streaming(req, self._completion_sse(req, body))
+            return await self._streaming(self._sse(reqs, body, "completions", self._completion_choice(body), "text_completion"))
         try:
-            return JSONResponse(await self._completion_full(req, body))
-        except Exception as e:  # noqa: BLE001 - mapped to a 4xx/5xx without a traceback
-            return self._http_error(req, e)
+            return JSONResponse(await self._completion_full(reqs, body))
+        except _ChoiceFailed as e:
+            return self._http_error(e.req, e.error)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
             body = await self._parse(request, oa.ChatCompletionRequest)
-            req = await self.pipeline.decide(await self.pipeline.prepare_chat(body, request.headers.get("x-session-id")), request.headers)
+            reqs = await self.pipeline.decide_all(
+                await self.pipeline.prepare_chat(body, request.headers.get("x-session-id")), request.headers
+            )
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
         if body.stream:
-            return await self._streaming(req, self._chat_sse(req, body))
+            return await self._streaming(self._sse(reqs, body, "chat", self._chat_choice(body), "chat.completion.chunk"))
         try:
-            return JSONResponse(await self._chat_full(req, body))
-        except Exception as e:  # noqa: BLE001 - mapped to a 4xx/5xx without a traceback
-            return self._http_error(req, e)
+            return JSONResponse(await self._chat_full(reqs, body))
+        except _ChoiceFailed as e:
+            return self._http_error(e.req, e.error)
 
     def _http_error(self, req: PreparedRequest, e: BaseException) -> JSONResponse:
         err = self.pipeline.failure(req, e)
         return JSONResponse(err.body(), status_code=err.status, headers=getattr(err, "headers", None))
 
-    async def _streaming(self, req: PreparedRequest, events: AsyncIterator[str]):
+    async def _streaming(self, events: AsyncIterator[str]):
         """Starts an SSE stream only once its first event is ready: a request a worker refuses (the
         engine's second-line checks) is still an HTTP error, not a 200 with an error event."""
         try:
             first = await anext(events)
         except StopAsyncIteration:
             first = None
-        except _StreamRefused as e:
-            return self._http_error(req, e.error)
+        except _ChoiceFailed as e:
+            return self._http_error(e.req, e.error)
 
         async def body():
             try:
@@ -174,127 +190,256 @@ class Frontend:
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    async def _collect(self, req: PreparedRequest, api_name: str):
-        tokens, text, logprobs, last = [], [], [], None
-        async for chunk in self.pipeline.run(req, api_name, whole=True):
-            tokens += chunk.token_ids
-            text.append(chunk.text)
-            logprobs += chunk.logprobs or []
-            last = chunk
-        return tokens, "".join(text), logprobs, last
+    async def _deltas(self, reqs: list[PreparedRequest], api_name: str, whole: bool = False):
+        """(request, delta) from every choice's stream as they come; a failure is `_ChoiceFailed`."""
+        if len(reqs) == 1:
+            req = reqs[0]
+            try:
+                async with aclosing(self.pipeline.run(req, api_name, whole)) as stream:
+                    async for delta in stream:
+                        yield req, delta
+            except Exception as e:  # noqa: BLE001 - mapped by the caller
+                raise _ChoiceFailed(req, e) from None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
-    async def _completion_full(self, req: PreparedRequest, body: oa.CompletionRequest) -> dict:
-        tokens, text, logprobs, last = await self._collect(req, "completions")
-        choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
-        if body.logprobs is not None:
-            choice["logprobs"] = oa.completion_logprobs([self.detok(t) for t in tokens], logprobs, tokens, self.detok)
+        async def pump(req: PreparedRequest) -> None:
+            try:
+                async with aclosing(self.pipeline.run(req, api_name, whole)) as stream:
+                    async for delta in stream:
+                        queue.put_nowait((req, delta, None))
+                queue.put_nowait((req, None, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((req, None, e))
+
+        tasks = [asyncio.create_task(pump(r)) for r in reqs]
+        try:
+            running = len(reqs)
+            while running:
+                req, delta, error = await queue.get()
+                if error is not None:
+                    raise _ChoiceFailed(req, error)
+                if delta is None:
+                    running -= 1
+                    continue
+                yield req, delta
+        finally:  # a failed choice, or the client left: the others stop too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, reqs: list[PreparedRequest], api_name: str) -> dict[int, "_Collected"]:
+        """Every choice's whole output, by choice index."""
+        out = {r.index: _Collected() for r in reqs}
+        async for req, chunk in self._deltas(reqs, api_name, whole=True):
+            c = out[req.index]
+            c.tokens += chunk.token_ids
+            c.text.append(chunk.text)
+            c.logprobs += chunk.logprobs or []
+            if chunk.prompt_logprobs is not None:
+                c.prompt_logprobs = chunk.prompt_logprobs
+            c.last = chunk
+        return out
+
+    @staticmethod
+    def _usage(reqs: list[PreparedRequest], n: int, completion_tokens: dict[int, int], cached: dict[int, int]) -> dict:
+        """Usage summed over the choices: each prompt's tokens counted once (n samples share it), every
+        choice's output."""
+        firsts = [r for r in reqs if r.index % n == 0]
+        return oa.usage(sum(len(r.prompt) for r in firsts), sum(completion_tokens.values()), sum(cached.get(r.index, 0) for r in firsts))
+
+    def _echo_logprobs(self, req: PreparedRequest, prompt_logprobs, k: int) -> tuple[list[int], list]:
+        """The prompt's tokens and their logprob entries (the first has none), for echo with logprobs."""
+        entries = oa.prompt_logprob_entries(prompt_logprobs, k)
+        return list(req.prompt), entries + [None] * (len(req.prompt) - len(entries))
+
+    async def _completion_full(self, reqs: list[PreparedRequest], body: oa.CompletionRequest) -> dict:
+        got = await self._collect(reqs, "completions")
+        choices = []
+        for r in reqs:
+            c = got[r.index]
+            tokens, text, logprobs = ([], "", []) if r.score_only else (c.tokens, "".join(c.text), c.logprobs)
+            finish = "length" if r.score_only else c.last.finish_reason
+            choice = {"index": r.index, "text": (r.echo or "") + text, "finish_reason": finish, "logprobs": None}
+            if body.logprobs is not None:
+                if r.echo is not None:
+                    p_tokens, p_entries = self._echo_logprobs(r, c.prompt_logprobs, body.logprobs)
+                    tokens, logprobs = p_tokens + tokens, p_entries + logprobs
+                choice["logprobs"] = oa.completion_logprobs([self.detok(t) for t in tokens], logprobs, tokens, self.detok)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = oa.vllm_prompt_logprobs(c.prompt_logprobs, self.detok)
+            choices.append(choice)
+        generated = {r.index: 0 if r.score_only else len(got[r.index].tokens) for r in reqs}
+        cached = {r.index: got[r.index].last.num_cached_tokens for r in reqs}
         return {
-            "id": req.request_id,
+            "id": reqs[0].client_id,
             "object": "text_completion",
             "created": oa.created(),
             "model": self.model_name,
-            "choices": [choice],
-            "usage": oa.usage(len(req.prompt), len(tokens), last.num_cached_tokens),
+            "choices": choices,
+            "usage": self._usage(reqs, body.n, generated, cached),
         }
 
-    async def _chat_full(self, req: PreparedRequest, body: oa.ChatCompletionRequest) -> dict:
-        tokens, text, logprobs, last = await self._collect(req, "chat")
-        message = {"role": "assistant", "content": text}
-        finish_reason = last.finish_reason
-        if req.reasoning is not None:
-            message["reasoning_content"], message["content"] = split_reasoning(text, req.reasoning)
-        if req.tool_format is not None:
-            content, calls = tool_calls.parse(message["content"], req.tool_format)
-            if calls:
-                message["content"] = content.strip() or None
-                message["tool_calls"] = [c.openai() for c in calls]
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-        if body.logprobs:
-            choice["logprobs"] = oa.chat_logprobs(tokens, logprobs, body.top_logprobs or 0, self.detok)
-        return {
-            "id": req.request_id,
+    async def _chat_full(self, reqs: list[PreparedRequest], body: oa.ChatCompletionRequest) -> dict:
+        got = await self._collect(reqs, "chat")
+        choices = []
+        for r in reqs:
+            c = got[r.index]
+            message = {"role": "assistant", "content": "".join(c.text)}
+            finish_reason = c.last.finish_reason
+            if r.reasoning is not None:
+                message["reasoning_content"], message["content"] = split_reasoning(message["content"], r.reasoning)
+            if r.tool_format is not None:
+                content, calls = tool_calls.parse(message["content"], r.tool_format)
+                if calls:
+                    message["content"] = content.strip() or None
+                    message["tool_calls"] = [call.openai() for call in calls]
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choice = {"index": r.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+            if body.logprobs:
+                choice["logprobs"] = oa.chat_logprobs(c.tokens, c.logprobs, body.top_logprobs or 0, self.detok)
+            choices.append(choice)
+        out = {
+            "id": reqs[0].client_id,
             "object": "chat.completion",
             "created": oa.created(),
             "model": self.model_name,
-            "choices": [choice],
-            "usage": oa.usage(len(req.prompt), len(tokens), last.num_cached_tokens),
+            "choices": choices,
+            "usage": self._usage(
+                reqs,
+                body.n,
+                {r.index: len(got[r.index].tokens) for r in reqs},
+                {r.index: got[r.index].last.num_cached_tokens for r in reqs},
+            ),
         }
+        if body.prompt_logprobs is not None:  # vLLM: one prompt, so once per response
+            out["prompt_logprobs"] = oa.vllm_prompt_logprobs(got[reqs[0].index].prompt_logprobs, self.detok)
+        return out
 
-    async def _sse(self, req: PreparedRequest, body, api_name: str, make_choice, obj: str):
+    async def _sse(self, reqs: list[PreparedRequest], body, api_name: str, make_choice, obj: str):
+        """The SSE events of every choice, interleaved as their tokens come. `make_choice(req)` gives the
+        function that turns that choice's deltas into its `choices` entries."""
         created = oa.created()
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        last = None
-        first = True
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous)
+        choice_of = {r.index: make_choice(r) for r in reqs}
+        generated = {r.index: 0 for r in reqs}
+        cached: dict[int, int] = {}
+        rid = reqs[0].client_id
+        sent = False
         try:
-            async for chunk in self.pipeline.run(req, api_name):
-                last = chunk
-                event = {
-                    "id": req.request_id,
-                    "object": obj,
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [make_choice(chunk, first)],
-                }
-                first = False
+            async for req, chunk in self._deltas(reqs, api_name):
+                generated[req.index] = chunk.num_output_tokens
+                cached[req.index] = chunk.num_cached_tokens
+                event = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice_of[req.index](chunk)]}
+                if continuous:
+                    event["usage"] = self._usage(reqs, body.n, generated, cached)
+                sent = True
                 yield f"data: {json.dumps(event)}\n\n"
-            if include_usage and last is not None:
+            if include_usage and sent:
                 event = {
-                    "id": req.request_id,
+                    "id": rid,
                     "object": obj,
                     "created": created,
                     "model": self.model_name,
                     "choices": [],
-                    "usage": oa.usage(len(req.prompt), last.num_output_tokens, last.num_cached_tokens),
+                    "usage": self._usage(reqs, body.n, generated, cached),
                 }
                 yield f"data: {json.dumps(event)}\n\n"
-        except Exception as e:  # noqa: BLE001 - reported to the client without a traceback
-            if first:  # nothing sent yet: `_streaming` answers with an HTTP error instead
-                raise _StreamRefused(e) from None
-            yield f"data: {json.dumps(self.pipeline.failure(req, e).body())}\n\n"
+        except _ChoiceFailed as e:  # reported to the client without a traceback
+            if not sent:  # nothing sent yet: `_streaming` answers with an HTTP error instead
+                raise
+            yield f"data: {json.dumps(self.pipeline.failure(e.req, e.error).body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _completion_sse(self, req: PreparedRequest, body: oa.CompletionRequest):
-        def choice(chunk: TokenDelta, first: bool) -> dict:
-            out = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason if chunk.finished else None, "logprobs": None}
-            if body.logprobs is not None and chunk.logprobs:
-                out["logprobs"] = oa.completion_logprobs(
-                    [self.detok(t) for t in chunk.token_ids], chunk.logprobs, chunk.token_ids, self.detok
-                )
-            return out
+    def _completion_choice(self, body: oa.CompletionRequest):
+        def for_request(req: PreparedRequest):
+            offset, first = 0, True
 
-        return self._sse(req, body, "completions", choice, "text_completion")
+            def choice(chunk: TokenDelta) -> dict:
+                nonlocal offset, first
+                text, tokens, entries = chunk.text, list(chunk.token_ids), list(chunk.logprobs or [])
+                if first and req.echo is not None:
+                    text = req.echo + text
+                    if body.logprobs is not None:
+                        p_tokens, p_entries = self._echo_logprobs(req, chunk.prompt_logprobs, body.logprobs)
+                        tokens, entries = p_tokens + tokens, p_entries + entries
+                out = {
+                    "index": req.index,
+                    "text": text,
+                    "finish_reason": chunk.finish_reason if chunk.finished else None,
+                    "logprobs": None,
+                }
+                if body.logprobs is not None and tokens:
+                    strings = [self.detok(t) for t in tokens]
+                    out["logprobs"] = oa.completion_logprobs(strings, entries, tokens, self.detok, offset)
+                    offset += sum(len(t) for t in strings)
+                if first and body.prompt_logprobs is not None:
+                    out["prompt_logprobs"] = oa.vllm_prompt_logprobs(chunk.prompt_logprobs, self.detok)
+                first = False
+                return out
 
-    def _chat_sse(self, req: PreparedRequest, body: oa.ChatCompletionRequest):
-        splitter = ThinkSplitter(in_reasoning=req.reasoning) if req.reasoning is not None else None
-        calls = tool_calls.ToolCallStream(req.tool_format) if req.tool_format is not None else None
+            return choice
 
-        def choice(chunk: TokenDelta, first: bool) -> dict:
-            delta = {"role": "assistant"} if first else {}
-            reasoning, content = "", chunk.text
-            if splitter is not None:
-                reasoning, content = splitter.feed(chunk.text)
-                if chunk.finished:
-                    tail = splitter.finish()
-                    reasoning, content = reasoning + tail[0], content + tail[1]
-            if calls is not None:
-                content = calls.feed(content) + (calls.finish() if chunk.finished else "")
-                new = calls.new_calls()
-                if new:
-                    delta["tool_calls"] = [call.openai(index) for index, call in new]
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if content or not (reasoning or delta.get("tool_calls")):
-                delta["content"] = content
-            finish_reason = chunk.finish_reason if chunk.finished else None
-            if finish_reason == "stop" and calls is not None and calls.calls:
-                finish_reason = "tool_calls"
-            out = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            if body.logprobs and chunk.logprobs:
-                out["logprobs"] = oa.chat_logprobs(chunk.token_ids, chunk.logprobs, body.top_logprobs or 0, self.detok)
-            return out
+        return for_request
 
-        return self._sse(req, body, "chat", choice, "chat.completion.chunk")
+    def _chat_choice(self, body: oa.ChatCompletionRequest):
+        def for_request(req: PreparedRequest):
+            splitter = ThinkSplitter(in_reasoning=req.reasoning) if req.reasoning is not None else None
+            calls = tool_calls.ToolCallStream(req.tool_format) if req.tool_format is not None else None
+            first = True
+
+            def choice(chunk: TokenDelta) -> dict:
+                nonlocal first
+                delta = {"role": "assistant"} if first else {}
+                first = False
+                reasoning, content = "", chunk.text
+                if splitter is not None:
+                    reasoning, content = splitter.feed(chunk.text)
+                    if chunk.finished:
+                        tail = splitter.finish()
+                        reasoning, content = reasoning + tail[0], content + tail[1]
+                if calls is not None:
+                    content = calls.feed(content) + (calls.finish() if chunk.finished else "")
+                    new = calls.new_calls()
+                    if new:
+                        delta["tool_calls"] = [call.openai(index) for index, call in new]
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content or not (reasoning or delta.get("tool_calls")):
+                    delta["content"] = content
+                finish_reason = chunk.finish_reason if chunk.finished else None
+                if finish_reason == "stop" and calls is not None and calls.calls:
+                    finish_reason = "tool_calls"
+                out = {"index": req.index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                if body.logprobs and chunk.logprobs:
+                    out["logprobs"] = oa.chat_logprobs(chunk.token_ids, chunk.logprobs, body.top_logprobs or 0, self.detok)
+                return out
+
+            return choice
+
+        return for_request
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt's (or rendered chat's) token ids, the context length, optionally the
+        token strings."""
+        try:
+            body = await self._parse(request, oa.TokenizeRequest)
+            tokens = await self.pipeline.validator.tokenize(body)
+        except oa.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        strs = [self.detok(t) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": strs}
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        try:
+            body = await self._parse(request, oa.DetokenizeRequest)
+            return {"prompt": self.pipeline.validator.detokenize(body)}
+        except oa.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -387,16 +532,17 @@ class Frontend:
             self._grpc_status(grpc_context, e)
             return moray_pb2.CompleteResponse()
         try:
-            tokens, text, logprobs, last = await self._collect(req, "grpc")
-        except Exception as e:  # noqa: BLE001 - a clean status, never a traceback, for the client
-            self._grpc_status(grpc_context, self.pipeline.failure(req, e))
+            got = (await self._collect([req], "grpc"))[req.index]
+        except _ChoiceFailed as e:  # a clean status, never a traceback, for the client
+            self._grpc_status(grpc_context, self.pipeline.failure(req, e.error))
             return moray_pb2.CompleteResponse()
+        last = got.last
         return moray_pb2.CompleteResponse(
             request_id=req.client_id,
-            token_ids=tokens,
-            text=text,
+            token_ids=got.tokens,
+            text="".join(got.text),
             finish_reason=last.finish_reason or "",
-            usage=moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(tokens), cached_tokens=last.num_cached_tokens),
+            usage=moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(got.tokens), cached_tokens=last.num_cached_tokens),
         )
 
     async def ListModels(self, request: moray_pb2.ListModelsRequest, grpc_context=None) -> moray_pb2.ListModelsResponse:

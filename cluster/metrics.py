@@ -211,6 +211,25 @@ class FrontendMetrics:
             ["api", "outcome"],
             registry=r,
         )
+        # Per-request phases (vLLM's names, so its dashboard and GKE's have no empty panel): queue = waiting
+        # for the first engine step (the engine's clock), prefill = the rest of the time to the first
+        # token (routing and the step itself, as the ingress sees it), decode = first token to the end.
+        phase = {"buckets": VLLM_REQUEST_LATENCY_BUCKETS, "registry": r}
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", m, **phase)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", m, **phase
+        )
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", m, **phase)
+        self.inference_time = Histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", m, **phase
+        )
+        self.max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            m,
+            buckets=token_buckets,
+            registry=r,
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r)
         self.cached_tokens = Counter("moray_cached_prompt_tokens_total", "prompt tokens served from a prefix cache", registry=r)
@@ -229,10 +248,29 @@ class FrontendMetrics:
     # ------------------------------------------------------------------ requests
 
     def observe_request(
-        self, api: str, outcome: str, prompt_tokens: int, tokens: int, start: float, first_token: float | None, end: float, path: str
+        self,
+        api: str,
+        outcome: str,
+        prompt_tokens: int,
+        tokens: int,
+        start: float,
+        first_token: float | None,
+        end: float,
+        path: str,
+        queue_s: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
-        """One finished request: `outcome` is its finish reason (stop, length, ...), or error/timeout/cancelled."""
+        """One finished request: `outcome` is its finish reason (stop, length, ...), or error/timeout/cancelled.
+        `queue_s`: the engine's wait before its first step; `max_tokens`: the generation tokens it asked for."""
         name = self.model_name
+        if max_tokens is not None:
+            self.max_generation_tokens.labels(name).observe(max_tokens)
+        if first_token is not None and outcome not in FAILED_OUTCOMES:
+            queued = min(queue_s or 0.0, first_token - start)
+            self.queue_time.labels(name).observe(queued)
+            self.prefill_time.labels(name).observe(first_token - start - queued)
+            self.decode_time.labels(name).observe(end - first_token)
+            self.inference_time.labels(name).observe(end - start - queued)
         if outcome in FAILED_OUTCOMES:
             self.request_failures.labels(api, outcome).inc()
         else:

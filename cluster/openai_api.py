@@ -38,30 +38,78 @@ def validation_error(e: ValidationError) -> APIError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    # vLLM: with include_usage, every chunk also carries the usage so far (guidellm always sends it).
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
-# Values of unimplemented OpenAI fields that ask for nothing (what a client sends by default); anything
-# else is refused with a 400 rather than silently ignored.
+# Most choices one request may ask for (prompts x n): each is an engine request of its own.
+MAX_CHOICES = 128
+
+
+# Request fields of the OpenAI API and vLLM's documented extensions that Moray does not implement (the
+# README's field table lists these with the rest). A field not in the request models nor here is refused
+# by name ("unknown field"), as nested ones are.
+#
+# Accepted with any value and ignored: (field -> why).
+IGNORED_FIELDS: dict[str, str] = {
+    "store": "OpenAI's stored completions: a platform feature; nothing is stored",
+    "metadata": "OpenAI's tags for stored completions: nothing is stored",
+    "service_tier": "OpenAI's processing tiers: one tier here",
+    "request_id": "vLLM's client request id: Moray makes its own ids (gRPC clients may choose theirs)",
+    "priority": "vLLM's priority scheduling: Moray schedules first come, first served",
+    "guided_decoding_backend": "one structured-output backend (llguidance)",
+    "guided_whitespace_pattern": "the backend's own whitespace rules apply",
+}
+# Accepted only with a value that asks for nothing (what a client sends by default); anything else is
+# refused by name: (field -> the no-op values).
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "echo": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "logits_processors": (None,),
+    "prompt_embeds": (None,),
+    "mm_processor_kwargs": (None,),
+    "documents": (None,),
+    "chat_template": (None,),
+    "continue_final_message": (False,),
+    "reasoning_effort": (None,),
+    "include_reasoning": (True,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
+# add_special_tokens: the default of each endpoint (a completions prompt gets the BOS/EOS the tokenizer
+# adds; a chat prompt's come from its template).
+_ADD_SPECIAL_TOKENS_DEFAULT = {"CompletionRequest": True, "ChatCompletionRequest": False}
 
 
 class _Common(BaseModel):
-    # OpenAI clients send fields we ignore (e.g. `metadata`, `store`); unknown keys are allowed but
-    # every known one is type-checked, strictly: "16", true or 16.0 are not a max_tokens, "yes" is not
-    # a stream flag.
+    # Every known field is type-checked, strictly: "16", true or 16.0 are not a max_tokens, "yes" is not a
+    # stream flag. Other keys are kept to be checked against the documented lists (`unsupported`).
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None)
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -76,6 +124,8 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM: the logprobs of each prompt token given the ones before it (and the top N at each position).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Any = None
     structured_outputs: dict[str, Any] | None = None
@@ -100,13 +150,21 @@ class _Common(BaseModel):
     function_call: Any = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(field, message) for every unimplemented feature this request asks for."""
+        """(field, message) for every unknown field and every unimplemented feature this request asks for."""
         out = []
-        for name, no_ops in _NO_OP_VALUES.items():
-            if name not in type(self).model_fields:
+        given = {name: getattr(self, name) for name in type(self).model_fields if name in _NO_OP_VALUES}
+        given.update(self.model_extra or {})
+        for name, value in given.items():
+            if name in IGNORED_FIELDS:
                 continue
-            value = getattr(self, name)
-            if not any(value == v and type(value) is type(v) for v in no_ops):
+            if name == "add_special_tokens":
+                if value != _ADD_SPECIAL_TOKENS_DEFAULT[type(self).__name__]:
+                    out.append((name, f"add_special_tokens={value!r} is not supported on this endpoint"))
+                continue
+            no_ops = _NO_OP_VALUES.get(name)
+            if no_ops is None:
+                out.append((name, f"unknown field {name!r}"))
+            elif not any(value == v and type(value) is type(v) for v in no_ops):
                 out.append((name, f"{name} is not supported" + (" (only best_of=1)" if name == "best_of" else "")))
         return out
 
@@ -136,7 +194,8 @@ class _Common(BaseModel):
 
     def sampling_fields(self, logprobs: int | None) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens is the validator's business)."""
-        fields: dict[str, Any] = {"n": self.n, "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs}
+        # n > 1: the front end runs n engine requests (`validation.Checked`), each with n = 1.
+        fields: dict[str, Any] = {"stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs}
         fields["structured"] = self.structured()
         for name in (
             "temperature",
@@ -152,6 +211,7 @@ class _Common(BaseModel):
             "allowed_token_ids",
             "bad_words",
             "prefix_boundaries",
+            "prompt_logprobs",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -197,14 +257,23 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            v = v[0]
+    def _not_empty(cls, v):
         if not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request")
+            bad = next((i for i, p in enumerate(v) if not p), None)
+            if bad is not None:
+                raise ValueError(f"prompt[{bad}] must not be empty")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, a batch of one for a single prompt (a string or a list of token ids)."""
+        p = self.prompt
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
 
 class FunctionCall(BaseModel):
@@ -246,6 +315,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM: the last message echoed in the reply (refused: see validation.check_openai)
     # vLLM: variables for the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -294,6 +364,30 @@ class ChatCompletionRequest(_Common):
         return out
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return ChatCompletionRequest.template_messages(self)  # same message rules as chat completions
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -307,13 +401,48 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_logprobs(tokens: list[str], entries: list[dict[int, float]], chosen: list[int], decode) -> dict:
+def completion_logprobs(tokens: list[str], entries: list[dict[int, float] | None], chosen: list[int], decode, offset: int = 0) -> dict:
+    """The legacy completions logprobs object. `entries[i]` is None where a token has no logprob (the first
+    prompt token under echo); `offset` is where the first token's text starts in the choice's text (its
+    `text_offset`: each token's start, counted in characters of the token texts)."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.get(t) for e, t in zip(entries, chosen)],
-        "top_logprobs": [{decode(k): v for k, v in e.items()} for e in entries],
-        "text_offset": [],
+        "token_logprobs": [e.get(t) if e is not None else None for e, t in zip(entries, chosen)],
+        "top_logprobs": [{decode(k): v for k, v in e.items()} if e is not None else None for e in entries],
+        "text_offset": offsets,
     }
+
+
+def prompt_logprob_entries(prompt_logprobs: list | None, k: int) -> list[dict[int, float] | None]:
+    """The engine's prompt logprobs (per position: None at 0, else {token id: Logprob}, the prompt's token
+    first, then the top k) as completion-logprobs entries: the prompt token plus the top k."""
+    out: list[dict[int, float] | None] = []
+    for entry in prompt_logprobs or []:
+        if entry is None:
+            out.append(None)
+            continue
+        items = list(entry.items())
+        kept = dict(items[:1])
+        kept.update(sorted(((t, lp) for t, lp in items[1:]), key=lambda kv: kv[1].rank)[:k])
+        out.append({t: float(lp.logprob) for t, lp in kept.items()})
+    return out
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list | None, decode) -> list | None:
+    """vLLM's `prompt_logprobs` response field: per prompt position None (the first) or
+    {token id (as a string): {"logprob", "rank", "decoded_token"}}."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {str(t): {"logprob": float(lp.logprob), "rank": int(lp.rank), "decoded_token": decode(t)} for t, lp in entry.items()}
+        for entry in prompt_logprobs
+    ]
 
 
 def chat_logprobs(chosen: list[int], entries: list[dict[int, float]], top_n: int, decode) -> dict:

@@ -192,6 +192,10 @@ class Orchestrator:
         self._queued[request_id] = now
         self._observe_queue()
 
+    def release(self, request_id: str) -> None:
+        """An admitted request that will not be run (another choice of its client request was refused)."""
+        self._started(request_id)
+
     def _started(self, request_id: str) -> None:
         self._unstarted.pop(request_id, None)
         if self._queued.pop(request_id, None) is not None:
@@ -510,6 +514,7 @@ def _merge_waiting(delta: TokenDelta, tokens) -> TokenDelta:
         delta.finish_reason,
         list(delta.logprobs) if delta.logprobs is not None else None,
         delta.prompt_logprobs,
+        delta.queue_s,
     )
     for d in more:
         merged.token_ids += d.token_ids

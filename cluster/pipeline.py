@@ -57,12 +57,23 @@ class PreparedRequest:
     public_id: str | None = None
     reasoning: bool | None = None  # see validation.Checked.reasoning
     tool_format: str | None = None  # see validation.Checked.tool_format
+    index: int = 0  # the choice it answers (prompt i, sample j of n: i * n + j, as OpenAI numbers them)
+    echo: str | None = None  # see validation.Checked.echo
+    score_only: bool = False  # see validation.Checked.score_only
     stage: str = "ingress"  # where it was when it failed (the orchestrator's RequestTrace.stage)
     span: Any = None  # its front-end span while tracing is on (cluster/tracing.py)
 
     @property
     def client_id(self) -> str:
         return self.public_id or self.request_id
+
+
+def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n samples: its own seed when the request is seeded (so n samples differ, and the same
+    request gives the same n), else the same parameters (each engine request draws its own)."""
+    if j == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": params.seed + j})
 
 
 class RequestPipeline:
@@ -205,20 +216,43 @@ class RequestPipeline:
 
     # ------------------------------------------------------------------ validation and tokenising
 
-    async def prepare_completion(self, body: oa.CompletionRequest, session: str | None) -> PreparedRequest:
-        checked = await self.validator.completion(body)
-        return PreparedRequest(oa.new_id("cmpl"), checked.prompt, checked.params, session or body.user)
+    async def prepare_completion(self, body: oa.CompletionRequest, session: str | None) -> list[PreparedRequest]:
+        """One engine request per choice: per prompt of the batch, `n` samples."""
+        batch = await self.validator.completion(body)
+        if len(batch) * body.n > oa.MAX_CHOICES:
+            raise oa.APIError(400, f"{len(batch)} prompts x n={body.n} is more than {oa.MAX_CHOICES} choices", param="n")
+        public = oa.new_id("cmpl")
+        return [
+            PreparedRequest(
+                f"{public}-{i}" if i else public,
+                c.prompt,
+                _nth_sample(c.params, j),
+                session or body.user,
+                index=i,
+                echo=c.echo,
+                score_only=c.score_only,
+                public_id=public,
+            )
+            for i, (c, j) in enumerate((c, j) for c in batch for j in range(body.n))
+        ]
 
-    async def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> PreparedRequest:
-        checked = await self.validator.chat(body)
-        return PreparedRequest(
-            oa.new_id("chatcmpl"),
-            checked.prompt,
-            checked.params,
-            session or body.user,
-            reasoning=checked.reasoning,
-            tool_format=checked.tool_format,
-        )
+    async def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> list[PreparedRequest]:
+        """One engine request per choice (`n`)."""
+        c = await self.validator.chat(body)
+        public = oa.new_id("chatcmpl")
+        return [
+            PreparedRequest(
+                f"{public}-{j}" if j else public,
+                c.prompt,
+                _nth_sample(c.params, j),
+                session or body.user,
+                reasoning=c.reasoning,
+                tool_format=c.tool_format,
+                index=j,
+                public_id=public,
+            )
+            for j in range(body.n)
+        ]
 
     async def prepare_grpc(self, request) -> PreparedRequest:
         """`request`: the wire bytes (cluster.grpc_service) or a parsed GenerateRequest."""
@@ -229,6 +263,20 @@ class RequestPipeline:
         )
 
     # ------------------------------------------------------------------ running
+
+    async def decide_all(self, reqs: list[PreparedRequest], carrier=None) -> list[PreparedRequest]:
+        """`decide` for each choice of one client request; if one is refused, the ones admitted before it
+        are let go and the refusal is the answer."""
+        done: list[PreparedRequest] = []
+        try:
+            for r in reqs:
+                done.append(await self.decide(r, carrier))
+        except BaseException:
+            for r in done:
+                self.orchestrator.release(r.request_id)
+                tracing.end_span(r.span)
+            raise
+        return done
 
     async def decide(self, req: PreparedRequest, carrier=None) -> PreparedRequest:
         """Admits and routes the request; its front-end span starts here (`carrier`: HTTP headers or gRPC
@@ -254,10 +302,13 @@ class RequestPipeline:
         outcome = "error"
         failure = None
         tokens = 0
+        queue_s = None  # the engine's wait before the request's first step (its first delta says)
         last_at = None  # when the previous delta with tokens arrived (inter-token latency)
         try:
             stream = self.orchestrator.stream(req.request_id, req.prompt, req.params, req.decision, trace, req.session_id, whole)
             async for delta in stream:
+                if queue_s is None:
+                    queue_s = delta.queue_s
                 if delta.num_output_tokens > tokens:
                     now = time.perf_counter()
                     if last_at is not None:
@@ -277,13 +328,17 @@ class RequestPipeline:
             raise
         finally:
             req.stage = trace.stage
-            self._record(trace, api_name, outcome, len(req.prompt), tokens)
+            self._record(trace, api_name, outcome, len(req.prompt), tokens, queue_s, req.params.max_tokens)
             tracing.end_span(req.span, {"moray.api": api_name, "moray.outcome": outcome, "moray.completion_tokens": tokens}, error=failure)
 
-    def _record(self, trace: RequestTrace, api_name: str, outcome: str, prompt_tokens: int, tokens: int) -> None:
+    def _record(
+        self, trace: RequestTrace, api_name: str, outcome: str, prompt_tokens: int, tokens: int, queue_s=None, max_tokens=None
+    ) -> None:
         path = "disaggregated" if trace.remote_prefill else "local"
         end = trace.end or time.perf_counter()
-        self.metrics.observe_request(api_name, outcome, prompt_tokens, tokens, trace.start, trace.first_token, end, path)
+        self.metrics.observe_request(
+            api_name, outcome, prompt_tokens, tokens, trace.start, trace.first_token, end, path, queue_s, max_tokens
+        )
 
     def failure(self, req: PreparedRequest, e: BaseException) -> oa.APIError:
         """What a client is told about a request that failed after validation (never a traceback). Our own

@@ -73,6 +73,9 @@ class ToolCallStream:
         self.calls: list[ToolCall] = []
         self._taken = 0
         self._buffer = ""  # text from a possible call start on
+        # Whitespace at the end of the content shown so far, held back: a call may follow it, and whitespace
+        # around calls is not content (the non-streamed response strips it too). Sent with the next text.
+        self._space = ""
 
     @property
     def _start(self) -> str:
@@ -84,15 +87,15 @@ class ToolCallStream:
 
     def feed(self, text: str) -> str:
         self._buffer += text
-        shown = []
+        shown: list[str] = []
         while self._buffer:
             at = self._buffer.find(self._start)
             if at < 0:
                 keep = partial_tag_suffix(self._buffer, self._start)
-                shown.append(self._buffer[: len(self._buffer) - keep])
+                self._show(self._buffer[: len(self._buffer) - keep], shown)
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
-            shown.append(self._buffer[:at])
+            self._show(self._buffer[:at], shown)
             self._buffer = self._buffer[at:]
             end = self._buffer.find(self._end, len(self._start))
             if end < 0:
@@ -101,15 +104,27 @@ class ToolCallStream:
             self._buffer = self._buffer[end + len(self._end) :]
             calls = self._parse_block(block)
             if calls is None:
-                shown.append(block)  # not a valid call: it was text after all
+                self._show(block, shown)  # not a valid call: it was text after all
             else:
                 self.calls.extend(calls)
+                self._space = ""  # whitespace before a call is not content
         return "".join(shown)
 
+    def _show(self, text: str, shown: list[str]) -> None:
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body) :]
+        if body:
+            shown.append(body)
+
     def finish(self) -> str:
-        """The end of the output: an unfinished call is returned as text."""
+        """The end of the output: an unfinished call is returned as text; whitespace held back is content
+        only if no call came."""
         rest, self._buffer = self._buffer, ""
-        return rest
+        space, self._space = self._space, ""
+        if rest:
+            return space + rest
+        return "" if self.calls else space
 
     def new_calls(self) -> list[tuple[int, ToolCall]]:
         out = list(enumerate(self.calls))[self._taken :]

@@ -86,6 +86,10 @@ class Checked:
     reasoning: bool | None = None
     # Chat requests with tools: the tool-call format to parse the output with (cluster/tool_calls.py).
     tool_format: str | None = None
+    # Completions with echo: the prompt's text, sent before the output. max_tokens 0 (scoring the prompt):
+    # the engine samples one token (on the prefill worker, which then finishes) that nobody is sent.
+    echo: str | None = None
+    score_only: bool = False
 
 
 # ----------------------------------------------------------------------------------- worker errors
@@ -401,15 +405,37 @@ class RequestValidator:
                     )
         if body.stream_options is not None and not body.stream:
             raise oa.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(body, oa.ChatCompletionRequest) and body.echo:
+            raise oa.APIError(400, "echo is not supported on chat completions", param="echo", code="unsupported_parameter")
         if isinstance(body, oa.ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
             raise oa.APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 
-    async def completion(self, body: oa.CompletionRequest) -> Checked:
+    async def completion(self, body: oa.CompletionRequest) -> list[Checked]:
+        """One Checked per prompt (a batch of prompts is several engine requests)."""
         self.check_openai(body)
-        prompt = await self.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        self.check_prompt(prompt)
+        score_only = body.max_tokens == 0
+        if score_only and not body.echo:
+            raise oa.APIError(400, "max_tokens must be at least 1 (0 only with echo: scoring the prompt)", param="max_tokens")
+        if score_only and body.stream:
+            raise oa.APIError(400, "max_tokens 0 (scoring the prompt) cannot be streamed", param="max_tokens")
         fields = body.sampling_fields(body.logprobs)
-        return Checked(prompt, self.sampling_params(fields, len(prompt), body.max_tokens))
+        if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
+            fields["prompt_logprobs"] = max(fields.get("prompt_logprobs") or 0, body.logprobs)
+        max_tokens = 1 if score_only else body.max_tokens
+        batch = body.prompts()
+        out = []
+        for i, p in enumerate(batch):
+            try:
+                prompt = await self.encode(p) if isinstance(p, str) else list(p)
+                self.check_prompt(prompt)
+                params = self.sampling_params(fields, len(prompt), max_tokens)
+            except oa.APIError as e:
+                if len(batch) > 1:  # which prompt of the batch
+                    e.message = f"prompt[{i}]: {e.message}"
+                raise
+            echo = (p if isinstance(p, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)) if body.echo else None
+            out.append(Checked(prompt, params, echo=echo, score_only=score_only))
+        return out
 
     async def chat(self, body: oa.ChatCompletionRequest) -> Checked:
         self.check_openai(body)
@@ -443,6 +469,36 @@ class RequestValidator:
         fields["prefix_boundaries"] = sorted(set(fields.get("prefix_boundaries") or ()) | set(shared))
         params = self.sampling_params(fields, len(prompt), max_tokens)
         return Checked(prompt, params, reasoning, self.tool_format if rendered_tools is not None else None)
+
+    # ---------------------------------------------------------------- /tokenize, /detokenize
+
+    async def tokenize(self, body: oa.TokenizeRequest) -> list[int]:
+        if body.model is not None:
+            self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise oa.APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            return await self.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        if body.continue_final_message:  # not on chat completions either
+            raise oa.APIError(400, "continue_final_message is not supported", param="continue_final_message", code="unsupported_parameter")
+        try:
+            messages = body.chat_messages()
+        except ValueError as e:
+            raise oa.APIError(400, f"messages: {e}", param="messages") from None
+        if not messages:
+            raise oa.APIError(400, "messages must not be empty", param="messages")
+        _, text = await self.render_chat_text(messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools)
+        return await self.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+    def detokenize(self, body: oa.DetokenizeRequest) -> str:
+        if body.model is not None:
+            self.check_model(body.model)
+        if self.tokenizer is None:
+            raise oa.APIError(400, "this model has no tokenizer", param="tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise oa.APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        return self.tokenizer.decode(body.tokens, skip_special_tokens=False)
 
     # ---------------------------------------------------------------- gRPC requests
 

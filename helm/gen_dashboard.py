@@ -100,6 +100,27 @@ PANELS = [
         "s",
         percentiles("vllm:e2e_request_latency_seconds", "e2e"),
     ),
+    timeseries(
+        "Request phases",
+        "Median time per request waiting for its first engine step (queue), from there to the first token (prefill), "
+        "and from the first token to the last (decode); the median number of tokens requests asked for.",
+        "s",
+        [
+            target(quantile(0.5, "vllm:request_queue_time_seconds"), "queue p50"),
+            target(quantile(0.5, "vllm:request_prefill_time_seconds"), "prefill p50"),
+            target(quantile(0.5, "vllm:request_decode_time_seconds"), "decode p50"),
+            target(quantile(0.99, "vllm:request_queue_time_seconds"), "queue p99"),
+        ],
+    ),
+    timeseries(
+        "Requested generation tokens",
+        "max_tokens per request (p50 and p99): how long the clients let their requests run.",
+        "short",
+        [
+            target(quantile(0.5, "vllm:request_max_num_generation_tokens"), "max_tokens p50"),
+            target(quantile(0.99, "vllm:request_max_num_generation_tokens"), "max_tokens p99"),
+        ],
+    ),
     row("Queues and KV cache"),
     timeseries(
         "Queue",

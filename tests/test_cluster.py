@@ -161,6 +161,12 @@ VLLM_METRICS = {
     "vllm:prefix_cache_hits": "counter",
     "vllm:num_preemptions": "counter",
     "vllm:request_success": "counter",
+    # Issue #29: the phases and the requested lengths vLLM's dashboard queries.
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
 }
 
 
@@ -541,13 +547,16 @@ BAD_HTTP = [
     ("negative max_tokens", "/v1/completions", {**GOOD, "max_tokens": -3}, API_KEY, 400, "max_tokens"),
     ("temperature < 0", "/v1/completions", {**GOOD, "temperature": -1}, API_KEY, 400, "temperature"),
     ("top_p > 1", "/v1/completions", {**GOOD, "top_p": 1.5}, API_KEY, 400, "top_p"),
-    ("n > 1", "/v1/completions", {**GOOD, "n": 3}, API_KEY, 400, "n"),
+    ("n > 128", "/v1/completions", {**GOOD, "n": 129}, API_KEY, 400, "n"),
+    ("n x prompts > 128", "/v1/completions", {**GOOD, "prompt": ["a", "b"], "n": 65}, API_KEY, 400, "choices"),
+    ("unknown field", "/v1/completions", {**GOOD, "temprature": 0.1}, API_KEY, 400, "unknown field 'temprature'"),
+    ("max_tokens 0 without echo", "/v1/completions", {**GOOD, "max_tokens": 0}, API_KEY, 400, "echo"),
     ("bad stop type", "/v1/completions", {**GOOD, "stop": 5}, API_KEY, 400, "stop"),
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-5"}, API_KEY, 404, "gpt-5"),
     ("prompt over the limit", "/v1/completions", {**GOOD, "prompt": list(range(1, 300))}, API_KEY, 400, "limit"),
     ("token id outside vocab", "/v1/completions", {**GOOD, "prompt": [1, 2, 100000]}, API_KEY, 400, "vocabulary"),
     ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, API_KEY, 400, "prompt"),
-    ("batched prompts", "/v1/completions", {**GOOD, "prompt": ["a", "b"]}, API_KEY, 400, "batched"),
+    ("an empty prompt in a batch", "/v1/completions", {**GOOD, "prompt": ["a", ""]}, API_KEY, 400, "prompt[1]"),
     ("missing API key", "/v1/completions", GOOD, None, 401, "API key"),
     ("wrong API key", "/v1/completions", GOOD, "nope", 401, "invalid API key"),
     ("oversized body", "/v1/completions", {**GOOD, "padding": "x" * (2 << 20)}, API_KEY, 413, "larger than"),
@@ -872,3 +881,138 @@ def test_every_dashboard_query_reads_a_metric_this_server_exports(cluster):
     assert len(queried) >= 25, sorted(queried)
     missing = sorted(queried - exported)
     assert not missing, f"dashboard queries name series /metrics does not export: {missing}"
+
+
+# ------------------------------------------------------------------ the API as the ecosystem's tools call it (#29)
+
+
+def sse_events(base: str, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed response (raw HTTP: what a tool's own client parses)."""
+    import requests
+
+    with requests.post(base + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        lines = [line.decode() for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_streaming_requests_get_usage_on_every_chunk(cluster, path):
+    """The body guidellm 0.8.1 sends (its OpenAI backend: stream_options with continuous_usage_stats, a
+    fixed output length through ignore_eos and stop None): refused with a 400 before; now every chunk
+    carries the usage so far (vLLM's meaning), and the last one the totals."""
+    body = {
+        "model": "tiny",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_tokens": 6,
+        "stop": None,
+        "ignore_eos": True,
+        **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": PROMPT}]}),
+    }
+    events = sse_events(cluster["base"], path, body)
+    chunks = [e for e in events if e["choices"]]
+    assert chunks and all("usage" in e for e in chunks)
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    plain = sse_events(cluster["base"], path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+    assert all("usage" not in e for e in plain if e["choices"]) and plain[-1]["usage"]["completion_tokens"] == 6
+
+
+REPORT_S = 1.0  # ten times a worker's report interval (cluster/reporting.py)
+
+
+def _log_softmax(logits):
+    import numpy as np
+
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_lm_eval_loglikelihood_requests_score_prompts_as_transformers_does(cluster, model_dir):
+    """lm-eval 0.4.13 `local-completions` loglikelihood with batch size 2: a list of token-id prompts, echo,
+    logprobs 1, max_tokens 1 (its exact body), and the same with max_tokens 0. Each choice's token
+    logprobs over the prompt (None for the first token) equal transformers' log-softmax to 1e-4; max_tokens
+    0 generates nothing; vLLM's prompt_logprobs field gives the same numbers. Through the disaggregated
+    app: a scoring request ends on the prefill worker (no handoff)."""
+    from hf_checkpoints import hf_logits_many
+
+    tok = [[5, 17, 200, 33, 90, 41], [7, 7, 300, 12]]
+    expected = [_log_softmax(lg) for lg in hf_logits_many(model_dir, tok)]
+    time.sleep(REPORT_S)  # the workers' counters arrive with their reports
+    handoffs = metric(cluster, "moray_kv_handoffs")
+    body = {"model": "tiny", "prompt": tok, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    for max_tokens in (1, 0):
+        status, out = http_json(cluster["base"] + "/v1/completions", {**body, "max_tokens": max_tokens})
+        assert status == 200, out
+        choices = sorted(out["choices"], key=lambda ch: ch["index"])
+        assert [ch["index"] for ch in choices] == [0, 1]
+        for ids, ch, ref in zip(tok, choices, expected):
+            lps = ch["logprobs"]["token_logprobs"]
+            assert len(lps) == len(ids) + max_tokens and lps[0] is None
+            want = [float(ref[i - 1, t]) for i, t in enumerate(ids) if i]
+            assert max(abs(a - b) for a, b in zip(lps[1 : len(ids)], want)) < 1e-4
+            offsets = ch["logprobs"]["text_offset"]
+            assert offsets[0] == 0 and offsets == sorted(offsets) and len(offsets) == len(lps)
+            assert all(top is None or max(top.values()) >= lp for lp, top in zip(lps[1:], ch["logprobs"]["top_logprobs"][1:]))
+        assert out["usage"]["completion_tokens"] == 2 * max_tokens
+    time.sleep(REPORT_S)
+    assert metric(cluster, "moray_kv_handoffs") == handoffs  # one-token requests never reach a decode worker
+    status, out = http_json(cluster["base"] + "/v1/completions", {"model": "tiny", "prompt": tok[0], "max_tokens": 1, "prompt_logprobs": 0})
+    plp = out["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(tok[0])
+    got = [plp[i][str(t)]["logprob"] for i, t in enumerate(tok[0]) if i]
+    assert max(abs(a - float(expected[0][i, t])) for i, (a, t) in enumerate(zip(got, tok[0][1:]))) < 1e-4
+
+
+def test_lm_eval_generate_until_with_batched_prompts_and_n(cluster):
+    """lm-eval's generate_until with batch size 3 (a list of text prompts, stop sequences, a seed): one choice
+    per prompt, numbered as OpenAI numbers them, each equal to the prompt sent alone; n samples per prompt
+    (index = prompt * n + sample), seeded ones reproducible; usage summed with each prompt counted once."""
+    prompts = [PROMPT, "Hello there", "One two three"]
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "stop": ["\n\n"], "seed": 1234, "ignore_eos": True}
+    status, out = http_json(cluster["base"] + "/v1/completions", {**body, "prompt": prompts})
+    assert status == 200, out
+    alone = [http_json(cluster["base"] + "/v1/completions", {**body, "prompt": p})[1] for p in prompts]
+    assert [ch["index"] for ch in out["choices"]] == [0, 1, 2]
+    assert [ch["text"] for ch in out["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    sampled = {**body, "prompt": prompts[:2], "n": 3, "temperature": 1.0}
+    a, b = (http_json(cluster["base"] + "/v1/completions", sampled)[1] for _ in range(2))
+    assert [ch["index"] for ch in a["choices"]] == list(range(6))
+    assert [ch["text"] for ch in a["choices"]] == [ch["text"] for ch in b["choices"]]
+    assert len({ch["text"] for ch in a["choices"][:3]}) > 1  # the samples differ
+    assert (
+        a["usage"]["completion_tokens"] == 30
+        and a["usage"]["prompt_tokens"] == out["usage"]["prompt_tokens"] - alone[2]["usage"]["prompt_tokens"]
+    )
+    chat = sse_events(
+        cluster["base"],
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2, "stream": True, "ignore_eos": True},
+    )
+    roles = [ch["index"] for e in chat for ch in e["choices"] if ch["delta"].get("role")]
+    assert sorted(roles) == [0, 1]
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(cluster):
+    status, out = http_json(cluster["base"] + "/tokenize", {"model": "tiny", "prompt": PROMPT, "return_token_strs": True})
+    assert status == 200 and out["count"] == len(out["tokens"]) == len(out["token_strs"]) and out["max_model_len"] > 0
+    usage = client(cluster).completions.create(model="tiny", prompt=PROMPT, max_tokens=1).usage
+    assert usage.prompt_tokens == out["count"]
+    status, back = http_json(cluster["base"] + "/detokenize", {"model": "tiny", "tokens": out["tokens"]})
+    assert status == 200 and back["prompt"].endswith(PROMPT)
+    status, chat = http_json(cluster["base"] + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert (
+        status == 200
+        and chat["count"]
+        == client(cluster)
+        .chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        .usage.prompt_tokens
+    )
+    for bad in ({"prompt": "x", "messages": []}, {"tokens": [1]}, {"prompt": "x", "bogus": 1}):
+        path = "/tokenize" if "tokens" not in bad else "/detokenize"
+        status, err = http_json(cluster["base"] + path, {**bad, "tokens": [10**9]} if path == "/detokenize" else bad)
+        assert status == 400 and err["error"]["message"], err

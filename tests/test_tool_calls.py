@@ -118,3 +118,17 @@ def test_forced_grammar_for_the_deepseek_format(compiler):
     # A tokenizer with the markers as special tokens gets them asked for by id.
     ids = {"<｜tool▁calls▁begin｜>": 9001, "<｜tool▁calls▁end｜>": 9002}
     assert "<[9001]>" in forced_call_grammar(TOOLS, "required", False, "deepseek", token_id=ids.get)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+def test_a_streamed_call_sends_no_whitespace_content_around_it(size):
+    """A forced (named) call's output starts and ends with newlines around the call: streamed, no content
+    delta is sent at all (the stray "\\n" before the call was one); plain text keeps its whitespace."""
+    call = '\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+    stream = ToolCallStream("qwen")
+    pieces = [stream.feed(call[i : i + size]) for i in range(0, len(call), size)] + [stream.finish()]
+    assert [p for p in pieces if p] == [] and [c.name for _, c in stream.new_calls()] == ["add"]
+    text = "Hello \n there \n\n"
+    stream = ToolCallStream("qwen")
+    shown = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size)) + stream.finish()
+    assert shown == text and stream.calls == []

@@ -53,9 +53,15 @@ def api_error(fn, *args) -> oa.APIError:
     return e.value
 
 
-def completion(validator, body: dict | bytes):
+def completions(validator, body: dict | bytes) -> list:
+    """The Checked of each prompt of a completions request."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return asyncio.run(validator.completion(validation.parse_request(raw, oa.CompletionRequest)))
+
+
+def completion(validator, body: dict | bytes):
+    (checked,) = completions(validator, body)
+    return checked
 
 
 def chat(validator, body: dict | bytes):
@@ -131,16 +137,55 @@ UNSUPPORTED = [
 ]
 
 
-@pytest.mark.parametrize("field,value", UNSUPPORTED + [("suffix", "tail"), ("best_of", 2), ("echo", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    UNSUPPORTED + [("suffix", "tail"), ("best_of", 2), ("use_beam_search", True), ("include_stop_str_in_output", True)],
+)
 def test_unsupported_completion_fields_are_a_400(validator, field, value):
     e = refused(completion, validator, {**GOOD, field: value})
     assert e.status == 400 and e.param == field and "not supported" in e.message
 
 
-@pytest.mark.parametrize("field,value", [u for u in UNSUPPORTED if u[0] not in ("tools", "tool_choice")])
+@pytest.mark.parametrize(
+    "field,value",
+    [u for u in UNSUPPORTED if u[0] not in ("tools", "tool_choice")]
+    + [("echo", True), ("chat_template", "{{ messages }}"), ("skip_special_tokens", False), ("add_special_tokens", True)],
+)
 def test_unsupported_chat_fields_are_a_400(validator, field, value):
     e = refused(chat, validator, {**CHAT, field: value})
     assert e.status == 400 and e.param == field and "not supported" in e.message
+
+
+@pytest.mark.parametrize("fn,body", [("completion", GOOD), ("chat", CHAT)])
+def test_unknown_top_level_fields_are_refused_by_name_documented_ones_are_not(validator, fn, body):
+    """Issue #29: unknown fields were silently dropped at the top level (nested ones were refused). Now
+    every field is accepted, ignored for a documented reason, or refused by name; vLLM's documented no-op
+    values pass."""
+    check = completion if fn == "completion" else chat
+    e = refused(check, validator, {**body, "temprature": 0.5})
+    assert e.status == 400 and e.param == "temprature" and "unknown field" in e.message
+    ignored = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "request_id": "mine", "priority": 3}
+    defaults = {"use_beam_search": False, "skip_special_tokens": True, "include_stop_str_in_output": False, "cache_salt": None}
+    assert check(validator, {**body, **ignored, **defaults}).params.max_tokens == 2
+
+
+def test_batched_prompts_n_and_scoring_requests(validator):
+    """A list of prompts is one Checked each (echo texts kept); max_tokens 0 scores the prompt: only with
+    echo, one engine token nobody sees, prompt logprobs as many as asked; n is bounded."""
+    out = completions(validator, {**GOOD, "prompt": ["ab", "cd"], "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert [c.echo for c in out] == ["ab", "cd"] and all(c.score_only and c.params.max_tokens == 1 for c in out)
+    assert all(c.params.prompt_logprobs == 2 for c in out)
+    ids = completions(validator, {**GOOD, "prompt": [[5, 6], [7, 8, 9]]})
+    assert [c.prompt for c in ids] == [[5, 6], [7, 8, 9]] and not ids[0].score_only and ids[0].echo is None
+    e = refused(completion, validator, {**GOOD, "max_tokens": 0})
+    assert e.param == "max_tokens" and "echo" in e.message
+    e = refused(completion, validator, {**GOOD, "prompt": ["ab", ""]})
+    assert "prompt[1]" in e.message
+    e = refused(completion, validator, {**GOOD, "prompt": [[5], [99999]]})
+    assert "prompt[1]" in e.message and "vocabulary" in e.message
+    for n in (0, 129):
+        assert refused(completion, validator, {**GOOD, "n": n}).param == "n"
+    assert completion(validator, {**GOOD, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ class TokenDelta:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None  # one per new token when the request asked: {token id: logprob}
     prompt_logprobs: list | None = None  # on the first delta of a request that asked
+    queue_s: float | None = None  # on the first delta: how long the request waited for its first engine step
 
     @property
     def finished(self) -> bool:
@@ -69,7 +70,17 @@ class TokenDeltaBatch:
     # 64 deltas against ~240 us for Ray's cloudpickle of the objects, and it is paid once per step).
     def encode(self) -> bytes:
         rows = [
-            (d.request_id, d.token_ids, d.text, d.num_output_tokens, d.num_cached_tokens, d.finish_reason, d.logprobs, d.prompt_logprobs)
+            (
+                d.request_id,
+                d.token_ids,
+                d.text,
+                d.num_output_tokens,
+                d.num_cached_tokens,
+                d.finish_reason,
+                d.logprobs,
+                d.prompt_logprobs,
+                d.queue_s,
+            )
             for d in self.deltas
         ]
         return pickle.dumps((self.worker_id, self.closing, rows), protocol=pickle.HIGHEST_PROTOCOL)

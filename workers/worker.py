@@ -208,6 +208,7 @@ class PrefillWorker(EngineWorker):
             stop.reason if stop.finished else None,
             deltas[0].logprobs,
             deltas[0].prompt_logprobs,
+            deltas[0].queue_s,
         )
         prefill_s = time.perf_counter() - start
         staged = self.engine.take_staged(rid)

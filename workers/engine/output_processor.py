@@ -102,6 +102,7 @@ class OutputProcessor:
             reason,
             [logprobs] if state.logprobs and logprobs is not None else None,
             state.prompt_logprobs,
+            _queue_s(request) if len(request.output_token_ids) == 1 else None,
         )
         state.prompt_logprobs = None
         if reason is not None:
@@ -176,3 +177,10 @@ class RequestOutput:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         return self
+
+
+def _queue_s(request: Request) -> float | None:
+    """How long the request waited for its first step (vLLM's queue time), sent with its first token."""
+    if request.scheduled_time is None:
+        return None
+    return max(0.0, request.scheduled_time - request.arrival_time)

@@ -46,6 +46,7 @@ class Request:
     # evicted after sessionless ones while the session is live (retention.py).
     session_id: str | None = None
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # its first step (queue time: this - arrival_time)
     # Asynchronous scheduling: tokens sampled by a step still in flight (0 or 1), not yet in
     # `output_token_ids`, and the row of that step's sampled tokens holding it (the next step's input
     # reads it there, on the device).

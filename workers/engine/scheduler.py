@@ -13,6 +13,7 @@ The output is a plain `SchedulerOutput`; the runner turns it into device arrays.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
@@ -192,6 +193,8 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             if host and out.scheduled:
                 # Its blocks come back from the host while this step runs the others; it runs from the
                 # next. (Alone in the step, it runs now: waiting would only add a step.)
