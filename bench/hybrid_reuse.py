@@ -170,41 +170,28 @@ def state_bytes(url: str) -> float:
 
 
 def run_engine(name: str, model: str, overrides: dict, port: int, args, workloads) -> dict:
-    from ray import serve
+    from bench.routing import router_settings, run_app
 
-    from bench.routing import _router_counters, _wait_for_workers, measure, router_settings
-    from cluster.app import build_app
-
-    app = f"hybrid-{name}"
     cfg = {
-        "name": app,
+        "name": f"hybrid-{name}",
         "mode": "colocated",
         "engine": engine_settings(model, args, overrides),
         "decode": {"replicas": args.workers, "resources": {"cpus": 0.1}},
         "router": {"policy": "kv-aware", "seed": args.seed, **router_settings(args)},
     }
-    url = f"http://127.0.0.1:{port}/{app}"
-    t0 = time.perf_counter()
-    serve.run(build_app(cfg), name=app, route_prefix=f"/{app}", blocking=False)
-    _wait_for_workers(url, args.workers)
-    print(f"[{name}] {args.workers} workers up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    out = {}
-    try:
-        for i, (wl, groups) in enumerate(workloads.items()):
-            if i:
-                time.sleep(3 * router_settings(args)["session_idle_s"])
-            out[wl] = measure(name, wl, url, groups, args, lambda: _router_counters(url))
-            time.sleep(1.5)  # a heartbeat after the last request: the workers' state gauges are current
-            out[wl]["state_bytes"] = state_bytes(url)
-            out[wl].pop("samples", None)
-    finally:
-        serve.delete(app)
-    return out
+
+    def after(url: str, figures: dict) -> None:
+        time.sleep(1.5)  # a heartbeat after the last request: the workers' state gauges are current
+        figures["state_bytes"] = state_bytes(url)
+        figures.pop("samples", None)
+
+    return run_app(name, cfg, port, args, workloads, after)
 
 
 def run(args) -> int:
     from bench.report import report_if_asked
     from bench.routing import TextSegments, oracle, start_ray
+    from bench.routing import table as routing_table
     from workers.models.make_model import make_model
     from workers.models.tokenizer import Tokenizer
 
@@ -260,7 +247,7 @@ def run(args) -> int:
             orc = result["oracle"][wl]["hit_rate"]
             f["hit_rate_vs_oracle"] = f["hit_rate"] / orc if orc else None
     result["verdict"] = verdict(result)
-    print(table(result), file=sys.stderr)
+    print(routing_table(result, "engines", ("state MiB", lambda f: f["state_bytes"] / 2**20)), file=sys.stderr)
     import json
 
     text = json.dumps(result, indent=2)
@@ -307,26 +294,3 @@ def verdict(result: dict) -> dict:
             v["ttft_p99_speedup_vs_step_ends"] = old[wl]["ttft_p99_s"] / h["ttft_p99_s"] if h["ttft_p99_s"] else None
         out[wl] = v
     return out
-
-
-def table(result: dict) -> str:
-    lines = [f"{'workload':<14} {'engine':<18} {'hit':>6} {'/oracle':>8} {'ttft p50':>9} {'ttft p99':>9} {'state MiB':>10}"]
-    for wl in result["oracle"]:
-        lines.append(f"{wl:<14} {'oracle':<18} {result['oracle'][wl]['hit_rate']:>6.3f} {1.0:>8.2f}")
-        for name, per in result["engines"].items():
-            f = per[wl]
-            lines.append(
-                f"{'':<14} {name:<18} {f['hit_rate']:>6.3f} {f.get('hit_rate_vs_oracle') or 0:>8.2f} "
-                f"{f['ttft_p50_s']:>9.3f} {f['ttft_p99_s']:>9.3f} {f['state_bytes'] / 2**20:>10.2f}"
-            )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    from bench.routing import add_arguments
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))

@@ -339,13 +339,8 @@ def measure(label: str, workload: str, url: str, groups: list[list[Item]], args,
 
 
 def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, list[list[Item]]]) -> dict:
-    from ray import serve
-
-    from cluster.app import build_app
-
-    name = f"routing-{policy}"
     cfg = {
-        "name": name,
+        "name": f"routing-{policy}",
         "mode": "colocated",
         "engine": engine_settings(model, args),
         "decode": {"replicas": args.workers, "resources": {"cpus": 0.1}},
@@ -354,11 +349,21 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
         # measured on shared-prefix, kv_blocks/8 reached 0.82 of the oracle, /4 0.87, /2 0.93).
         "router": {"policy": policy, "seed": args.seed, **router_settings(args)},
     }
-    url = f"http://127.0.0.1:{port}/{policy}"
+    return run_app(policy, cfg, port, args, workloads)
+
+
+def run_app(label: str, cfg: dict, port: int, args, workloads: dict[str, list[list[Item]]], after=None) -> dict:
+    """Deploys the cluster config `cfg` at /<label>, runs each workload through it (`after(url, figures)`
+    adds to a workload's figures), and deletes it."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    url = f"http://127.0.0.1:{port}/{label}"
     t0 = time.perf_counter()
-    serve.run(build_app(cfg), name=name, route_prefix=f"/{policy}", blocking=False)
+    serve.run(build_app(cfg), name=cfg["name"], route_prefix=f"/{label}", blocking=False)
     _wait_for_workers(url, args.workers)
-    print(f"[{policy}] {args.workers} workers up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    print(f"[{label}] {args.workers} workers up in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     out = {}
     try:
         for i, (wl, groups) in enumerate(workloads.items()):
@@ -366,9 +371,11 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
                 # Each workload starts from a quiet router: its memory of the last one (work a worker was
                 # attracting, live conversations; see cluster/router/policy.py) is let fade first.
                 time.sleep(3 * router_settings(args)["session_idle_s"])
-            out[wl] = measure(policy, wl, url, groups, args, lambda: _router_counters(url))
+            out[wl] = measure(label, wl, url, groups, args, lambda: _router_counters(url))
+            if after is not None:
+                after(url, out[wl])
     finally:
-        serve.delete(name)
+        serve.delete(cfg["name"])
     return out
 
 
@@ -510,16 +517,18 @@ def losses(result: dict, workload: str) -> dict:
     }
 
 
-def table(result: dict) -> str:
-    """The side-by-side table, one line per workload and policy."""
-    lines = [f"{'workload':<14} {'policy':<14} {'hit':>6} {'/oracle':>8} {'ttft p50':>9} {'ttft p99':>9} {'max/mean':>9}"]
+def table(result: dict, rows: str = "policies", last: tuple = ("max/mean", lambda f: f["max_over_mean_load"])) -> str:
+    """The side-by-side table, one line per workload and `rows` entry (policy, or engine); `last`: the
+    last column's title and value."""
+    title, value = last
+    lines = [f"{'workload':<14} {rows[:-1]:<18} {'hit':>6} {'/oracle':>8} {'ttft p50':>9} {'ttft p99':>9} {title:>10}"]
     for wl in result["oracle"]:
-        lines.append(f"{wl:<14} {'oracle':<14} {result['oracle'][wl]['hit_rate']:>6.3f} {1.0:>8.2f}")
-        for policy, per in result["policies"].items():
+        lines.append(f"{wl:<14} {'oracle':<18} {result['oracle'][wl]['hit_rate']:>6.3f} {1.0:>8.2f}")
+        for name, per in result[rows].items():
             f = per[wl]
             lines.append(
-                f"{'':<14} {policy:<14} {f['hit_rate']:>6.3f} {f.get('hit_rate_vs_oracle') or 0:>8.2f} "
-                f"{f['ttft_p50_s']:>9.3f} {f['ttft_p99_s']:>9.3f} {f['max_over_mean_load']:>9.2f}"
+                f"{'':<14} {name:<18} {f['hit_rate']:>6.3f} {f.get('hit_rate_vs_oracle') or 0:>8.2f} "
+                f"{f['ttft_p50_s']:>9.3f} {f['ttft_p99_s']:>9.3f} {value(f):>10.2f}"
             )
     return "\n".join(lines)
 

@@ -489,10 +489,16 @@ class Frontend:
             context.set_details(e.message)
 
     @staticmethod
-    def _pb_logprobs(chunk: TokenDelta) -> list:
-        if not chunk.logprobs:
+    def _pb_logprobs(token_ids: list[int], logprobs: list | None) -> list:
+        if not logprobs:
             return []
-        return [moray_pb2.TokenLogprobs(token_id=t, logprob=lp.get(t, 0.0), top=lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)]
+        return [moray_pb2.TokenLogprobs(token_id=t, logprob=lp.get(t, 0.0), top=lp) for t, lp in zip(token_ids, logprobs)]
+
+    @staticmethod
+    def _pb_prompt_logprobs(prompt: list[int], prompt_logprobs: list | None) -> list:
+        """Prompt tokens 1.. with their logprobs and the top N (position 0 has none)."""
+        entries = oa.prompt_logprob_entries(prompt_logprobs, oa.MAX_CHOICES)
+        return [moray_pb2.TokenLogprobs(token_id=t, logprob=e[t], top=e) for t, e in zip(prompt, entries) if e is not None]
 
     async def Generate(self, request, grpc_context=None):
         # A streaming method reports a status only by raising (Serve carries the status set on the context);
@@ -510,7 +516,8 @@ class Frontend:
                     text=chunk.text,
                     finished=chunk.finished,
                     finish_reason=chunk.finish_reason or "",
-                    logprobs=self._pb_logprobs(chunk),
+                    logprobs=self._pb_logprobs(chunk.token_ids, chunk.logprobs),
+                    prompt_logprobs=self._pb_prompt_logprobs(req.prompt, chunk.prompt_logprobs),
                 )
                 if chunk.finished:
                     msg.usage.CopyFrom(
@@ -543,6 +550,8 @@ class Frontend:
             text="".join(got.text),
             finish_reason=last.finish_reason or "",
             usage=moray_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(got.tokens), cached_tokens=last.num_cached_tokens),
+            logprobs=self._pb_logprobs(got.tokens, got.logprobs),
+            prompt_logprobs=self._pb_prompt_logprobs(req.prompt, got.prompt_logprobs),
         )
 
     async def ListModels(self, request: moray_pb2.ListModelsRequest, grpc_context=None) -> moray_pb2.ListModelsResponse:

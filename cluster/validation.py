@@ -57,6 +57,7 @@ _GRPC_SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "prompt_logprobs",
 )
 
 

@@ -76,6 +76,37 @@ def test_text_workloads_share_prefixes_in_tokens_as_in_text(tiny_model):
     assert 0.5 < oracle(chat, 4, 320, 16, 8, seg.ids)["hit_rate"] < 1.0
 
 
+def test_hybrid_bench_workloads_share_what_issue_28_asks(tiny_model):
+    """`bench routing --hybrid`'s chat traffic, rendered by the model's template: 4 system prompts with
+    tools of 512-1,024 tokens before user messages of 32-128; agents fork after a tool result that no
+    earlier prompt of theirs ended at; the oracle reaches most of it."""
+    from bench import hybrid_reuse
+    from workers.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model)
+    seg = TextSegments(tiny_model, random.Random(0), 16)
+    ids = hybrid_reuse.chat_ids(tok)
+
+    def rendered(messages, tools):
+        return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, tools=tools), add_special_tokens=False))
+
+    w = hybrid_reuse.make_workloads(36, 0, seg, rendered)
+    systems = {}
+    for (item,) in w["system-tools"]:
+        system, user = item.messages
+        systems[system["content"]] = rendered([system], item.tools)
+        assert 32 <= len(tok.encode(user["content"], add_special_tokens=False)) <= 8 * 16 + 8
+    assert len(systems) == 4 and all(512 <= n <= 1024 + 64 for n in systems.values())
+    for agent in w["branching"]:
+        task, *branches = [ids(i) for i in agent[:5]]
+        fork = min(len(b) for b in branches)
+        shared = next(k for k in range(fork) if any(b[k] != branches[0][k] for b in branches))
+        assert len(task) < shared - 16 * 16  # the fork is past the task prompt's end, by the tool result
+    for name, groups in w.items():
+        rate = oracle(hybrid_reuse._with_ids(groups, ids), 4, 1024, 16, 8)["hit_rate"]
+        assert 0.5 < rate < 1.0, (name, rate)
+
+
 def test_repeated_runs_report_medians_with_the_same_fields_as_one_run():
     runs = [
         dict(

@@ -1016,3 +1016,23 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(cluster):
         path = "/tokenize" if "tokens" not in bad else "/detokenize"
         status, err = http_json(cluster["base"] + path, {**bad, "tokens": [10**9]} if path == "/detokenize" else bad)
         assert status == 400 and err["error"]["message"], err
+
+
+def test_grpc_returns_prompt_logprobs_and_logprobs_like_http(cluster):
+    """SamplingOptions.prompt_logprobs: the first Generate message and the Complete response carry the
+    prompt tokens' logprobs (from the second token), equal to the HTTP API's; Complete carries the output
+    tokens' logprobs too."""
+    ids = [5, 17, 200, 33, 90]
+    _, http = http_json(cluster["base"] + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 1})
+    want = [http["choices"][0]["prompt_logprobs"][i][str(t)]["logprob"] for i, t in enumerate(ids) if i]
+    sampling = moray_pb2.SamplingOptions(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    req = moray_pb2.GenerateRequest(model="tiny", token_ids=moray_pb2.TokenIds(ids=ids), sampling=sampling)
+    with grpc_channel(cluster) as ch:
+        stub = moray_pb2_grpc.MorayStub(ch)
+        parts = list(stub.Generate(req, metadata=AUTH, timeout=120))
+        full = stub.Complete(req, metadata=AUTH, timeout=120)
+    for got in (parts[0].prompt_logprobs, full.prompt_logprobs):
+        assert [e.token_id for e in got] == ids[1:]
+        assert max(abs(e.logprob - w) for e, w in zip(got, want)) < 1e-5
+    assert all(not p.prompt_logprobs for p in parts[1:])
+    assert [e.token_id for e in full.logprobs] == list(full.token_ids) and len(full.logprobs) == 3
