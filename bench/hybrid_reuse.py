@@ -17,6 +17,8 @@ Workloads (chat requests, tools rendered by the model's chat template):
   is where no earlier prompt ended: only a branch point or the chat path's hint keeps a state there);
 - multi-turn: conversations of 4 turns over a short system prompt (the reuse that worked before).
 
+`engine_only`: the system-tools requests through each engine in-process, one at a time: TTFT without the
+server (on a small CPU machine the served TTFT is mostly the front end's and the other workers' time).
 Reported per engine and workload: prefix hit rate (the engines' cached tokens / prompt tokens) and against
 the oracle (`bench.routing.oracle`: routing that sees every cache exactly, on attention-only caches of the
 same size), TTFT p50/p99 (streamed), and the state bytes the workers held at the end (metrics). Targets:
@@ -159,6 +161,46 @@ def engine_settings(model: str, args, overrides: dict) -> dict:
     }
 
 
+def engine_ttft(models: dict, workloads: dict, ids, tokenizer, args) -> dict:
+    """The system-tools requests through one engine in this process, one at a time (max_tokens 1, the
+    system prompt's end as the hint, as the chat path sets it): time to the first token without the
+    server around it (on a small CPU machine the served TTFT is mostly the front end's and the other
+    workers' time), per engine."""
+    import statistics
+
+    from workers.engine import LLM, SamplingParams
+
+    items = [g[0] for g in workloads.get("system-tools", [])]
+    if not items:
+        return {}
+
+    def system_len(item: Item) -> int:
+        text = tokenizer.apply_chat_template(item.messages[:1], add_generation_prompt=False, tools=item.tools)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    prompts = [(ids(i), [system_len(i)]) for i in items]
+    out = {}
+    for name, (arch, overrides) in ENGINES.items():
+        settings = {k: v for k, v in engine_settings(models[arch], args, overrides).items() if k != "model"}
+        llm = LLM(models[arch], **settings)
+        latencies, cached = [], 0
+        for prompt, hint in prompts:
+            t0 = time.perf_counter()
+            cached += llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prefix_boundaries=hint))[0].num_cached_tokens
+            latencies.append(time.perf_counter() - t0)
+        latencies.sort()
+        out[name] = {
+            "ttft_p50_s": statistics.median(latencies),
+            "ttft_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "hit_rate": cached / sum(len(p) for p, _ in prompts),
+        }
+        print(f"[engine {name}] system-tools TTFT p50 {out[name]['ttft_p50_s'] * 1000:.1f} ms", file=sys.stderr, flush=True)
+        del llm
+    if "hybrid" in out and "hybrid-step-ends" in out:
+        out["ttft_p50_speedup_vs_step_ends"] = out["hybrid-step-ends"]["ttft_p50_s"] / out["hybrid"]["ttft_p50_s"]
+    return out
+
+
 def state_bytes(url: str) -> float:
     """The state bytes every worker's snapshots hold (moray_state_snapshot_bytes, summed)."""
     total = 0.0
@@ -229,6 +271,7 @@ def run(args) -> int:
         },
         "engines": {},
     }
+    result["engine_only"] = engine_ttft(models, workloads, ids["qwen3_5_moe"], tokenizers["qwen3_5_moe"], args)
     port = start_ray()
     try:
         for name, (arch, overrides) in ENGINES.items():
