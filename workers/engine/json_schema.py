@@ -17,6 +17,11 @@ rewrite soundly is left for the engine to refuse, by keyword:
   its name matches;
 - `not: {"required": [...]}`: those properties left out; other `not`s are refused.
 
+- what is still out of reach (`not` of a pattern, `contains`, `unevaluatedProperties`, ...) is pruned
+  where the schema lets it go: an optional property whose schema uses it is left out, an `anyOf` branch
+  dropped, an array's items forbidden when it may be empty, a pattern or additional property forbidden
+  (only where it is required, or the whole document, is the schema refused).
+
 Each rewrite narrows what the model may write, never widens it. `oneOf` stays `oneOf` (the engine
 refuses branches it cannot prove disjoint): treating it as `anyOf` would let through outputs valid for
 two branches, which the schema forbids.
@@ -36,11 +41,14 @@ _LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def enforceable(schema: Any) -> Any:
-    """A copy of `schema` with the sound rewrites above applied to every subschema."""
+def enforceable(schema: Any, prune_one_of: bool = False) -> Any:
+    """A copy of `schema` with the sound rewrites above applied to every subschema. `prune_one_of`: also
+    prune, like what is out of reach, every `oneOf` not proved disjoint here (for when the grammar engine
+    cannot prove it either)."""
     out = copy.deepcopy(schema)
     _walk(out)
     _walk_one_ofs(out, out)
+    _Pruner(out, prune_one_of).fix(out)
     return out
 
 
@@ -351,3 +359,87 @@ def _disjoint(type_sets: list[frozenset[str]]) -> bool:
             return False
         seen |= types
     return True
+
+
+# ---------------------------------------------------------------- pruning what stays out of reach
+
+# What llguidance refuses once the rewrites above are done.
+_OUT_OF_REACH = frozenset(
+    {
+        "not",
+        "contains",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "if",
+        "then",
+        "else",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "uniqueItems",
+        "propertyNames",
+    }
+)
+
+
+class _Pruner:
+    """Leaves out of the schema the parts that use keywords out of reach, where the schema allows it (the
+    module docstring); `fix(node)` is False when `node` itself must go (its parent decides)."""
+
+    def __init__(self, root: Any, prune_one_of: bool = False):
+        self.root = root
+        self.prune_one_of = prune_one_of
+        self.refs: dict[str, bool] = {}
+
+    def fix(self, node: Any) -> bool:
+        if not isinstance(node, dict):
+            return True
+        if _OUT_OF_REACH & set(node) or (self.prune_one_of and "oneOf" in node):
+            return False
+        ok = self._properties(node) and self._items(node) and self._branches(node) and self._ref(node)
+        for key in ("$defs", "definitions"):
+            for sub in (node.get(key) or {}).values():
+                self.fix(sub)  # pruned inside where possible; a $ref to one that must go decides at the $ref
+        return ok
+
+    def _properties(self, node: dict) -> bool:
+        required = set(node.get("required") or [])
+        for name, sub in list((node.get("properties") or {}).items()):
+            if not self.fix(sub):
+                if name in required:
+                    return False
+                node["properties"][name] = False
+        for pattern, sub in list((node.get("patternProperties") or {}).items()):
+            if not self.fix(sub):
+                node["patternProperties"][pattern] = False
+        if isinstance(node.get("additionalProperties"), dict) and not self.fix(node["additionalProperties"]):
+            node["additionalProperties"] = False
+        return True
+
+    def _items(self, node: dict) -> bool:
+        items = node.get("items")
+        if isinstance(items, dict) and not self.fix(items):
+            if node.get("minItems", 0) > 0:
+                return False
+            node["maxItems"] = 0
+        elif isinstance(items, list) and not all(self.fix(i) for i in items):
+            return False
+        return all(self.fix(i) for i in node.get("prefixItems") or [])
+
+    def _branches(self, node: dict) -> bool:
+        if isinstance(node.get("anyOf"), list):
+            kept = [b for b in node["anyOf"] if self.fix(b)]
+            if not kept:
+                return False
+            node["anyOf"] = kept
+        return all(self.fix(b) for key in ("allOf", "oneOf") for b in node.get(key) or [])
+
+    def _ref(self, node: dict) -> bool:
+        ref = node.get("$ref")
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return True
+        if ref not in self.refs:
+            self.refs[ref] = True  # a recursive schema: assume fine while in progress
+            target = _resolve(self.root, ref)
+            self.refs[ref] = target is None or self.fix(target)
+        return self.refs[ref]

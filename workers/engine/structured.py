@@ -112,6 +112,10 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()
         grammar = _grammar_text(llg, spec)
         error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error and spec.kind == "json" and refused_keyword(error) == "oneOf":
+            # A oneOf neither side proved disjoint: pruned where the schema lets it go, and tried again.
+            grammar = _grammar_text(llg, spec, prune_one_of=True)
+            error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             keyword = refused_keyword(error) if spec.kind == "json" else None
             if keyword:
@@ -143,11 +147,11 @@ class GrammarCompiler:
         return mask
 
 
-def _grammar_text(llg, spec: StructuredOutputs) -> str:
+def _grammar_text(llg, spec: StructuredOutputs, prune_one_of: bool = False) -> str:
     try:
         if spec.kind == "json":
             try:
-                schema = enforceable(json.loads(spec.value))
+                schema = enforceable(json.loads(spec.value), prune_one_of)
             except Unenforceable as e:
                 raise GrammarError(f"json_schema cannot be enforced exactly: {e}") from None
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
