@@ -61,6 +61,25 @@ def test_greedy_generate_equals_transformers(family, tmp_path):
         assert out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_prompt_logprobs_equal_transformers_log_softmax(family, tmp_path):
+    """prompt_logprobs (echo's and vLLM's field): each prompt token's logprob given the ones before it
+    equals transformers' log-softmax to 1e-4, for prompts whose forward is padded to a power of two (5 ->
+    16, 23 -> 32 positions: one compile per bucket) and one exactly a power of two long."""
+    d = save_hf_checkpoint(tmp_path / family, family, **FAMILIES[family])
+    llm = LLM(str(d), **ENGINE_ARGS)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    for prompt in ([3, 17, 42, 5, 88], list(range(1, 24)), list(range(2, 34))):
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i, t in enumerate(prompt[1:], start=1):
+            assert abs(out.prompt_logprobs[i][t].logprob - float(ref[i - 1, t])) < 1e-4, (i, t)
+            top = sorted(out.prompt_logprobs[i].items(), key=lambda kv: kv[1].rank)
+            assert top[0][1].rank == 1 and abs(top[0][1].logprob - float(ref[i - 1].max())) < 1e-4
+
+
 def test_sliding_window_generation_matches_transformers_forward(tmp_path):
     """With a sliding window, transformers' own `generate` drifts from its full forward once the
     sequence is past the window (its sliding cache); the model definition is the full forward, so the

@@ -656,7 +656,10 @@ class EngineCore:
         """Logprobs of each prompt token given its prefix, from a contiguous forward over the prompt."""
         from workers.models import prompt_logits
 
-        logits = prompt_logits(self.model, [prompt])[0]
+        # Padded to a power of two (at least 16, at most max_model_len): a compile per length bucket, not
+        # per prompt length (lm-eval's scoring requests all differ in length).
+        bucket = min(max(16, 1 << (len(prompt) - 1).bit_length()), max(self.max_model_len, len(prompt)))
+        logits = prompt_logits(self.model, [prompt], pad_to=bucket)[0]
         return prompt_logprobs(logits, prompt, k)
 
     # ---------------------------------------------------------------- warm-up

@@ -165,17 +165,20 @@ def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]]) -> None:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def prompt_logits(model: LoadedModel, rows: Sequence[Sequence[int]]) -> np.ndarray:
-    """float32 logits [batch, max_len, vocab] of each prompt; rows shorter than max_len are NaN-padded."""
+def prompt_logits(model: LoadedModel, rows: Sequence[Sequence[int]], pad_to: int | None = None) -> np.ndarray:
+    """float32 logits [batch, max_len, vocab] of each prompt; rows shorter than max_len are NaN-padded.
+    `pad_to`: run at least this many positions (fewer shapes to compile; the model is causal, so
+    positions past a row's end change nothing before it), returning only the rows' own."""
     check_token_ids(model.cfg, rows)
-    max_len = max(len(r) for r in rows)
+    longest = max(len(r) for r in rows)
+    max_len = max(longest, pad_to or 0)
     batch = -(-len(rows) // model.data_parallel_size) * model.data_parallel_size  # whole rows per group
     tokens = np.zeros((batch, max_len), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
     positions = np.broadcast_to(np.arange(max_len, dtype=np.int32), tokens.shape)
     logits, _ = model.step(tokens, positions, model.new_cache(batch, max_len))
-    out = host_array(logits)[: len(rows)].astype(np.float32)
+    out = host_array(logits)[: len(rows), :longest].astype(np.float32)
     for i, r in enumerate(rows):
         out[i, len(r) :] = np.nan
     return out
