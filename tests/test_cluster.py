@@ -274,6 +274,29 @@ def test_cancelled_stream_frees_kv_on_both_workers(cluster):
     assert len(stats) == 2 and idle(stats), stats
 
 
+def test_a_cut_stream_of_several_choices_stops_every_choice(cluster):
+    """A client that leaves a stream of 2 prompts x n=2 after its first chunks: all four engine requests
+    end, and both pools give back every block (the merged stream cancels each choice's stream)."""
+
+    async def start_and_cancel():
+        c = openai.AsyncOpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0)
+        stream = await c.completions.create(
+            model="tiny", prompt=[PROMPT * 3, PROMPT * 4], n=2, max_tokens=60, temperature=1.0, stream=True, extra_body={"ignore_eos": True}
+        )
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 4:
+                break
+        await stream.close()
+        await c.close()
+        return got
+
+    assert asyncio.run(start_and_cancel()) == 4
+    stats = wait_for_idle_workers("disagg")
+    assert len(stats) == 2 and idle(stats), stats
+
+
 # ---------------------------------------------------------------------------------------- gRPC
 
 

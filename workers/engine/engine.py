@@ -231,7 +231,9 @@ class EngineCore:
         if resumed:
             self._validate_resume(prompt, resumed, params, kv_import)
         request = Request(request_id, prompt, params, hold_kv=hold_kv, session_id=session_id)
-        wants_prompt_logprobs = params.prompt_logprobs is not None and not resumed  # sent with the first delta already
+        # Sent with the first delta already: by the engine the request was migrated from, or by the prefill
+        # worker whose KV it imports.
+        wants_prompt_logprobs = params.prompt_logprobs is not None and not resumed and kv_import is None
         prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs) if wants_prompt_logprobs else None
         self.outputs.add(request_id, params, prompt_logprobs)
         if resumed:
