@@ -268,6 +268,7 @@ class Frontend:
                 choice["logprobs"] = oa.completion_logprobs([self.detok(t) for t in tokens], logprobs, tokens, self.detok)
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = oa.vllm_prompt_logprobs(c.prompt_logprobs, self.detok)
+            self._explain_violation(choice, r, text)
             choices.append(choice)
         generated = {r.index: 0 if r.score_only else len(got[r.index].tokens) for r in reqs}
         cached = {r.index: got[r.index].last.num_cached_tokens for r in reqs}
@@ -296,6 +297,7 @@ class Frontend:
                     message["tool_calls"] = [call.openai() for call in calls]
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choice = {"index": r.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+            self._explain_violation(choice, r, "".join(c.text))
             if body.logprobs:
                 choice["logprobs"] = oa.chat_logprobs(c.tokens, c.logprobs, body.top_logprobs or 0, self.detok)
             choices.append(choice)
@@ -315,6 +317,12 @@ class Frontend:
         if body.prompt_logprobs is not None:  # vLLM: one prompt, so once per response
             out["prompt_logprobs"] = oa.vllm_prompt_logprobs(got[reqs[0].index].prompt_logprobs, self.detok)
         return out
+
+    def _explain_violation(self, choice: dict, req: PreparedRequest, text: str) -> None:
+        """finish_reason schema_violation (structured_coerce_one_of let through an output the schema as sent
+        refuses): the choice says why."""
+        if choice["finish_reason"] == "schema_violation":
+            choice["schema_violation"] = self.pipeline.validator.grammars.violation(req.params.structured, text)
 
     async def _sse(self, reqs: list[PreparedRequest], body, api_name: str, make_choice, obj: str):
         """The SSE events of every choice, interleaved as their tokens come. `make_choice(req)` gives the

@@ -94,6 +94,11 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
+    # SGLang's fields, which sglang-router adds to every request it forwards (at these values).
+    "no_stop_trim": (False,),
+    "return_hidden_states": (False,),
+    "separate_reasoning": (True,),  # reasoning is split out (cluster/reasoning.py)
+    "stream_reasoning": (True,),
 }
 # add_special_tokens: the default of each endpoint (a completions prompt gets the BOS/EOS the tokenizer
 # adds; a chat prompt's come from its template).

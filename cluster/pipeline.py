@@ -92,6 +92,7 @@ class RequestPipeline:
             max_body_bytes=config.server.max_body_bytes,
             max_prompt_tokens=config.server.max_prompt_tokens,
             tool_call_parser=config.server.tool_call_parser,
+            coerce_one_of=engine.structured_coerce_one_of,
         )
         self.metrics = FrontendMetrics(model_name=self.model_name, max_model_len=self.max_model_len)
         self.registry = RegistryClient(registry_handle)

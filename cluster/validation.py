@@ -206,6 +206,7 @@ class RequestValidator:
         max_prompt_tokens: int | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         tool_call_parser: str = "auto",
+        coerce_one_of: bool = False,
     ):
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -219,7 +220,7 @@ class RequestValidator:
         # Structured outputs are compiled here too, so a spec the engine cannot compile is a 400 before
         # anything reaches a worker (the workers compile again, from their own cache).
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos, coerce_one_of)
 
     # ---------------------------------------------------------------- size and model
 

@@ -208,3 +208,30 @@ def test_real_world_schemas_are_accepted_or_refused_naming_the_keyword(corpus, c
     kinds = [n for n in corpus if n.startswith("kubernetes/")]
     assert not [k for k in refused if k.startswith("kubernetes")], refused
     assert len(kinds) >= 100
+
+
+def test_coerce_one_of_is_opt_in_and_every_finished_output_is_checked(tiny):
+    """A oneOf whose branches overlap at the root (nothing to prune) is refused by default; with
+    structured_coerce_one_of it is enforced as anyOf, and each finished output is checked against the
+    schema as sent: finish_reason "stop" only for outputs that validate, "schema_violation" for those that
+    match both branches (the tiny model writes {} and the like often)."""
+    schema = {
+        "oneOf": [
+            {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "additionalProperties": False},
+            {"type": "object", "properties": {"b": {"type": "boolean"}}, "additionalProperties": False},
+        ]
+    }
+    spec = StructuredOutputs.from_fields(json_schema=schema)
+    with pytest.raises(GrammarError, match="oneOf"):
+        LLM(model=str(tiny), **ENGINE).generate([[5, 6]], SamplingParams(max_tokens=40, structured=spec))
+    llm = LLM(model=str(tiny), structured_coerce_one_of=True, **ENGINE)
+    outs = llm.generate(
+        [[7, i, 9] for i in range(24)], [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=spec) for i in range(24)]
+    )
+    reasons = Counter(o.finish_reason for o in outs)
+    for out in outs:
+        if out.finish_reason == "stop":
+            VALIDATOR(schema).validate(json.loads(out.text))
+        elif out.finish_reason == "schema_violation":
+            assert not VALIDATOR(schema).is_valid(json.loads(out.text))
+    assert reasons["schema_violation"] > 0, reasons  # {} matches both branches

@@ -169,6 +169,20 @@ def test_unknown_top_level_fields_are_refused_by_name_documented_ones_are_not(va
     assert check(validator, {**body, **ignored, **defaults}).params.max_tokens == 2
 
 
+def test_what_sglang_router_forwards_is_accepted(validator):
+    """sglang-router 0.3.2 adds SGLang's fields to every request it forwards (captured bodies): accepted at
+    those values (found by `bench routing --peer sglang-router` once unknown fields were refused)."""
+    completion(
+        validator,
+        {**GOOD, "echo": False, "no_stop_trim": False, "ignore_eos": True, "skip_special_tokens": True, "return_hidden_states": False},
+    )
+    extra = {"no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True}
+    chat(
+        validator, {**CHAT, "logprobs": False, **extra, "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False}
+    )
+    assert refused(chat, validator, {**CHAT, "no_stop_trim": True}).param == "no_stop_trim"
+
+
 def test_batched_prompts_n_and_scoring_requests(validator):
     """A list of prompts is one Checked each (echo texts kept); max_tokens 0 scores the prompt: only with
     echo, one engine token nobody sees, prompt logprobs as many as asked; n is bounded."""

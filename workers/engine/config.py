@@ -173,6 +173,12 @@ class EngineConfig(BaseModel):
         description="device bytes for state snapshots (prefix caching of hybrid models), taken out of kv_cache_memory_bytes: "
         "as many snapshots as fit, the KV pool gets the rest; instead of state_snapshots",
     )
+    structured_coerce_one_of: bool = Field(
+        default=False,
+        description="JSON schemas: a oneOf whose branches may overlap (refused otherwise) is enforced as anyOf, llguidance's "
+        "coerce_one_of; not sound (an output may match two branches), so each finished output is checked against the "
+        "schema as sent and a violation is reported (finish_reason schema_violation), never returned as valid",
+    )
     state_keep_points: Literal["shared", "step-ends"] = Field(
         default="shared",
         description="where a hybrid model's prefill keeps states: shared = also at branch points (a prefix another prompt "

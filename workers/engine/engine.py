@@ -107,7 +107,7 @@ class EngineCore:
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config.model)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
-        self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids, config.structured_coerce_one_of)
         self.max_model_len = config.max_model_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.grammars, self.max_model_len)
         # Hybrid models: one state's bytes size the snapshots (state_cache_memory_bytes takes them out of the

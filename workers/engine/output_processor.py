@@ -93,6 +93,8 @@ class OutputProcessor:
         if stop.finished:
             state.detokenizer.text = stop.text
             text = stop.text[len(before) :] if stop.text.startswith(before) else ""
+        if reason == "stop" and state.grammar is not None and self.grammars.violation(params.structured, state.detokenizer.text):
+            reason = "schema_violation"  # a relaxed (coerce_one_of) schema let through what the schema as sent refuses
         delta = TokenDelta(
             request.request_id,
             [token],

@@ -71,8 +71,10 @@ class GrammarState:
 class GrammarCompiler:
     """Turns `StructuredOutputs` specs into matchers for one tokenizer and logits width."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], coerce_one_of: bool = False):
         self._tokenizer_source = tokenizer
+        self.coerce_one_of = coerce_one_of
+        self.relaxed: set[StructuredOutputs] = set()  # specs compiled only with coerce_one_of: outputs need a check
         self.vocab_size = vocab_size
         self._eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
         self._ll_tokenizer = None
@@ -116,6 +118,12 @@ class GrammarCompiler:
             # A oneOf neither side proved disjoint: pruned where the schema lets it go, and tried again.
             grammar = _grammar_text(llg, spec, prune_one_of=True)
             error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error and spec.kind == "json" and refused_keyword(error) == "oneOf" and self.coerce_one_of:
+            grammar = _grammar_text(llg, spec, coerce_one_of=True)  # not sound: `violation` checks the outputs
+            error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+            if not error:
+                with self._lock:
+                    self.relaxed.add(spec)
         if error:
             keyword = refused_keyword(error) if spec.kind == "json" else None
             if keyword:
@@ -126,6 +134,21 @@ class GrammarCompiler:
             while len(self._grammars) > _CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def violation(self, spec: StructuredOutputs | None, text: str) -> str | None:
+        """For an output finished under a relaxed (coerce_one_of) schema: why it does not validate against
+        the schema as sent, or None when it does (and for every other spec, which is enforced exactly)."""
+        if spec is None or spec not in self.relaxed:
+            return None
+        import jsonschema
+
+        try:
+            instance = json.loads(text)
+        except ValueError as e:
+            return f"the output is not JSON ({e})"
+        schema = json.loads(spec.value)
+        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(instance))
+        return None if error is None else f"the output does not match the schema: {error.message[:300]}"
 
     def new_state(self, spec: StructuredOutputs) -> GrammarState:
         llg = self._llguidance()
@@ -147,14 +170,15 @@ class GrammarCompiler:
         return mask
 
 
-def _grammar_text(llg, spec: StructuredOutputs, prune_one_of: bool = False) -> str:
+def _grammar_text(llg, spec: StructuredOutputs, prune_one_of: bool = False, coerce_one_of: bool = False) -> str:
     try:
         if spec.kind == "json":
             try:
                 schema = enforceable(json.loads(spec.value), prune_one_of)
             except Unenforceable as e:
                 raise GrammarError(f"json_schema cannot be enforced exactly: {e}") from None
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+            options = {**_JSON_OPTIONS, "coerce_one_of": True} if coerce_one_of else _JSON_OPTIONS
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         if spec.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
         if spec.kind == "regex":
