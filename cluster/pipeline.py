@@ -76,6 +76,27 @@ def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
     return params.model_copy(update={"seed": params.seed + j})
 
 
+def _choices(kind: str, batch: list[validation.Checked], n: int, session: str | None) -> list[PreparedRequest]:
+    """The engine requests of one client request: `n` samples of each checked prompt, numbered as OpenAI
+    numbers choices (prompt i, sample j: i * n + j), all answering under the first one's id."""
+    public = oa.new_id(kind)
+    return [
+        PreparedRequest(
+            f"{public}-{index}" if index else public,
+            c.prompt,
+            _nth_sample(c.params, index % n),
+            session,
+            reasoning=c.reasoning,
+            tool_format=c.tool_format,
+            index=index,
+            echo=c.echo,
+            score_only=c.score_only,
+            public_id=public,
+        )
+        for index, c in enumerate(c for c in batch for _ in range(n))
+    ]
+
+
 class RequestPipeline:
     def __init__(self, config: ClusterConfig, prefill_handle, decode_handle, registry_handle, channel_id: str):
         self.config = config
@@ -222,38 +243,11 @@ class RequestPipeline:
         batch = await self.validator.completion(body)
         if len(batch) * body.n > oa.MAX_CHOICES:
             raise oa.APIError(400, f"{len(batch)} prompts x n={body.n} is more than {oa.MAX_CHOICES} choices", param="n")
-        public = oa.new_id("cmpl")
-        return [
-            PreparedRequest(
-                f"{public}-{i}" if i else public,
-                c.prompt,
-                _nth_sample(c.params, j),
-                session or body.user,
-                index=i,
-                echo=c.echo,
-                score_only=c.score_only,
-                public_id=public,
-            )
-            for i, (c, j) in enumerate((c, j) for c in batch for j in range(body.n))
-        ]
+        return _choices("cmpl", batch, body.n, session or body.user)
 
     async def prepare_chat(self, body: oa.ChatCompletionRequest, session: str | None) -> list[PreparedRequest]:
         """One engine request per choice (`n`)."""
-        c = await self.validator.chat(body)
-        public = oa.new_id("chatcmpl")
-        return [
-            PreparedRequest(
-                f"{public}-{j}" if j else public,
-                c.prompt,
-                _nth_sample(c.params, j),
-                session or body.user,
-                reasoning=c.reasoning,
-                tool_format=c.tool_format,
-                index=j,
-                public_id=public,
-            )
-            for j in range(body.n)
-        ]
+        return _choices("chatcmpl", [await self.validator.chat(body)], body.n, session or body.user)
 
     async def prepare_grpc(self, request) -> PreparedRequest:
         """`request`: the wire bytes (cluster.grpc_service) or a parsed GenerateRequest."""
