@@ -161,7 +161,7 @@ def engine_settings(model: str, args, overrides: dict) -> dict:
     }
 
 
-def engine_ttft(models: dict, workloads: dict, ids, tokenizer, args) -> dict:
+def engine_ttft(models: dict, workloads: dict, ids, render_len, args) -> dict:
     """The system-tools requests through one engine in this process, one at a time (max_tokens 1, the
     system prompt's end as the hint, as the chat path sets it): time to the first token without the
     server around it (on a small CPU machine the served TTFT is mostly the front end's and the other
@@ -174,11 +174,7 @@ def engine_ttft(models: dict, workloads: dict, ids, tokenizer, args) -> dict:
     if not items:
         return {}
 
-    def system_len(item: Item) -> int:
-        text = tokenizer.apply_chat_template(item.messages[:1], add_generation_prompt=False, tools=item.tools)
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    prompts = [(ids(i), [system_len(i)]) for i in items]
+    prompts = [(ids(i), [render_len(i.messages[:1], i.tools)]) for i in items]  # the system prompt's end: the hint
     out = {}
     for name, (arch, overrides) in ENGINES.items():
         settings = {k: v for k, v in engine_settings(models[arch], args, overrides).items() if k != "model"}
@@ -271,7 +267,7 @@ def run(args) -> int:
         },
         "engines": {},
     }
-    result["engine_only"] = engine_ttft(models, workloads, ids["qwen3_5_moe"], tokenizers["qwen3_5_moe"], args)
+    result["engine_only"] = engine_ttft(models, workloads, ids["qwen3_5_moe"], render_len, args)
     port = start_ray()
     try:
         for name, (arch, overrides) in ENGINES.items():
