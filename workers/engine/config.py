@@ -140,6 +140,38 @@ def available_host_memory() -> int:
     return max(0, available)
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (`workers/engine/speculative.py`), under vLLM's `speculative_config` names: a
+    proposer guesses up to `num_speculative_tokens` next tokens and one target step verifies them all."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = Field(
+        default="ngram",
+        description="ngram: prompt lookup (the longest suffix of the sequence seen earlier in it proposes what followed it); "
+        "draft and mtp are not implemented yet",
+    )
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16, description="most tokens proposed per request and step")
+    prompt_lookup_min: int = Field(default=1, ge=1, description="ngram: shortest suffix matched")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="ngram: longest suffix matched")
+    disable_by_batch_size: int | None = Field(
+        default=None, ge=1, description="no proposals while this many requests or more run (speculation stops paying)"
+    )
+    min_acceptance: float = Field(
+        default=0.15,
+        ge=0,
+        le=1,
+        description="a request whose recent drafts were accepted less than this often proposes one token at a time until "
+        "its acceptance recovers",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative: prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -211,6 +243,8 @@ class EngineConfig(BaseModel):
         "thread (a step needing one not compiled yet compiles it first); off: all before serving",
     )
     compilation_cache_dir: str | None = DEFAULT_COMPILE_CACHE
+
+    speculative: SpeculativeConfig | None = Field(default=None, description="speculative decoding; off unless set")
 
     worker_id: str = "worker-0"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

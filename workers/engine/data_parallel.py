@@ -158,10 +158,18 @@ class DataParallelKVCacheManager:
             return None
         return [BlockCopy(c.src + offset, c.dst + offset) for c in copies]
 
-    def plan_step(self, request: Request, start: int, num_new_tokens: int):
+    def plan_step(self, request: Request, start: int, num_new_tokens: int, num_spec: int = 0):
         """Rank-local directions (hybrid: rank-local state slots, as the runner lays each rank out)."""
         with self._on_rank(request) as (manager, _):
-            return manager.plan_step(request, start, num_new_tokens)
+            return manager.plan_step(request, start, num_new_tokens, num_spec)
+
+    def can_speculate(self, request: Request) -> bool:
+        with self._on_rank(request) as (manager, _):
+            return manager.can_speculate(request)
+
+    def verified(self, request: Request, num_accepted: int, num_drafted: int) -> None:
+        with self._on_rank(request) as (manager, _):
+            manager.verified(request, num_accepted, num_drafted)
 
     def chunk_tokens(self, request: Request, start: int, num_new_tokens: int) -> int:
         with self._on_rank(request) as (manager, _):
@@ -266,27 +274,36 @@ class DataParallelRunner(ModelRunner):
             raise ValueError(f"{seqs_per_rank.max()} sequences on one rank exceed the bucket's {s} slots")
         p = pick_bucket(self.page_buckets, max(len(x.request.block_ids) for x in out.scheduled))
         inputs = self.dummy_inputs(n, p)
-        inputs.logits_indices = np.zeros((self.dp * s,), np.int32)
+        inputs.logits_indices = np.zeros((self.dp * self.logits_rows_for(n),), np.int32)
         offset, seq = np.zeros(self.dp, np.int64), np.zeros(self.dp, np.int64)
-        for row, (item, r) in enumerate(zip(out.scheduled, ranks)):
+        row = 0
+        for item, r in zip(out.scheduled, ranks):
             req, k, start = item.request, item.num_new_tokens, item.start
             i, o = seq[r], offset[r]
             pos = np.arange(start, start + k, dtype=np.int32)
             blocks = np.asarray(req.block_ids, np.int32) - r * self.blocks_per_rank
-            inputs.put_tokens(r, o, req, start, k, prev_tokens)
+            inputs.put_tokens(r, o, req, start, k - item.num_spec, prev_tokens)
+            if item.num_spec:  # drafts after the known tokens (speculative decoding)
+                inputs.tokens[r, o + k - item.num_spec : o + k] = item.drafts
             inputs.positions[r, o : o + k] = pos
             inputs.slot_mapping[r, o : o + k] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             inputs.kv_lens[r, i] = start + k
             inputs.page_indices[r, i, : len(blocks)] = blocks
             inputs.cu_q_lens[r, i + 1 :] = o + k
-            inputs.logits_indices[row] = r * n + o + k - 1  # a row of the flattened [dp * n] batch
+            # Rows of the flattened [dp * n] batch: the last token's, and each draft's before it.
+            inputs.logits_rows.append(row)
+            inputs.logits_indices[row : row + item.num_spec + 1] = r * n + o + k - 1 - np.arange(item.num_spec, -1, -1)
+            row += item.num_spec + 1
             if self.num_state_slots:  # rank-local slots (the DP manager plans each rank locally)
                 st = item.cache_step
                 inputs.state_slots[r, i] = st.slot
+                offset_slots = r * self.slots_per_rank
                 if st.init != KEEP:  # set up before the step, by global slot id
-                    offset_slots = r * self.slots_per_rank
                     src = st.init if st.init < 0 else st.init + offset_slots
                     inputs.state_inits.append((st.slot + offset_slots, src))
+                if st.backup >= 0:  # speculative decoding's backup, from the init's source if any
+                    src = st.slot + offset_slots if st.init == KEEP else (st.init if st.init < 0 else st.init + offset_slots)
+                    inputs.state_inits.append((st.backup + offset_slots, src))
                 inputs.snap_slots[r, i], inputs.snap_lens[r, i] = st.snap_slot, st.snap_len
             offset[r], seq[r] = o + k, i + 1
         inputs.num_seqs[:, 0] = seq
@@ -303,7 +320,7 @@ class DataParallelRunner(ModelRunner):
             page_indices=np.zeros((dp, s, p), np.int32),
             cu_q_lens=np.zeros((dp, s + 1), np.int32),
             num_seqs=np.zeros((dp, 1), np.int32),
-            logits_indices=np.zeros((dp * s,), np.int32),
+            logits_indices=np.zeros((dp * self.logits_rows_for(n),), np.int32),
         )
         if self.num_state_slots:
             inputs.state_slots = np.zeros((dp, s), np.int32)

@@ -32,8 +32,9 @@ from .runner import ModelRunner, kv_bytes_per_block, state_bytes_per_sequence
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .speculative import Speculator, accepted_length
 from .state_cache import HybridCacheManager
-from .structured import GrammarCompiler, ids_bitmask
+from .structured import GrammarCompiler, GrammarState, ids_bitmask
 
 log = logging.getLogger("moray.engine")
 
@@ -71,11 +72,13 @@ class StagedKV:
 
 @dataclass
 class _InFlight:
-    """A launched step: the requests it samples a token for (row j = requests[j]) and the sampled arrays,
-    still on the device."""
+    """A launched step: the requests it samples for, each from its first row `rows[j]` of the sampled
+    arrays (still on the device) over 1 + len(drafts[j]) rows (speculative decoding verifies the drafts)."""
 
     requests: list[Request]
     sampled: dict
+    rows: list[int]
+    drafts: list[list[int]]
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -168,6 +171,7 @@ class EngineCore:
         if config.host_kv.enabled and not isinstance(getattr(self.kv, "host", None), HostKVTier):
             raise ValueError("host_kv: the host KV tier is not supported yet with data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.speculator = self._speculator(config)
         self._finished_outside_step: list[TokenDelta] = []
         self._step_counter = 0
         self._inflight: _InFlight | None = None  # the step launched last, whose outputs are not read yet
@@ -526,6 +530,9 @@ class EngineCore:
         deltas, self._finished_outside_step = self._finished_outside_step, []
         if self._inflight is not None and self._needs_pending_tokens():
             deltas += self._process(self._take_inflight())
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
+            self._fit_drafts_to_grammars()
         return deltas
 
     def _schedule(self) -> SchedulerOutput:
@@ -548,7 +555,10 @@ class EngineCore:
     def _needs_pending_tokens(self) -> bool:
         """Whether planning the next step needs tokens the step in flight is still sampling: penalties count
         every output token, a grammar's next mask follows from the last token, and a hybrid model names the
-        snapshot at a block's end by the block's tokens."""
+        snapshot at a block's end by the block's tokens. Speculative decoding proposes from the last token
+        and places the next step's positions by how many drafts were accepted: it always needs them."""
+        if self.speculator is not None:
+            return True
         return any(
             r.num_pending_outputs
             and (
@@ -568,17 +578,23 @@ class EngineCore:
         """Dispatches the step's program and its sampling, and returns without waiting for either."""
         self.runner.copy_blocks(sched.block_copies)
         prev = self._inflight.sampled.get("token_ids") if self._inflight is not None else None
-        logits = self.runner.run(self.runner.prepare(sched, prev))
-        rows = [i for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]
-        requests = [sched.scheduled[i].request for i in rows]
-        sampled = self._sample(logits, requests, rows) if rows else {}
+        inputs = self.runner.prepare(sched, prev)
+        logits = self.runner.run(inputs)
+        items = [(inputs.logits_rows[i], item) for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]
+        requests = [item.request for _, item in items]
+        drafts = [item.drafts for _, item in items]
+        logit_rows = [row + i for row, item in items for i in range(item.num_spec + 1)]
+        sampled = self._sample(logits, requests, drafts, logit_rows) if items else {}
         for item in sched.scheduled:
             self.scheduler.advance(item)
-        for j, request in enumerate(requests):
+        rows, j = [], 0
+        for request, d in zip(requests, drafts):
             request.num_pending_outputs += 1
-            request.pending_row = j
+            request.pending_row = j  # without drafts its one token's row (a draft's request waits for its tokens)
+            rows.append(j)
+            j += len(d) + 1
         self._step_counter += 1
-        return _InFlight(requests, sampled)
+        return _InFlight(requests, sampled, rows, drafts)
 
     def _process(self, inflight: _InFlight) -> list[TokenDelta]:
         """The step's sampled tokens on the host, appended to their requests (skipping requests that ended
@@ -587,32 +603,59 @@ class EngineCore:
             return []
         sampled = jax.device_get(inflight.sampled)
         deltas = []
-        for j, request in enumerate(inflight.requests):
+        for request, j, drafts in zip(inflight.requests, inflight.rows, inflight.drafts):
             request.num_pending_outputs -= 1
             if request.status.finished or not self.outputs.has(request.request_id):
                 continue
-            deltas.append(self._append_token(request, sampled, j))
+            if drafts:
+                deltas.append(self._verify(request, sampled, j, drafts))
+            else:
+                deltas.append(self._append_token(request, sampled, j))
         return deltas
 
-    def _sample(self, logits: jax.Array, requests: list[Request], rows: list[int]) -> dict:
+    def _verify(self, request: Request, sampled: dict, j: int, drafts: list[int]) -> TokenDelta:
+        """Speculative decoding: the drafts the target's draws confirm, then the first draw that differs
+        (or the bonus draw after the last draft), appended in order until one ends the request; one delta
+        for all of them."""
+        accepted = accepted_length(drafts, sampled["token_ids"][j : j + len(drafts)])
+        self.speculator.verified(request, len(drafts), accepted)
+        deltas = []
+        for i in range(accepted + 1):
+            deltas.append(self._append_token(request, sampled, j + i, finish=False))
+            if deltas[-1].finish_reason is not None:
+                # The tokens before the last have their KV (as a step-by-step decode would): their full
+                # blocks are cached before the request lets go of them.
+                request.num_computed_tokens += min(accepted, len(deltas) - 1)
+                self.kv.cache_full_blocks(request)
+                self._finish(request, deltas[-1])
+                return _merged(deltas)
+        self.scheduler.accept_drafts(request, accepted, len(drafts))
+        return _merged(deltas)
+
+    def _sample(self, logits: jax.Array, requests: list[Request], drafts: list[list[int]], logit_rows: list[int]) -> dict:
+        """Samples one token per request, or one per position of a request's drafts and one more: each row
+        as if the drafts before it were the request's tokens (its seeded draw, penalties and grammar
+        follow them), so a confirmed draft is exactly the token the request would have sampled there."""
         bucket = logits.shape[0]
         order = np.zeros((bucket,), np.int32)
-        order[: len(rows)] = rows
-        params = [r.sampling_params for r in requests]
+        order[: len(logit_rows)] = logit_rows
+        row_requests = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
+        row_drafts = [d[:i] for d in drafts for i in range(len(d) + 1)]
+        params = [r.sampling_params for r in row_requests]
         uses_penalties = any(p.uses_penalties for p in params)
         # The step's program is already dispatched: the grammar masks are computed while the device runs it.
-        grammars = [(j, self.outputs.grammar(r.request_id)) for j, r in enumerate(requests) if r.sampling_params.structured is not None]
+        grammars = self._row_grammars(row_requests, row_drafts)
         batch = build_sampling_batch(
             params,
-            [len(r.output_token_ids) + r.num_pending_outputs for r in requests],
+            [len(r.output_token_ids) + r.num_pending_outputs + len(d) for r, d in zip(row_requests, row_drafts)],
             bucket,
             logits.shape[1],
-            prompt_token_ids_list=[r.prompt_token_ids for r in requests] if uses_penalties else None,
-            output_token_ids_list=[r.output_token_ids for r in requests] if uses_penalties else None,
+            prompt_token_ids_list=[r.prompt_token_ids for r in row_requests] if uses_penalties else None,
+            output_token_ids_list=[r.output_token_ids + d for r, d in zip(row_requests, row_drafts)] if uses_penalties else None,
             step_seed=int(self._rng.integers(0, 2**63)),
             eos_token_ids=self.eos_token_ids,
             allowed_bitmask=self._allowed_bitmask(params, grammars, bucket),
-            extra_banned=self.outputs.bad_word_bans(requests),
+            extra_banned=self.outputs.bad_word_bans(row_requests),
         )
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
         out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
@@ -622,6 +665,40 @@ class EngineCore:
         for array in wanted.values():
             array.copy_to_host_async()
         return wanted
+
+    def _row_grammars(self, row_requests: list[Request], row_drafts: list[list[int]]) -> list:
+        """(row, grammar state) for each constrained row: the request's own state, or after a draft prefix a
+        copy advanced past it (the request's matcher only ever sees accepted tokens)."""
+        grammars, copy = [], None
+        for j, (r, d) in enumerate(zip(row_requests, row_drafts)):
+            if r.sampling_params.structured is None:
+                continue
+            state = self.outputs.grammar(r.request_id)
+            if not d:
+                grammars.append((j, state))
+                copy = None
+                continue
+            if copy is None:
+                copy = GrammarState(state.matcher.deep_copy())
+            copy.accept(d[-1])
+            grammars.append((j, GrammarState(copy.matcher.deep_copy())))
+        return grammars
+
+    def _fit_drafts_to_grammars(self) -> None:
+        """A constrained request's drafts end before the first token its grammar refuses (no row is sampled
+        under a grammar that has already failed)."""
+        for r in self.scheduler.running:
+            if r.spec_token_ids and r.sampling_params.structured is not None:
+                state = self.outputs.grammar(r.request_id)
+                if state is None:
+                    r.spec_token_ids = []
+                else:
+                    r.spec_token_ids = r.spec_token_ids[: state.matcher.validate_tokens(r.spec_token_ids)]
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        if config.speculative is None:
+            return None
+        return Speculator(config.speculative)
 
     def _allowed_bitmask(self, params: list[SamplingParams], grammars: list, bucket: int) -> np.ndarray | None:
         """The step's token bitmask: the grammars' masks, and allowed_token_ids; None when nothing is
@@ -634,9 +711,9 @@ class EngineCore:
             mask[j] &= ids_bitmask(ids, mask.shape[1])
         return mask
 
-    def _append_token(self, request: Request, sampled: dict, j: int) -> TokenDelta:
+    def _append_token(self, request: Request, sampled: dict, j: int, finish: bool = True) -> TokenDelta:
         """Row `j`'s token appended to its request; the output processor makes its delta, and a delta that
-        ends the request finishes it in the scheduler."""
+        ends the request finishes it in the scheduler (unless `finish` is off: the caller does)."""
         token = int(sampled["token_ids"][j])
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
@@ -649,10 +726,13 @@ class EngineCore:
             logprobs = {int(t): float(lp) for t, lp in zip(sampled["top_logprob_ids"][j][:k], sampled["top_logprobs"][j][:k])}
             logprobs[token] = float(sampled["token_logprob"][j])
         delta = self.outputs.append(request, token, logprobs)
-        if delta.finish_reason is not None:
-            status = RequestStatus.FINISHED_STOPPED if delta.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
-            self.scheduler.finish(request, status)
+        if delta.finish_reason is not None and finish:
+            self._finish(request, delta)
         return delta
+
+    def _finish(self, request: Request, delta: TokenDelta) -> None:
+        status = RequestStatus.FINISHED_STOPPED if delta.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+        self.scheduler.finish(request, status)
 
     def _prompt_logprobs(self, prompt: list[int], k: int):
         """Logprobs of each prompt token given its prefix, from a contiguous forward over the prompt."""
@@ -676,6 +756,25 @@ class EngineCore:
                 sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32))
 
         return self.runner.warmup(sample_variants, show_progress, background=self.config.background_compile and self.single_process)
+
+
+def _merged(deltas: list[TokenDelta]) -> TokenDelta:
+    """One request's deltas of one step as one (speculative decoding appends several tokens a step)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    first, last = deltas[0], deltas[-1]
+    logprobs = None if first.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+    return TokenDelta(
+        first.request_id,
+        [t for d in deltas for t in d.token_ids],
+        "".join(d.text for d in deltas),
+        last.num_output_tokens,
+        last.num_cached_tokens,
+        last.finish_reason,
+        logprobs,
+        first.prompt_logprobs,
+        first.queue_s,
+    )
 
 
 def load_engine_model(config: EngineConfig, show_progress: bool = True) -> LoadedModel:

@@ -253,7 +253,18 @@ class KVCacheManager:
         flight is still sampling. Never for attention-only models (block tables need no token ids)."""
         return False
 
-    def plan_step(self, request: Request, start: int, num_new_tokens: int) -> None:
+    def can_speculate(self, request: Request) -> bool:
+        """Whether the request's next step may carry drafts: always (rejected positions need nothing undone)."""
+        return True
+
+    def verified(self, request: Request, num_accepted: int, num_drafted: int) -> None:
+        """A verify step confirmed `num_accepted` of `num_drafted` drafts (already appended as output tokens):
+        their KV counts as computed; blocks holding only rejected positions go back to the pool."""
+        request.num_computed_tokens += num_accepted
+        self.cache_full_blocks(request)
+        self.trim(request)
+
+    def plan_step(self, request: Request, start: int, num_new_tokens: int, num_spec: int = 0) -> None:
         """Nothing beyond the block table: attention-only models need no per-step cache directions."""
         return None
 
@@ -274,6 +285,14 @@ class KVCacheManager:
             parent = request.block_hashes[i - 1] if i else ROOT_PARENT
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i], parent)
         self._num_cached_blocks[request.request_id] = max(done, full)
+
+    def trim(self, request: Request) -> None:
+        """Returns the blocks past the request's tokens to the pool (speculative decoding allocated them for
+        drafts that were rejected); they were never hashed, so nothing is published."""
+        keep = self.blocks_needed(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.release(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
         self.pool.release(request.block_ids, request.session_id)

@@ -52,6 +52,9 @@ class Request:
     # reads it there, on the device).
     num_pending_outputs: int = 0
     pending_row: int = -1
+    # Speculative decoding: the tokens proposed to follow it, verified by the next step (speculative.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_acceptance: float = 1.0  # recent share of its drafts accepted (an exponential average)
     _all_tokens: list[int] = field(default_factory=list, repr=False)
 
     @property

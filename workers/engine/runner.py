@@ -80,6 +80,8 @@ class StepInputs:
     # seen yet, its row in that step's sampled tokens (`prev_tokens`, on the device); -1 elsewhere.
     token_sources: np.ndarray | None = None  # i32, the shape of `tokens`
     prev_tokens: jax.Array | None = None
+    # The first logits row of each scheduled request (speculative decoding gives a request 1 + drafts rows).
+    logits_rows: list[int] = field(default_factory=list)
 
     def put_tokens(self, row: int, offset: int, request, start: int, k: int, prev_tokens: jax.Array | None) -> None:
         """Input tokens [start, start + k) of `request` at tokens[row, offset:]; a last one the host does
@@ -110,6 +112,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.max_num_seqs = config.max_num_seqs
+        # Speculative decoding: a sequence may need a logits row per draft plus one.
+        self.rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
         max_pages = math.ceil(max_model_len / config.block_size)
         self.token_buckets = config.token_buckets or powers_of_two_up_to(config.max_num_batched_tokens)
         self.page_buckets = config.page_buckets or powers_of_two_up_to(max_pages)
@@ -205,6 +209,11 @@ class ModelRunner:
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
 
+    def logits_rows_for(self, token_bucket: int) -> int:
+        """Logits rows of a step: one per sequence, or up to one per draft and one more with speculation
+        (never more than the step's tokens: each row is one token's)."""
+        return min(token_bucket, self.max_num_seqs * self.rows_per_seq)
+
     def prepare(self, out: SchedulerOutput, prev_tokens: jax.Array | None = None) -> StepInputs:
         """`prev_tokens`: the previous step's sampled tokens on the device, read for the input tokens the
         host does not have yet (asynchronous scheduling)."""
@@ -218,13 +227,15 @@ class ModelRunner:
         kv_lens = np.zeros((s,), np.int32)
         pages = np.zeros((s, p), np.int32)
         cu = np.zeros((s + 1,), np.int32)
-        logits_idx = np.zeros((s,), np.int32)
-        offset = 0
+        logits_idx = np.zeros((self.logits_rows_for(n),), np.int32)
+        offset = row = 0
         inputs = StepInputs(tokens, positions, slots, kv_lens, pages, cu, np.array([len(out.scheduled)], np.int32), logits_idx)
         bs = self.block_size
         for i, item in enumerate(out.scheduled):
             req, k, start = item.request, item.num_new_tokens, item.start
-            inputs.put_tokens(0, offset, req, start, k, prev_tokens)
+            inputs.put_tokens(0, offset, req, start, k - item.num_spec, prev_tokens)
+            if item.num_spec:  # drafts after the known tokens, a logits row at each of the last 1 + drafts
+                tokens[0, offset + k - item.num_spec : offset + k] = item.drafts
             if k == 1:  # decode: scalar writes, no temporary arrays
                 positions[0, offset] = start
                 slots[offset] = req.block_ids[start // bs] * bs + start % bs
@@ -236,7 +247,9 @@ class ModelRunner:
             pages[i, : len(req.block_ids)] = req.block_ids
             offset += k
             cu[i + 1] = offset
-            logits_idx[i] = offset - 1
+            inputs.logits_rows.append(row)
+            logits_idx[row : row + item.num_spec + 1] = np.arange(offset - item.num_spec - 1, offset)
+            row += item.num_spec + 1
         cu[len(out.scheduled) + 1 :] = offset
         if self.num_state_slots:
             self._prepare_states(inputs, out)
@@ -250,6 +263,8 @@ class ModelRunner:
             inputs.state_slots[i] = st.slot
             if st.init != KEEP:
                 inputs.state_inits.append((st.slot, st.init))
+            if st.backup >= 0:  # copied in the same program as the init: from the init's source if any
+                inputs.state_inits.append((st.backup, st.slot if st.init == KEEP else st.init))
             inputs.snap_slots[i], inputs.snap_lens[i] = st.snap_slot, st.snap_len
         inputs.decode_only = all(item.num_new_tokens == 1 for item in out.scheduled)
 
@@ -513,7 +528,8 @@ class ModelRunner:
 
     @property
     def init_buckets(self) -> list[int]:
-        return powers_of_two_up_to(max(self.max_num_seqs, 1))
+        # Speculative decoding adds a backup copy per sequence to its init.
+        return powers_of_two_up_to(max(self.max_num_seqs, 1) * (2 if self.rows_per_seq > 1 else 1))
 
     def gather_state_async(self, slot: int):
         """Dispatches the copy of one slot's state into fresh device arrays and returns them at once."""
@@ -546,7 +562,7 @@ class ModelRunner:
             page_indices=np.zeros((s, p), np.int32),
             cu_q_lens=np.zeros((s + 1,), np.int32),
             num_seqs=np.zeros((1,), np.int32),
-            logits_indices=np.zeros((s,), np.int32),
+            logits_indices=np.zeros((self.logits_rows_for(n),), np.int32),
         )
         if self.num_state_slots:
             self._empty_states(inputs)

@@ -30,11 +30,18 @@ class ScheduledRequest:
     # Per-sequence cache directions for the runner beyond block tables (a hybrid model's state slot and
     # snapshot: `state_cache.StateStep`); None for attention-only models. Opaque to the scheduler.
     cache_step: object | None = None
+    # Speculative decoding: the last `num_spec` of the step's tokens are the request's first drafts
+    # (`request.spec_token_ids`), verified by this step; they are not part of the request until accepted.
+    num_spec: int = 0
 
     @property
     def completes_known_tokens(self) -> bool:
         """True when this step reaches the end of the request's tokens, so it yields a sampled token."""
-        return self.start + self.num_new_tokens == self.request.num_scheduled_tokens
+        return self.start + self.num_new_tokens - self.num_spec == self.request.num_scheduled_tokens
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.request.spec_token_ids[: self.num_spec]
 
 
 @dataclass
@@ -118,6 +125,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -143,19 +151,27 @@ class Scheduler:
                 continue  # preempted while making room for an earlier request
             if self._ends_with_pending_token(request):
                 continue  # the token a step in flight samples is its last: nothing more to compute
-            n = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            known = request.num_scheduled_tokens - request.num_computed_tokens
+            # Drafts ride along a decode token when the budget has room for them.
+            num_spec = max(0, min(len(request.spec_token_ids), budget - known))
+            n = min(known, budget)
             n = self.kv.chunk_tokens(request, request.num_computed_tokens, n)
+            num_spec = num_spec if n == known and self.kv.can_speculate(request) else 0
             while True:
-                copies = self.kv.allocate(request, n)
+                copies = self.kv.allocate(request, n + num_spec)
                 if copies is not None:
                     break
+                if num_spec:  # short of blocks: drop the drafts before preempting anyone
+                    num_spec = 0
+                    continue
                 victim = self._victim_for(request)
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(self._scheduled(request, n))
+            out.scheduled.append(self._scheduled(request, n, num_spec))
+            n += num_spec
             out.block_copies += copies
             budget -= n
 
@@ -218,9 +234,9 @@ class Scheduler:
             return True
         return self.max_model_len is not None and request.num_scheduled_tokens >= self.max_model_len
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, n: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return ScheduledRequest(request, n, start, self.kv.plan_step(request, start, n))
+        return ScheduledRequest(request, n + num_spec, start, self.kv.plan_step(request, start, n + num_spec, num_spec), num_spec)
 
     def _blocks_being_computed(self) -> dict[int, list[Request]]:
         """block hash -> the running requests computing that full block (it is not cached yet)."""
@@ -242,7 +258,13 @@ class Scheduler:
         return any(self.kv.shares_pool(other, request) for other in others)  # data-parallel: its own rank's only
 
     def advance(self, scheduled: ScheduledRequest) -> None:
-        """Marks the step's tokens computed and registers blocks that became full in the prefix cache."""
+        """Marks the step's tokens computed and registers blocks that became full in the prefix cache.
+        Drafts count once accepted (`accept_drafts`)."""
         request = scheduled.request
-        request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
+        request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens - scheduled.num_spec
         self.kv.cache_full_blocks(request)
+
+    def accept_drafts(self, request: Request, num_accepted: int, num_drafted: int) -> None:
+        """The verify step confirmed `num_accepted` of `num_drafted` drafts (already appended as output
+        tokens); the cache decides what of the step counts as computed (`verified`)."""
+        self.kv.verified(request, num_accepted, num_drafted)

@@ -66,6 +66,9 @@ class StateStep:
     init: int = KEEP  # KEEP, ZERO, or a snapshot slot to copy into `slot` before the step
     snap_slot: int = -1  # where to write the state after `snap_len` of this step's tokens (-1: none)
     snap_len: int = 0
+    # Speculative decoding: a slot that gets a copy of the state the step starts from (before the step), to
+    # restore when drafts are rejected (-1: none).
+    backup: int = -1
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,8 @@ class HybridCacheManager:
         self.events = events
         self.slots = StateSlotPool(num_state_slots, max_snapshots if enable_prefix_caching else 0)
         self._init: dict[str, int] = {}  # request -> how its working slot starts (ZERO or a snapshot)
+        self._backup: dict[str, int] = {}  # speculating request -> its backup slot (see `can_speculate`)
+        self._verify_start: dict[str, int] = {}  # speculating request -> where its verify step started
         self._snap_parent: dict[int, int] = {}  # snapshot hash -> its parent hash (for host-tier events)
         # The host state tier: evicted snapshots wait in `pending_state_saves` (slot, hash, parent, session)
         # until the engine starts their copy (before the slot is written again), then in
@@ -355,29 +360,58 @@ class HybridCacheManager:
             return False
         return (request.num_computed_tokens + 1) % self.block_size == 0
 
-    def plan_step(self, request: Request, start: int, num_new_tokens: int) -> StateStep:
+    def can_speculate(self, request: Request) -> bool:
+        """Drafts need a backup slot for the request (kept until it ends): the state a verify step starts
+        from, restored when a draft is rejected. None free (snapshots evictable count): no drafts."""
+        rid = request.request_id
+        if rid not in self._backup:
+            slot = self.slots.take(self._evict_snapshot)
+            if slot is None:
+                return False
+            self._backup[rid] = slot
+        return True
+
+    def verified(self, request: Request, num_accepted: int, num_drafted: int) -> None:
+        """Rollback by recompute: the recurrent state ran through every draft, and a state cannot be
+        unwound. All accepted: it is exact as it is. Else the working slot gets the backup (the state at the
+        step's start) back before the next step, which recomputes the step's tokens up to the first
+        rejected one (their KV again, identically); the attention KV is kept as for attention-only models."""
+        rid = request.request_id
+        if num_accepted == num_drafted:
+            request.num_computed_tokens += num_accepted
+        else:
+            request.num_computed_tokens = self._verify_start.pop(rid)
+            self._init[rid] = self._backup[rid]
+        self.attn.cache_full_blocks(request)
+        self.attn.trim(request)
+
+    def plan_step(self, request: Request, start: int, num_new_tokens: int, num_spec: int = 0) -> StateStep:
         """The working slot, how it starts, and the snapshot this step writes (the last block boundary
-        the step crosses, when that prefix is not snapshotted yet)."""
+        the step crosses, when that prefix is not snapshotted yet); with drafts, the backup it fills."""
         rid = request.request_id
         slot = self.slots.working[rid]
         init = self._init.pop(rid, KEEP)
-        end = start + num_new_tokens
+        backup = -1
+        if num_spec:
+            backup = self._backup[rid]
+            self._verify_start[rid] = start
+        end = start + num_new_tokens - num_spec  # no snapshot inside the drafts: their block hashes are unknown
         boundary = end - end % self.block_size
         if not self.enable_prefix_caching or boundary <= start or self.slots.max_snapshots == 0:
-            return StateStep(slot, init)
+            return StateStep(slot, init, backup=backup)
         self.attn.update_hashes(request)
         block = boundary // self.block_size - 1
         if block >= len(request.block_hashes):
-            return StateStep(slot, init)
+            return StateStep(slot, init, backup=backup)
         h = request.block_hashes[block]
         if h in self.slots.snapshots:
-            return StateStep(slot, init)
+            return StateStep(slot, init, backup=backup)
         snap = self._snapshot_slot(protect=init)
         if snap is None:
-            return StateStep(slot, init)
+            return StateStep(slot, init, backup=backup)
         parent = request.block_hashes[block - 1] if block else ROOT_PARENT
         self.slots.pending[rid] = (h, parent, snap, boundary)
-        return StateStep(slot, init, snap, boundary - start)
+        return StateStep(slot, init, snap, boundary - start, backup)
 
     def _snapshot_slot(self, protect: int) -> int | None:
         """A slot for a new snapshot: a free one, else the least recently used snapshot's (never the
@@ -419,6 +453,10 @@ class HybridCacheManager:
         slot = self.slots.working.pop(rid, None)
         if slot is not None:
             self.slots.give_back(slot)
+        backup = self._backup.pop(rid, None)
+        self._verify_start.pop(rid, None)
+        if backup is not None:
+            self.slots.give_back(backup)
 
     def clear_prefix_cache(self) -> None:
         for h in list(self.slots.snapshots):

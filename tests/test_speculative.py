@@ -1,0 +1,308 @@
+"""Speculative decoding (workers/engine/speculative.py): verification is exact. Greedy output with drafts
+equals greedy output without, token for token, for attention-only, hybrid (Gated DeltaNet: the state is
+restored when a draft is rejected) and MLA models, alone and in mixed batches, colocated, disaggregated
+and over data-parallel ranks; seeded sampling gives the same tokens with speculation on or off; at
+temperature 1 the token distribution is the target's; rejected drafts leave no blocks, events or state.
+
+Random-weight models accept few n-gram drafts, so besides the real n-gram proposer the tests plug in an
+oracle that proposes the reference continuation with every third proposal's last token wrong: both the
+accept path (whole runs of drafts) and the reject path run on every model."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import tempfile
+
+from engine_harness import ENGINE_ARGS, kv_handoff, prompts
+
+from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams, StructuredOutputs
+from workers.engine.kv_events import KVEventKind
+from workers.engine.speculative import NgramProposer, accepted_length, ngram_propose
+from workers.models.make_model import make_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+SPEC = {"num_speculative_tokens": 3}
+# One persistent XLA cache for the module: its later engines load the programs its first ones compiled.
+ARGS = {**ENGINE_ARGS, "compilation_cache_dir": tempfile.mkdtemp(prefix="moray-spec-xla-")}
+
+
+class Oracle:
+    """Proposes what the request would generate (from a run without speculation), spoiling the last
+    token of every third proposal so that runs of drafts are also rejected part-way."""
+
+    def __init__(self, prompts_, outputs, vocab: int, spoil_every: int = 3):
+        self.ref = {tuple(p): list(o) for p, o in zip(prompts_, outputs)}
+        self.vocab, self.spoil_every, self.calls = vocab, spoil_every, 0
+
+    def propose(self, request, limit):
+        ref = self.ref.get(tuple(request.prompt_token_ids), [])
+        drafts = ref[len(request.output_token_ids) : len(request.output_token_ids) + limit]
+        self.calls += 1
+        if drafts and self.spoil_every and self.calls % self.spoil_every == 0:
+            drafts[-1] = (drafts[-1] + 1) % self.vocab
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {arch: make_model(root / arch, arch, "tiny", seed=3) for arch in ("qwen3_moe", "qwen3_next", "deepseek_v3")}
+
+
+def spec_llm(model, proposer=None, **kw) -> LLM:
+    llm = LLM(str(model), speculative=SPEC, **{**ARGS, **kw})
+    if proposer is not None:
+        llm.engine.speculator.proposer = proposer
+    return llm
+
+
+def assert_nothing_left(engine: EngineCore) -> None:
+    """Every block is back in the pool, and (hybrid) every state slot is free or a snapshot."""
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    slots = getattr(engine.kv, "slots", None)
+    if slots is not None:
+        assert not slots.working and len(slots.free) + len(slots.snapshots) == slots.num_slots
+
+
+def stored_hashes(engine: EngineCore, ps, outputs) -> set[int]:
+    """The hashes of every full block of the requests' real tokens (prompt + output)."""
+    from workers.engine.block_hash import block_hashes
+
+    valid = set()
+    for p, o in zip(ps, outputs):
+        valid |= set(block_hashes(p + list(o), engine.kv.block_size, engine.config.model_name))
+    return valid
+
+
+# ------------------------------------------------------------------------------------------ units
+
+
+def test_ngram_lookup_takes_the_longest_suffix_and_its_earliest_occurrence():
+    tokens = [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert ngram_propose(tokens, 2, 1, 3) == [9, 2]  # [1, 2, 3] first at 0
+    assert ngram_propose(tokens, 5, 1, 2) == [9, 2, 3, 7, 8]  # [2, 3] earliest at 1
+    assert ngram_propose([5, 6, 7], 3, 1, 4) == []  # nothing repeats
+    assert ngram_propose([4, 4], 3, 1, 1) == [4]  # a match right before the suffix proposes what follows it
+    assert ngram_propose([1, 2, 3, 1, 2], 3, 3, 4) == []  # only suffixes of 3-4 tokens count
+
+
+def test_accepted_length_stops_at_the_first_mismatch():
+    assert accepted_length([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted_length([4, 5, 6], [4, 5, 6, 1]) == 3
+    assert accepted_length([4], [3, 4]) == 0
+
+
+def test_config_names_and_checks():
+    cfg = EngineConfig(model="m", speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5})
+    assert cfg.speculative.num_speculative_tokens == 4 and cfg.speculative.prompt_lookup_min == 1
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(model="m", speculative={"prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError):
+        EngineConfig(model="m", speculative={"method": "eagle"})
+
+
+# ------------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "deepseek_v3"])
+def test_greedy_output_is_unchanged_and_nothing_is_left_behind(models, arch):
+    """A mixed batch (prompts of several lengths, one seeded sampled request, prefill chunks beside
+    verify steps) with the oracle's drafts, then with real n-gram drafts: the tokens without speculation,
+    the same KV events (no block of a rejected token is ever published), and an empty pool at the end."""
+    model = models[arch]
+    ps = [p * 2 for p in prompts(6, seed=1, lo=3, hi=14)] + prompts(2, seed=2, lo=40, hi=60)
+    params = [GREEDY] * 7 + [SamplingParams(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)]
+    base = LLM(str(model), **ARGS)
+    base_sub = base.engine.events.subscribe()
+    ref = [o.token_ids for o in base.generate(ps, params)]
+    base_events = {(e.kind, e.block_hash) for e in base_sub.drain()}
+
+    oracle = Oracle(ps, ref, base.engine.cfg.vocab_size)
+    spec = spec_llm(model, oracle)
+    sub = spec.engine.events.subscribe()
+    assert [o.token_ids for o in spec.generate(ps, params)] == ref
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens > 20 and stats.num_draft_tokens > stats.num_accepted_tokens  # both paths ran
+    assert stats.accepted_per_pos[2] > 0  # whole runs of 3 were accepted
+    events = {(e.kind, e.block_hash) for e in sub.drain()}
+    if not spec.engine.cfg.is_hybrid:
+        assert events == base_events
+    else:  # snapshots sit where steps end, which drafts move: every one names accepted tokens
+        assert {h for kind, h in events if kind == KVEventKind.STORED} <= stored_hashes(spec.engine, ps, ref)
+    assert_nothing_left(spec.engine)
+
+    if arch != "qwen3_moe":
+        return  # the proposer does not depend on the model: one family runs it
+    spec.engine.speculator.proposer = NgramProposer(1, 4)
+    before = stats.num_drafts
+    assert [o.token_ids for o in spec.generate(ps, params)] == ref
+    assert stats.num_drafts > before  # the n-gram proposer found repeats in the doubled prompts
+    assert_nothing_left(spec.engine)
+
+
+def test_seeded_sampling_is_the_same_with_speculation_on_or_off_alone_or_batched(models):
+    model = models["qwen3_moe"]
+    ps = prompts(4, seed=3, lo=5, hi=20)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=25, ignore_eos=True) for i in range(4)]
+    base = LLM(str(model), **ARGS)
+    ref = [o.token_ids for o in base.generate(ps, params)]
+    spec = spec_llm(model, Oracle(ps, ref, base.engine.cfg.vocab_size))
+    assert [o.token_ids for o in spec.generate(ps, params)] == ref
+    assert [spec.generate([ps[1]], [params[1]])[0].token_ids] == [ref[1]]  # alone
+    assert spec.engine.speculator.stats.num_accepted_tokens > 10
+
+
+def test_penalties_logprobs_and_stop_strings_follow_the_drafts(models):
+    """Penalties count accepted drafts as output, logprobs are the target's for every token, and a stop
+    token inside an accepted run ends the request there."""
+    model = models["qwen3_moe"]
+    ps = prompts(3, seed=4, lo=5, hi=20)
+    base = LLM(str(model), **ARGS)
+    pen = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2)
+    ref = base.generate(ps, pen)
+    stop_at = ref[0].token_ids[10]
+    stopping = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_at])
+    ref_stop = base.generate([ps[0]], stopping)[0]
+    spec = spec_llm(model, Oracle(ps, [o.token_ids for o in ref], base.engine.cfg.vocab_size))
+    out = spec.generate(ps, pen)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    for a, b in zip(out, ref):
+        assert len(a.logprobs) == len(a.token_ids)
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys() and np.allclose(list(la.values()), list(lb.values()), atol=1e-4)
+    assert spec.generate([ps[0]], stopping)[0].token_ids == ref_stop.token_ids
+    assert spec.engine.speculator.stats.num_accepted_tokens > 10
+
+
+def test_temperature_one_distribution_is_the_targets(models):
+    """Three allowed tokens, three output tokens, 600 unseeded requests with and without speculation; the
+    oracle always proposes the same token. A rule that accepted drafts too often (or never resampled)
+    shifts the distribution of the drafted positions far past the chi-square bound."""
+    model = models["qwen3_moe"]
+    allowed = [11, 12, 13]
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=allowed)
+    n = 600
+
+    class Always:
+        def propose(self, request, limit):
+            return [12] * limit
+
+    def histogram(llm):
+        outs = llm.generate([[5, 6, 7, 8]] * n, params)
+        counts = np.zeros((2, 3))
+        for o in outs:
+            for pos in (1, 2):  # the drafted positions
+                counts[pos - 1, allowed.index(o.token_ids[pos])] += 1
+        return counts
+
+    base = histogram(LLM(str(model), **ARGS))
+    spec_engine = spec_llm(model, Always(), seed=1)
+    spec = histogram(spec_engine)
+    assert spec_engine.engine.speculator.stats.num_drafts > n / 2
+    for row_a, row_b in zip(base, spec):  # two-sample chi-square, 2 degrees of freedom
+        total = row_a + row_b
+        expected_a, expected_b = total * n / (2 * n), total * n / (2 * n)
+        chi2 = (((row_a - expected_a) ** 2 / np.maximum(expected_a, 1)) + ((row_b - expected_b) ** 2 / np.maximum(expected_b, 1))).sum()
+        assert chi2 < 16.0, (row_a, row_b)  # p < 0.0004 under the null
+    # The target's own distribution is not the oracle's: an always-accept rule would give ~all 12.
+    assert base[0, 1] < 0.9 * n
+
+
+def test_a_json_schema_request_with_drafts_gives_valid_json(models, tmp_path):
+    """Drafts the grammar refuses are cut before they are verified; accepted ones advance the matcher
+    exactly as sampled tokens do: the same JSON as without speculation."""
+    model = make_model(tmp_path / "tok", "qwen3_moe", "tiny", seed=0)  # with a tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    spec_fields = StructuredOutputs.from_fields(json_schema=schema)
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured=spec_fields)] * 3
+    ps = [[5 + i, 17, 33, 99] for i in range(3)]
+    kw = dict(max_model_len=256, page_buckets=[4, 32])
+    base = LLM(str(model), **{**ARGS, **kw})
+    ref = base.generate(ps, params)
+
+    class Spoiled(Oracle):  # half the proposals end in a token the grammar refuses inside JSON
+        def propose(self, request, limit):
+            drafts = super().propose(request, limit)
+            return drafts + [0] if len(drafts) < limit and self.calls % 2 else drafts
+
+    oracle = Spoiled(ps, [o.token_ids for o in ref], base.engine.cfg.vocab_size)
+    spec = spec_llm(model, oracle, **kw)
+    out = spec.generate(ps, params)
+    for a, b in zip(out, ref):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "stop"
+        jsonschema.validate(json.loads(a.text), schema)
+    assert spec.engine.speculator.stats.num_accepted_tokens > 10
+    assert_nothing_left(spec.engine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
+def test_disaggregated_decode_speculates_exactly(models, arch):
+    """Prefill on one engine, KV handoff, decode with drafts on another: the colocated tokens."""
+    model = models[arch]
+    ps = [p * 2 for p in prompts(3, seed=6, lo=4, hi=12)]
+    base = LLM(str(model), **ARGS)
+    ref = [o.token_ids for o in base.generate(ps, GREEDY)]
+    prefill = EngineCore(EngineConfig(model=str(model), worker_id="p", **ARGS), show_progress=False)
+    decode = EngineCore(EngineConfig(model=str(model), worker_id="d", speculative=SPEC, **ARGS), show_progress=False)
+    decode.speculator.proposer = Oracle(ps, ref, base.engine.cfg.vocab_size)
+    for i, p in enumerate(ps):
+        _, whole, _ = kv_handoff(prefill, decode, f"r{i}", p, GREEDY)
+        assert whole[0].token_ids == ref[i]
+    assert decode.speculator.stats.num_accepted_tokens > 10
+    assert_nothing_left(decode)
+
+
+def test_data_parallel_ranks_speculate_exactly(models):
+    model = models["qwen3_moe"]
+    ps = prompts(4, seed=8, lo=4, hi=30)
+    base = LLM(str(model), **ARGS)
+    ref = [o.token_ids for o in base.generate(ps, GREEDY)]
+    spec = spec_llm(model, Oracle(ps, ref, base.engine.cfg.vocab_size), parallel={"mesh": "2x4", "dp": 2, "tp": 4})
+    assert [o.token_ids for o in spec.generate(ps, GREEDY)] == ref
+    assert spec.engine.speculator.stats.num_accepted_tokens > 10
+    assert_nothing_left(spec.engine)
+
+
+def test_poor_acceptance_backs_off_to_one_draft(models):
+    """A request whose drafts keep failing proposes one token at a time; past disable_by_batch_size no
+    request proposes anything."""
+    model = models["qwen3_moe"]
+
+    class Wrong:
+        def propose(self, request, limit):
+            return [1] * limit
+
+    ps = prompts(2, seed=9, lo=5, hi=10)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, allowed_token_ids=list(range(2, 60)))
+    spec = spec_llm(model, Wrong())
+    spec.generate(ps, params)
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens == 0
+    assert stats.num_draft_tokens < 1.6 * stats.num_drafts  # mostly single drafts after the first few
+    off = LLM(str(model), speculative={**SPEC, "disable_by_batch_size": 2}, **ARGS)
+    off.engine.speculator.proposer = Wrong()
+    off.generate(ps, params)
+    assert off.engine.speculator.stats.num_drafts == 0
+
+
+def test_events_of_a_run_with_drafts_name_only_accepted_tokens(models):
+    """Every STORED block of a speculative run hashes the tokens the request really has."""
+    model = models["qwen3_moe"]
+    ps = [p * 3 for p in prompts(3, seed=10, lo=3, hi=8)]
+    base = LLM(str(model), **ARGS)
+    ref = base.generate(ps, GREEDY)
+    spec = spec_llm(model, Oracle(ps, [o.token_ids for o in ref], base.engine.cfg.vocab_size, spoil_every=2))
+    sub = spec.engine.events.subscribe()
+    out = spec.generate(ps, GREEDY)
+    valid = stored_hashes(spec.engine, ps, [o.token_ids for o in out])
+    stored = {e.block_hash for e in sub.drain() if e.kind == KVEventKind.STORED}
+    assert stored and stored <= valid
