@@ -111,6 +111,14 @@ _WORKER_COUNTERS = {
         None,
     ),
     "engine.num_preemptions": ("preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
+    "engine.spec_num_drafts": ("spec_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", None),
+    "engine.spec_num_draft_tokens": ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", None),
+    "engine.spec_num_accepted_tokens": (
+        "spec_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        None,
+    ),
     "misrouted": ("misrouted", "moray_misrouted_requests", "requests a worker received although the router chose another", None),
     "handoff.bytes": ("handoff_bytes", "moray_kv_handoff_bytes", "KV bytes a decode worker imported", "decode"),
     "handoff.state_bytes": (
@@ -329,6 +337,12 @@ class WorkerMetrics:
         )
         for _, (attr, name, help_, role) in _WORKER_COUNTERS.items():
             setattr(self, attr, Counter(name, help_, _worker_label_names(name, role), registry=r))
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "engine", "role", "position"],
+            registry=r,
+        )
         self._totals: dict[str, dict[str, float]] = {}  # worker -> heartbeat field -> last total seen
         self._roles: dict[str, str] = {}
         self._forgotten: dict[str, float] = {}  # worker -> when (time.time)
@@ -365,6 +379,11 @@ class WorkerMetrics:
             # A total below the last one means the worker's counters restarted: count it from zero.
             child.inc(value - last if value >= last else value)
             totals[path] = value
+        for pos, value in enumerate(e.spec_accepted_per_pos):
+            key = f"spec_pos.{pos}"
+            last = totals.get(key, 0)
+            self.spec_accepted_per_pos.labels(name, w, role, str(pos)).inc(value - last if value >= last else value)
+            totals[key] = value
 
     def forget_worker(self, worker_id: str) -> None:
         """Removes every series labelled with `worker_id` (it failed or its heartbeat expired)."""
@@ -375,6 +394,9 @@ class WorkerMetrics:
             return
         for gauge in (self.queue_depth, self.running, self.kv_usage):
             _remove(gauge, self.model_name, worker_id, role)
+        for labels in list(self.spec_accepted_per_pos._metrics):
+            if labels[1] == worker_id:
+                self.spec_accepted_per_pos.remove(*labels)
         for gauge in (self.host_kv_usage, self.kv_bytes_per_token, self.state_bytes, self.state_budget):
             _remove(gauge, worker_id, role)
         for _, (attr, metric, _, only) in _WORKER_COUNTERS.items():

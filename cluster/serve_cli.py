@@ -10,6 +10,7 @@ one line on stderr. Whatever it started (Serve, the local Ray) is shut down befo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="a host-memory KV tier of this many GiB per worker below the device cache (overrides engine.host_kv; 0: off)",
     )
+    p.add_argument(
+        "--speculative-config",
+        help="speculative decoding, as JSON with vLLM's keys (overrides engine.speculative), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+    )
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: this machine's); not with --address")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for the --address cluster to answer (default 30)")
     p.add_argument(
@@ -71,6 +77,11 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         data["mode"] = args.mode
     if getattr(args, "host_kv_gib", None) is not None:
         data["engine"]["host_kv"] = {"memory_gib": args.host_kv_gib}
+    if getattr(args, "speculative_config", None):
+        try:
+            data["engine"]["speculative"] = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise ConfigError(f"--speculative-config is not JSON: {e}") from None
     # Workers may run in another directory: pin the model to an absolute path.
     data["engine"]["model"] = str(Path(data["engine"]["model"]).expanduser().resolve())
     return parse_cluster_config(data)

@@ -164,6 +164,24 @@ PANELS = [
         ],
     ),
     timeseries(
+        "Speculative decoding",
+        "Share of draft tokens the target accepted, and mean tokens per verify run (1 + accepted / drafts; 1 = no gain).",
+        "short",
+        [
+            target(
+                ratio(
+                    rate("vllm:spec_decode_num_accepted_tokens_total", selector=SEL),
+                    rate("vllm:spec_decode_num_draft_tokens_total", selector=SEL),
+                ),
+                "acceptance rate",
+            ),
+            target(
+                f"1 + {ratio(rate('vllm:spec_decode_num_accepted_tokens_total', selector=SEL), rate('vllm:spec_decode_num_drafts_total', selector=SEL))}",
+                "mean acceptance length",
+            ),
+        ],
+    ),
+    timeseries(
         "Host KV tier traffic",
         "Blocks per second saved to, loaded from and evicted by the host tier; live-session evictions are the last resort.",
         "short",

@@ -330,6 +330,14 @@ def test_demo_config_binds_loopback_and_make_serve_host_switch(tmp_path):
     tiered = resolve_config(argparse.Namespace(**args, host=None, host_kv_gib=2.5)).engine.host_kv
     assert tiered.enabled and tiered.memory_gib == 2.5
     assert not resolve_config(argparse.Namespace(**args, host=None, host_kv_gib=0)).engine.host_kv.enabled
+    spec = resolve_config(argparse.Namespace(**args, host=None, speculative_config='{"method": "ngram", "num_speculative_tokens": 5}'))
+    assert spec.engine.speculative.num_speculative_tokens == 5
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not JSON"):
+        resolve_config(argparse.Namespace(**args, host=None, speculative_config="{method: ngram"))
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        resolve_config(argparse.Namespace(**args, host=None, speculative_config='{"num_speculative_tokens": 0}'))
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
 

@@ -66,6 +66,22 @@ def test_worker_running_totals_are_counters_named_total():
     assert value("moray_kv_handoff_bytes_total", {"worker": "p0"}) is None
 
 
+def test_speculative_decoding_counters_carry_vllms_names():
+    m = WorkerMetrics()
+    spec = dict(spec_num_drafts=10, spec_num_draft_tokens=30, spec_num_accepted_tokens=12, spec_accepted_per_pos=(7, 4, 1))
+    m.observe_worker(report("d0", **spec))
+    m.observe_worker(report("d0", **{**spec, "spec_num_drafts": 14, "spec_accepted_per_pos": (9, 4, 1)}))
+    value = m.registry.get_sample_value
+    labels = {**VLLM, "engine": "d0", "role": "decode"}
+    assert value("vllm:spec_decode_num_drafts_total", labels) == 14
+    assert value("vllm:spec_decode_num_draft_tokens_total", labels) == 30
+    assert value("vllm:spec_decode_num_accepted_tokens_total", labels) == 12
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "0"}) == 9
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "2"}) == 1
+    m.forget_worker("d0")
+    assert samples(m.registry, "d0") == []
+
+
 def test_forgotten_worker_takes_every_series_with_it():
     m = WorkerMetrics()
     m.observe_worker(report("d0", num_running=3))

@@ -11,12 +11,11 @@ accept path (whole runs of drafts) and the reject path run on every model."""
 from __future__ import annotations
 
 import json
+import tempfile
 
 import jsonschema
 import numpy as np
 import pytest
-import tempfile
-
 from engine_harness import ENGINE_ARGS, kv_handoff, prompts
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams, StructuredOutputs

@@ -262,6 +262,12 @@ class EngineStats:
     sparse_blocks: bool = False  # publishes only resumable block boundaries (hybrid models; the router's lookup)
     state_snapshot_bytes: int = 0  # device bytes the hybrid model's state snapshots hold now
     state_snapshot_budget_bytes: int = 0  # ... and may hold (state_cache_memory_bytes or state_snapshots)
+    # Speculative decoding (running totals): verify runs, draft tokens proposed and accepted, and accepted
+    # drafts by position in the run (vLLM's spec_decode counters).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def host_kv_usage(self) -> float:

@@ -401,7 +401,19 @@ class EngineCore:
             state_snapshot_bytes=getattr(self.kv, "num_snapshots", 0) * self.state_bytes,
             state_snapshot_budget_bytes=self.max_snapshots * self.state_bytes * self.model.data_parallel_size,
             **self._host_stats(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return {
+            "spec_num_drafts": s.num_drafts,
+            "spec_num_draft_tokens": s.num_draft_tokens,
+            "spec_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(s.accepted_per_pos),
+        }
 
     def _host_stats(self) -> dict:
         host = getattr(self.kv, "host", None)
