@@ -37,6 +37,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "soak": ("per_minute", "rss_timeline"),
     "serve": ("workload",),
     "handoff": ("transfer", "prefill_rate", "second_token"),
+    "spec": ("workloads", "draft"),
 }
 
 # The figures a reader looks at first, as glob patterns over dotted leaf paths (list items by index).
@@ -137,6 +138,13 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "passed",
     ),
 }
+HEADLINES["spec"] = (
+    "workloads.*.*.*.speedup",
+    "workloads.*.*.*.acceptance_rate",
+    "workloads.*.*.*.mean_acceptance_length",
+    "workloads.*.*.*.fraction_of_bound",
+    "summary.*.*",
+)
 # Path parts under which nothing is a headline: per-run figures (the medians above them are), and the
 # targets the bench compares itself with (inputs, not measurements).
 _NOT_HEADLINE_PARTS = {"runs", "targets"}
@@ -762,6 +770,7 @@ PLOTS = {
     "fuzz": plot_fuzz,
     "soak": plot_soak,
     "compare": plot_compare,
+    "spec": None,  # set below (plot_spec)
 }
 
 
@@ -838,3 +847,21 @@ def _fmt(value) -> str:
 
 def _e(text) -> str:
     return html.escape(str(text), quote=True)
+
+
+def plot_spec(result: dict, rep: Report) -> None:
+    """`bench spec`: per workload, each engine's decode speed-up over no speculation by batch, and the bound."""
+    for wl, per in result.get("workloads", {}).items():
+        batches = list(per)
+        names = [n for n in per[batches[0]] if n != "none"]
+        if not names:
+            continue
+        fig, (ax,) = rep.figure(1)
+        grouped_bars(ax, [f"B={b}" for b in batches], {n: [per[b][n]["speedup"] for b in batches] for n in names}, fmt="{:.2f}x")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set(ylabel="decode tokens/s vs no speculation", title=f"{wl}: speed-up by batch")
+        ax.legend(fontsize=8)
+        rep.save(fig, f"spec_{wl}", f"{wl}: speed-up of each method and k over the same engine without speculation")
+
+
+PLOTS["spec"] = plot_spec

@@ -167,6 +167,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "fuzz": ("bench.fuzz", "property-based fuzzing of a loopback server's HTTP and gRPC APIs: no 5xx, fast rejections"),
     "soak": ("bench.soak", "long mixed load with cancellations and sessions: failures, latency per minute, RSS, KV after drain"),
     "handoff": ("bench.handoff", "the KV transfer layer: handoff bandwidth vs memcpy, prefill rate with exports, time to the 2nd token"),
+    "spec": ("bench.spec", "speculative decoding (n-gram, draft model) on trained checkpoints: acceptance, tokens/s vs none"),
     "compare": ("bench.compare", "two result files of one bench: every numeric figure that differs, with B/A (and --report plots)"),
 }
 

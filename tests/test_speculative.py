@@ -305,3 +305,39 @@ def test_events_of_a_run_with_drafts_name_only_accepted_tokens(models):
     valid = stored_hashes(spec.engine, ps, [o.token_ids for o in out])
     stored = {e.block_hash for e in sub.drain() if e.kind == KVEventKind.STORED}
     assert stored and stored <= valid
+
+
+# ------------------------------------------------------------------------------------------ draft model
+
+
+def test_a_draft_model_equal_to_the_target_is_always_right_and_a_different_one_stays_exact(models, tmp_path):
+    """The draft shares the target's block ids (its own smaller pages): with the target itself as draft
+    every greedy draft is accepted; another model's drafts are mostly rejected, and the output is still
+    the target's. A hybrid target takes an attention-only draft."""
+    target = models["qwen3_moe"]
+    ps = prompts(4, seed=12, lo=3, hi=40)
+    ref = [o.token_ids for o in LLM(str(target), **ARGS).generate(ps, GREEDY)]
+    same = LLM(str(target), speculative={"method": "draft", "model": str(target), "num_speculative_tokens": 3}, **ARGS)
+    assert [o.token_ids for o in same.generate(ps, GREEDY)] == ref
+    stats = same.engine.speculator.stats
+    assert stats.num_draft_tokens > 30 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_nothing_left(same.engine)
+
+    other = make_model(tmp_path / "other", "qwen3_moe", "tiny", seed=9)  # same tokenizer, other weights
+    hybrid = models["qwen3_next"]
+    ref_h = [o.token_ids for o in LLM(str(hybrid), **ARGS).generate(ps, GREEDY)]
+    for model, expected in ((target, ref), (hybrid, ref_h)):
+        llm = LLM(str(model), speculative={"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}, **ARGS)
+        assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
+        assert llm.engine.speculator.stats.num_draft_tokens > 20
+        assert_nothing_left(llm.engine)
+
+
+def test_a_draft_with_another_tokenizer_fails_at_load(models, tmp_path):
+    from workers.models.make_model import Preset
+
+    small_vocab = make_model(tmp_path / "v", "qwen3_moe", Preset(384, 32, 1, 2, 1, 16, 2, 1, 32, 64, 0.02, 1 << 30))
+    with pytest.raises(ValueError, match="vocab_size 384 differs"):
+        LLM(str(models["qwen3_moe"]), speculative={"method": "draft", "model": str(small_vocab)}, **ARGS)
+    with pytest.raises(ValueError, match="needs `model`"):
+        EngineConfig(model="m", speculative={"method": "draft"})

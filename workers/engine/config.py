@@ -146,11 +146,13 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram"] = Field(
+    method: Literal["ngram", "draft", "draft_model"] = Field(
         default="ngram",
         description="ngram: prompt lookup (the longest suffix of the sequence seen earlier in it proposes what followed it); "
-        "draft and mtp are not implemented yet",
+        "draft (vLLM: draft_model): a smaller model with the same tokenizer (`model`) proposes greedily, run by the same "
+        "worker; mtp is not implemented yet",
     )
+    model: str | None = Field(default=None, description="draft: the draft model's checkpoint directory")
     num_speculative_tokens: int = Field(default=3, ge=1, le=16, description="most tokens proposed per request and step")
     prompt_lookup_min: int = Field(default=1, ge=1, description="ngram: shortest suffix matched")
     prompt_lookup_max: int = Field(default=4, ge=1, description="ngram: longest suffix matched")
@@ -169,6 +171,10 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> "SpeculativeConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative: prompt_lookup_min must be <= prompt_lookup_max")
+        if self.method == "draft_model":
+            self.method = "draft"
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative: method draft needs `model` (the draft checkpoint directory)")
         return self
 
 

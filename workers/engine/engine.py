@@ -32,7 +32,7 @@ from .runner import ModelRunner, kv_bytes_per_block, state_bytes_per_sequence
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .speculative import Speculator, accepted_length
+from .speculative import DraftModelProposer, Speculator, accepted_length
 from .state_cache import HybridCacheManager
 from .structured import GrammarCompiler, GrammarState, ids_bitmask
 
@@ -710,7 +710,14 @@ class EngineCore:
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         if config.speculative is None:
             return None
-        return Speculator(config.speculative)
+        proposer = None
+        if config.speculative.method == "draft":
+            if self.model.data_parallel_size > 1:
+                raise ValueError("speculative method draft: not with data-parallel attention yet")
+            proposer = DraftModelProposer(config, self.kv, self.max_model_len, self.runner.num_blocks, self.cfg, config.model)
+            if config.warmup:
+                proposer.warmup()
+        return Speculator(config.speculative, proposer)
 
     def _allowed_bitmask(self, params: list[SamplingParams], grammars: list, bucket: int) -> np.ndarray | None:
         """The step's token bitmask: the grammars' masks, and allowed_token_ids; None when nothing is

@@ -55,6 +55,7 @@ class Request:
     # Speculative decoding: the tokens proposed to follow it, verified by the next step (speculative.py).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float = 1.0  # recent share of its drafts accepted (an exponential average)
+    spec_draft_len: int = 0  # a draft model's KV holds this many of its first tokens (speculative.DraftModelProposer)
     _all_tokens: list[int] = field(default_factory=list, repr=False)
 
     @property

@@ -125,7 +125,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_len = [], 0
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -21,8 +21,11 @@ tokens) or kept: blocks past the accepted tokens go back to the pool (`KVCacheMa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -100,7 +103,8 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer=None):
         self.config = config
-        # Anything with `propose(request, limit) -> tokens` (tests give one that knows the right answers).
+        # Anything with `propose(request, limit) -> tokens`, or `propose_all([(request, limit)]) -> [tokens]`
+        # for a batched one (tests give one that knows the right answers).
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
@@ -119,6 +123,7 @@ class Speculator:
         """Sets `spec_token_ids` on each running request in decode (one known token left to compute)."""
         cfg = self.config
         off = cfg.disable_by_batch_size is not None and len(requests) >= cfg.disable_by_batch_size
+        wanted = []
         for request in requests:
             request.spec_token_ids = []
             # In decode only (its prompt computed); a hybrid request rolled back has several known tokens left.
@@ -126,9 +131,134 @@ class Speculator:
                 continue
             limit = self.draft_limit(request, max_model_len)
             if limit > 0:
-                request.spec_token_ids = list(self.proposer.propose(request, limit))[:limit]
+                wanted.append((request, limit))
+        if not wanted:
+            return
+        if hasattr(self.proposer, "propose_all"):  # one batched pass (a draft model)
+            proposals = self.proposer.propose_all(wanted)
+        else:
+            proposals = [self.proposer.propose(request, limit) for request, limit in wanted]
+        for (request, limit), drafts in zip(wanted, proposals):
+            request.spec_token_ids = list(drafts)[:limit]
 
     def verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.stats.record(num_drafted, num_accepted, self.k)
         rate = num_accepted / num_drafted
         request.spec_acceptance = (1 - self._EMA) * request.spec_acceptance + self._EMA * rate
+
+
+@dataclass
+class _DraftView:
+    """What the runner reads of a request for one draft step: its block table and its tokens with the
+    drafts proposed so far appended."""
+
+    block_ids: list[int]
+    all_token_ids: list[int]
+    pending_row: int = -1
+
+
+class DraftModelProposer:
+    """A smaller model with the target's tokenizer proposes greedily (q one-hot: the verification rule
+    stays exact), run by the same worker in its own runner.
+
+    Its KV pages use the target's block ids: a request's block table addresses both models' pools (the
+    draft's pages are smaller), so the draft needs no cache manager of its own. Each round first feeds the
+    draft the request's tokens it has not seen (`request.spec_draft_len` on: the whole prompt the first
+    time, then the last step's accepted tokens), its logits giving the first draft; k - 1 one-token steps
+    give the rest. Draft positions past the known tokens are rewritten when they become known, so only
+    known tokens count as seen. The draft's KV never decides an output: a stale page (a prefix-cache
+    block another request filled, a block copied for copy-on-write) only costs acceptance."""
+
+    def __init__(self, config, kv, max_model_len: int, num_blocks: int, target_cfg, target_tokenizer_dir: str):
+        from workers.models.model import load_config
+
+        from .engine import load_engine_model
+        from .runner import ModelRunner
+
+        draft_dir = config.speculative.model
+        _, draft_cfg = load_config(draft_dir)
+        check_same_tokenizer(target_tokenizer_dir, draft_dir, target_cfg.vocab_size, draft_cfg.vocab_size)
+        if draft_cfg.is_hybrid:
+            raise ValueError(f"speculative.model {draft_dir}: a hybrid draft model is not supported (its state cannot be rolled back)")
+        if not config.parallel.is_single_device:
+            raise ValueError("speculative method draft: one device per engine only for now (the draft runs unsharded)")
+        draft_config = config.model_copy(update={"model": draft_dir, "speculative": None, "parallel": type(config.parallel)()})
+        self.model = load_engine_model(draft_config, show_progress=False)
+        self.runner = ModelRunner(self.model, draft_config, num_blocks, max_model_len)
+        self.kv = kv
+        self.block_size = config.block_size
+        self.max_tokens = self.runner.token_buckets[-1]
+        self.max_seqs = config.max_num_seqs
+
+    def propose_all(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        from .scheduler import ScheduledRequest, SchedulerOutput
+
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in wanted}
+        limits = {r.request_id: self._room(r, limit) for r, limit in wanted}
+        # Round 0: every unseen known token, within one step's token budget; a request that cannot catch
+        # up fully this step catches up partly and proposes nothing.
+        budget, items, proposing = self.max_tokens, [], []
+        for request, _ in wanted:
+            start = min(request.spec_draft_len, request.num_tokens - 1)
+            n = min(request.num_tokens - start, budget)
+            if n <= 0 or len(items) >= self.max_seqs:
+                continue
+            items.append(ScheduledRequest(request, n, start))
+            budget -= n
+            if start + n == request.num_tokens and limits[request.request_id] > 0:
+                proposing.append(request)
+            request.spec_draft_len = start + n
+        if not items:
+            return [[] for _ in wanted]
+        rows = self._step(SchedulerOutput(items))
+        by_id = {item.request.request_id: rows[i] for i, item in enumerate(items)}
+        for request in proposing:
+            drafts[request.request_id].append(by_id[request.request_id])
+        # Rounds 1 .. k-1: one token each, for the requests still drafting.
+        for i in range(1, max(limits.values(), default=0)):
+            live = [r for r in proposing if limits[r.request_id] > i]
+            if not live:
+                break
+            views = [_DraftView(r.block_ids, r.all_token_ids + drafts[r.request_id]) for r in live]
+            out = self._step(SchedulerOutput([ScheduledRequest(v, 1, len(v.all_token_ids) - 1) for v in views]))
+            for j, r in enumerate(live):
+                drafts[r.request_id].append(out[j])
+        return [drafts[r.request_id] for r, _ in wanted]
+
+    def _room(self, request: Request, limit: int) -> int:
+        """Drafts whose draft-step positions have blocks: allocated now if the pool has them (the scheduler
+        then finds them allocated; blocks past the accepted tokens go back after the verify step)."""
+        if limit <= 1:
+            return limit
+        if self.kv.allocate(request, limit) is None:  # positions up to num_tokens + limit - 1
+            return min(limit, len(request.block_ids) * self.block_size - request.num_tokens + 1)
+        return limit
+
+    def _step(self, sched) -> list[int]:
+        inputs = self.runner.prepare(sched)
+        logits = self.runner.run(inputs)
+        top = np.asarray(_argmax(logits))
+        return [int(top[row]) for row in inputs.logits_rows]
+
+    def warmup(self, show_progress: bool = False) -> None:
+        self.runner.warmup(None, show_progress)
+
+
+def check_same_tokenizer(target_dir: str, draft_dir: str, target_vocab: int, draft_vocab: int) -> None:
+    """A draft must speak the target's tokens: the same vocabulary size and the same tokenizer.json."""
+    from pathlib import Path
+
+    if target_vocab != draft_vocab:
+        raise ValueError(f"speculative.model {draft_dir}: vocab_size {draft_vocab} differs from the target's {target_vocab}")
+    a, b = Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
+    if a.is_file() != b.is_file():
+        raise ValueError(f"speculative.model {draft_dir}: one of the target and the draft has a tokenizer.json and the other not")
+    if a.is_file() and json.loads(a.read_text())["model"] != json.loads(b.read_text())["model"]:
+        raise ValueError(f"speculative.model {draft_dir}: its tokenizer differs from the target's (tokenizer.json model)")
+
+
+def _argmax_impl(logits):
+    return jnp.argmax(logits, axis=-1)
+
+
+_argmax = jax.jit(_argmax_impl)

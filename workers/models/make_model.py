@@ -319,14 +319,20 @@ def write_safetensors(out: Path, tensors: Iterator[tuple[str, np.ndarray]], tota
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def make_model(out_dir: str | Path, arch: str, preset: str, seed: int = 0) -> Path:
+def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int = 0) -> Path:
+    """A random checkpoint of `arch` at a named preset, or (attention-only families) any `Preset`."""
     from .tokenizer import train_byte_level_bpe  # tokenizer training is only needed here
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
-    if preset not in PRESETS:
+    if isinstance(preset, Preset):
+        if arch in HYBRID_ARCHS or arch == "deepseek_v3":
+            raise ValueError(f"{arch} takes a named preset")
+        p = preset
+    elif preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    p = MIXTRAL_BENCH if (arch, preset) == ("mixtral", "bench") else PRESETS[preset]
+    else:
+        p = MIXTRAL_BENCH if (arch, preset) == ("mixtral", "bench") else PRESETS[preset]
     if arch in HYBRID_ARCHS:
         p, linear_preset = HYBRID_PRESETS[preset]
     if arch == "deepseek_v3":

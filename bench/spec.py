@@ -1,0 +1,306 @@
+"""`moray bench spec`: speculative decoding on trained checkpoints, against the same engine without it.
+
+Models: the trained target MoE and draft of `workers/models/train_tiny.py` (trained once on the Python
+standard library's source, ~8 minutes on 2 cores, then cached); `--quick` takes the test-sized pair
+(seconds). Random weights accept nothing, so they are never used here.
+
+Workloads (greedy, `--max-tokens` each, EOS ignored so every run decodes the same number of tokens):
+- code: continuations of Python files the models never saw (standard-library modules outside the
+  training corpus), `--prompt-len` tokens each;
+- chat: ChatML-templated questions in English (the models know code, not chat: the hard case).
+
+Per workload, batch (`--batches`) and engine (no speculation, then each `--methods` x `--k`), runs
+alternating engines (`--runs`, medians):
+- decode tokens/s: tokens generated after each request's first, over the wall time of the engine steps
+  that made them (each engine in its default mode: asynchronous scheduling for the baseline; a
+  speculating engine plans each step from the last one's tokens);
+- acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted / verify runs);
+- the verify step's cost against a one-token step at that batch (`verify_cost`): both timed on one
+  synchronous engine, B sequences with k drafts each vs none;
+- the bound the issue sets: mean acceptance length x t(1-token step) / t(verify step) (on an MoE the
+  verify step reads the union of the k + 1 tokens' experts), and measured speed-up / bound.
+
+JSON to `--json`, plots with `--report DIR`. No jax at import time (registered in `cluster.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.report import add_report_argument, report_if_asked
+
+# Modules of the standard library outside the training corpus (workers/models/tokenizer.py's list).
+HELD_OUT = (
+    "fileinput",
+    "glob",
+    "zipfile/__init__",
+    "sched",
+    "netrc",
+    "filecmp",
+    "graphlib",
+    "numbers",
+    "operator",
+    "queue",
+    "quopri",
+    "reprlib",
+)
+QUESTIONS = [
+    "How do I read a file line by line in Python?",
+    "What is the difference between a list and a tuple?",
+    "Explain what a context manager does.",
+    "How can I sort a dictionary by its values?",
+    "Write a function that checks whether a number is prime.",
+    "Why does my recursive function hit the recursion limit?",
+    "How do I parse command line arguments?",
+    "What does the yield keyword do?",
+]
+TARGETS = {"fraction_of_bound": 0.85, "speedup_batch_1": 1.3, "never_below": 0.95}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, help="where to write the results")
+    p.add_argument("--target", type=Path, help="target checkpoint (default: the trained target, trained if not cached)")
+    p.add_argument("--draft", type=Path, help="draft checkpoint for --methods draft (default: the trained draft)")
+    p.add_argument("--quick", action="store_true", help="the test-sized trained pair (trains in seconds): a smoke run")
+    p.add_argument("--methods", default="ngram,draft", help="comma-separated: ngram, draft (default both)")
+    p.add_argument("--k", type=_ints, default=[1, 3], help="num_speculative_tokens values (default 1,3)")
+    p.add_argument("--batches", type=_ints, default=[1, 4, 8, 16, 32], help="decode batch sizes (default 1,4,8,16,32)")
+    p.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat (default both)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument("--prompt-len", type=int, default=128, help="code prompt length in tokens (default 128)")
+    p.add_argument("--runs", type=int, default=3, help="alternating timed runs per figure (default 3)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (default float32: bf16 is slow on CPU)")
+    add_report_argument(p)
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
+
+
+def workload_prompts(tokenizer, name: str, n: int, prompt_len: int) -> list[list[int]]:
+    """`n` prompts of the workload (repeated cyclically if it has fewer)."""
+    import sysconfig
+
+    if name == "code":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        out = []
+        for mod in HELD_OUT:
+            path = root / f"{mod}.py"
+            if not path.is_file():
+                continue
+            ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+            out += [ids[i : i + prompt_len] for i in range(0, len(ids) - prompt_len, 4 * prompt_len)][:4]
+    elif name == "chat":
+        out = [
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) for q in QUESTIONS
+        ]
+    else:
+        raise SystemExit(f"unknown workload {name!r} (code, chat)")
+    if not out:
+        raise SystemExit(f"workload {name}: no prompts")
+    return [list(out[i % len(out)]) for i in range(n)]
+
+
+def _engine(model: Path, args, speculative: dict | None, **overrides):
+    from workers.engine import EngineConfig, EngineCore
+
+    max_b = max(args.batches)
+    cfg = EngineConfig(
+        model=str(model),
+        dtype=args.dtype,
+        max_num_seqs=max_b,
+        max_num_batched_tokens=max(512, max_b * 8),
+        max_model_len=1024,
+        warmup=False,
+        speculative=speculative,
+        compilation_cache_dir=None,
+        **overrides,
+    )
+    return EngineCore(cfg, show_progress=False)
+
+
+def decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Prefill (untimed) then decode to the end; tokens/s over the decode steps, and the spec counters."""
+    from workers.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    got = {rid: 0 for rid in ids}
+    while any(v == 0 for v in got.values()):
+        for d in engine.step():
+            got[d.request_id] += len(d.token_ids)
+    before = _spec_counts(engine)
+    first = sum(got.values())
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            got[d.request_id] += len(d.token_ids)
+        steps += 1
+    elapsed = time.perf_counter() - start
+    after = _spec_counts(engine)
+    tokens = sum(got.values()) - first
+    return {"tokens_per_s": tokens / elapsed, "steps": steps, "tokens": tokens, **{k: after[k] - before[k] for k in after}}
+
+
+def _spec_counts(engine) -> dict:
+    s = engine.speculator.stats if engine.speculator is not None else None
+    return {
+        "drafts": s.num_drafts if s else 0,
+        "draft_tokens": s.num_draft_tokens if s else 0,
+        "accepted": s.num_accepted_tokens if s else 0,
+    }
+
+
+class _Fixed:
+    """Always proposes `limit` copies of the last token: a verify step of full size, whatever it accepts."""
+
+    def propose(self, request, limit):
+        return [request.all_token_ids[-1]] * limit
+
+
+class _Nothing:
+    def propose(self, request, limit):
+        return []
+
+
+def verify_cost(engine, prompts: list[list[int]], k: int, steps: int = 12) -> dict:
+    """Median wall time of a synchronous step with B sequences x (1 + k) tokens, and x 1 token."""
+    from workers.engine import SamplingParams
+
+    out = {}
+    for label, proposer in (("one_token_ms", _Nothing()), ("verify_ms", _Fixed())) * 2:  # the first pass compiles
+        engine.speculator.proposer = proposer
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"c{label}{i}-{time.monotonic_ns()}", p, params)
+        engine.step()  # prefill
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        out[label] = statistics.median(times[1:-2] or times) * 1e3
+    out["ratio"] = out["verify_ms"] / out["one_token_ms"]
+    return out
+
+
+def run(args) -> int:
+    from workers.models.tokenizer import Tokenizer
+    from workers.models.train_tiny import DRAFT, TARGET, TEST_DRAFT, TEST_TARGET, trained_model
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in ("ngram", "draft"):
+            raise SystemExit(f"unknown method {m!r} (ngram, draft)")
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    _progress("models (training them once if not cached)")
+    target = args.target or trained_model(TEST_TARGET if args.quick else TARGET)
+    draft = args.draft or (trained_model(TEST_DRAFT if args.quick else DRAFT) if "draft" in methods else None)
+    tokenizer = Tokenizer.from_dir(target)
+    configs = {"none": None}
+    for m in methods:
+        for k in args.k:
+            spec = {"method": m, "num_speculative_tokens": k}
+            if m == "draft":
+                spec["model"] = str(draft)
+            configs[f"{m}-k{k}"] = spec
+    engines = {name: _engine(target, args, spec) for name, spec in configs.items()}
+    result = {"target": str(target), "draft": str(draft) if draft else None, "targets": TARGETS, "workloads": {}}
+    for wl in workloads:
+        per = result["workloads"][wl] = {}
+        for b in args.batches:
+            prompts = workload_prompts(tokenizer, wl, b, args.prompt_len)
+            samples = {name: [] for name in engines}
+            for engine in engines.values():  # untimed: compiles the shapes this batch needs
+                decode_run(engine, prompts, args.max_tokens)
+            for r in range(args.runs):
+                for name, engine in engines.items():
+                    samples[name].append(decode_run(engine, prompts, args.max_tokens))
+                _progress(f"{wl} B={b} run {r + 1}/{args.runs}")
+            per[str(b)] = summarise(samples, engines, prompts)
+    result["summary"] = summary(result)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    report_if_asked(args, "spec", result)
+    return 0
+
+
+def summarise(samples: dict, engines: dict, prompts) -> dict:
+    base = statistics.median(s["tokens_per_s"] for s in samples["none"])
+    out = {"none": {"tokens_per_s": base}}
+    costs: dict[int, dict] = {}
+    for name, runs in samples.items():
+        if name == "none":
+            continue
+        k = engines[name].config.speculative.num_speculative_tokens
+        drafts = sum(s["drafts"] for s in runs)
+        draft_tokens = sum(s["draft_tokens"] for s in runs)
+        accepted = sum(s["accepted"] for s in runs)
+        tps = statistics.median(s["tokens_per_s"] for s in runs)
+        if k not in costs:  # one synchronous measurement per k (the step's shape does not depend on the method)
+            costs[k] = verify_cost(_cost_engine(engines[name]), prompts, k)
+        mean_len = 1 + accepted / drafts if drafts else 1.0
+        bound = mean_len / costs[k]["ratio"]
+        out[name] = {
+            "tokens_per_s": tps,
+            "speedup": tps / base,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_acceptance_length": mean_len,
+            "drafts_per_run": drafts / len(runs),
+            "verify_cost": costs[k],
+            "bound": bound,
+            "fraction_of_bound": (tps / base) / bound if bound else None,
+        }
+    return out
+
+
+_COST_ENGINES: dict[int, object] = {}
+
+
+def _cost_engine(engine):
+    """A synchronous twin of a speculating engine (same model and k) whose proposer the cost timing sets."""
+    k = engine.config.speculative.num_speculative_tokens
+    if k not in _COST_ENGINES:
+        from workers.engine import EngineCore
+
+        # No back-off: the fixed drafts are rejected, and the step must keep its full size.
+        spec = {"method": "ngram", "num_speculative_tokens": k, "min_acceptance": 0.0}
+        data = {**engine.config.model_dump(), "async_scheduling": False, "speculative": spec}
+        _COST_ENGINES[k] = EngineCore(type(engine.config).model_validate(data), show_progress=False)
+    return _COST_ENGINES[k]
+
+
+def summary(result: dict) -> dict:
+    """Best method at batch 1 per workload, the lowest speed-up anywhere, and the mean fraction of bound."""
+    out = {}
+    for wl, per in result["workloads"].items():
+        rows = {(b, name): f for b, engines in per.items() for name, f in engines.items() if name != "none"}
+        if not rows:
+            continue
+        best1 = max((f["speedup"], name) for (b, name), f in rows.items() if b == "1") if "1" in per else (None, None)
+        out[wl] = {
+            "best_at_batch_1": {"engine": best1[1], "speedup": best1[0]},
+            "lowest_speedup": min(f["speedup"] for f in rows.values()),
+            "median_fraction_of_bound": statistics.median(f["fraction_of_bound"] for f in rows.values() if f["fraction_of_bound"]),
+        }
+    return out
