@@ -24,7 +24,8 @@ from workers.engine.speculative import NgramProposer, accepted_length, ngram_pro
 from workers.models.make_model import make_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-SPEC = {"num_speculative_tokens": 3}
+# The speed gate (speculate only where it measured faster) is timing-driven: off where counts are checked.
+SPEC = {"num_speculative_tokens": 3, "adaptive": False}
 # One persistent XLA cache for the module: its later engines load the programs its first ones compiled.
 ARGS = {**ENGINE_ARGS, "compilation_cache_dir": tempfile.mkdtemp(prefix="moray-spec-xla-")}
 
@@ -341,3 +342,74 @@ def test_a_draft_with_another_tokenizer_fails_at_load(models, tmp_path):
         LLM(str(models["qwen3_moe"]), speculative={"method": "draft", "model": str(small_vocab)}, **ARGS)
     with pytest.raises(ValueError, match="needs `model`"):
         EngineConfig(model="m", speculative={"method": "draft"})
+
+
+# ------------------------------------------------------------------------------------------ speed gate
+
+
+def test_speed_gate_keeps_the_faster_mode_per_batch_bucket_and_probes_the_other():
+    from workers.engine.speculative import SpeedGate
+
+    gate = SpeedGate(probe_every=4)
+    assert gate.wants(3)  # nothing measured: speculate first
+    gate.observe(3, True, 8, 1.0)
+    assert not gate.wants(4)  # then measure without (3 and 4 share a bucket)
+    gate.observe(4, False, 4, 1.0)
+    modes = []
+    for _ in range(8):
+        modes.append(gate.wants(4))
+        gate.observe(4, modes[-1], 8 if modes[-1] else 4, 1.0)
+    assert modes.count(True) == 6 and modes.count(False) == 2  # faster with drafts; a probe every 4th step
+    assert gate.wants(1)  # another bucket starts over
+
+
+def test_switching_between_speculating_and_plain_asynchronous_steps_stays_exact(models):
+    """The gate may turn speculation off at any step (the engine then schedules asynchronously again) and
+    back on: a step launched with drafts is always read before the next one is planned."""
+    model = models["qwen3_moe"]
+    ps = prompts(5, seed=13, lo=3, hi=30)
+    ref = [o.token_ids for o in LLM(str(model), **ARGS).generate(ps, GREEDY)]
+    llm = spec_llm(model, Oracle(ps, ref, 512), async_scheduling=True)
+
+    class Every:
+        def __init__(self):
+            self.calls = 0
+
+        def wants(self, batch):
+            self.calls += 1
+            return (self.calls // 3) % 2 == 0  # the engine asks a few times a step: runs of on and off
+
+        def observe(self, *args):
+            pass
+
+    llm.engine.speculator.gate = Every()
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == ref
+    assert llm.engine.speculator.stats.num_accepted_tokens > 5
+    assert_nothing_left(llm.engine)
+
+
+# ------------------------------------------------------------------------------------------ trained models
+
+
+def test_a_test_sized_model_trains_deterministically_is_cached_and_predicts_code(tmp_path):
+    """`train_tiny`'s test-sized target: trained in seconds (loss falls by more than a nat), cached under its
+    digest (the second call trains nothing), and a model n-gram speculation gains on: on held-out code
+    the target accepts a good share of the drafts, where a random model accepts almost none."""
+    import time as _time
+
+    from workers.models.tokenizer import Tokenizer
+    from workers.models.train_tiny import TEST_TARGET, trained_model
+
+    path = trained_model(TEST_TARGET, tmp_path, show_progress=False)
+    record = json.loads((path / "trained.json").read_text())
+    assert record["loss"][-1][1] < record["loss"][0][1] - 1.0
+    t = _time.perf_counter()
+    assert trained_model(TEST_TARGET, tmp_path) == path and _time.perf_counter() - t < 1.0
+
+    from bench.spec import workload_prompts
+
+    ps = workload_prompts(Tokenizer.from_dir(path), "code", 4, 48)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM(str(path), speculative={"num_speculative_tokens": 3, "adaptive": False}, **{**ARGS, "max_model_len": 128})
+    llm.generate(ps, params)
+    assert llm.engine.speculator.stats.acceptance_rate > 0.2

@@ -159,6 +159,11 @@ class SpeculativeConfig(BaseModel):
     disable_by_batch_size: int | None = Field(
         default=None, ge=1, description="no proposals while this many requests or more run (speculation stops paying)"
     )
+    adaptive: bool = Field(
+        default=True,
+        description="measure decode throughput with and without speculation per batch size and speculate only where it "
+        "is faster (probing the other mode now and then)",
+    )
     min_acceptance: float = Field(
         default=0.15,
         ge=0,

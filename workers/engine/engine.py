@@ -172,6 +172,8 @@ class EngineCore:
             raise ValueError("host_kv: the host KV tier is not supported yet with data-parallel attention")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.speculator = self._speculator(config)
+        self._speculating = False  # this step's mode (the speculator wanted drafts)
+        self._last_launch: tuple[int, bool] | None = None  # (batch, speculating) of the decode step launched last
         self._finished_outside_step: list[TokenDelta] = []
         self._step_counter = 0
         self._inflight: _InFlight | None = None  # the step launched last, whose outputs are not read yet
@@ -529,11 +531,14 @@ class EngineCore:
         `postprocess` then reads the *previous* step's sampled tokens while the device runs this one, so the
         host's work (schedule, prepare, detokenise, stop checks) overlaps the device's, and a step's deltas
         come back from the next call. Without it, each call waits for its own step."""
+        start = time.perf_counter()
         deltas = self._schedule_prelude()
         sched = self._schedule()
         launched = self._run(sched) if sched.scheduled else None
         deltas += self._postprocess(launched)
         self._stage_held()  # before the deltas leave: whoever reads a finished prefill finds its copy staged
+        if self.speculator is not None:
+            self._measure_speculation(sched, deltas, time.perf_counter() - start)
         return deltas
 
     def _schedule_prelude(self) -> list[TokenDelta]:
@@ -543,6 +548,7 @@ class EngineCore:
         if self._inflight is not None and self._needs_pending_tokens():
             deltas += self._process(self._take_inflight())
         if self.speculator is not None:
+            self._speculating = self.speculator.wants(len(self.scheduler.running))
             self.speculator.propose(self.scheduler.running, self.max_model_len)
             self._fit_drafts_to_grammars()
         return deltas
@@ -570,7 +576,10 @@ class EngineCore:
         snapshot at a block's end by the block's tokens. Speculative decoding proposes from the last token
         and places the next step's positions by how many drafts were accepted: it always needs them."""
         if self.speculator is not None:
-            return True
+            if self._inflight is not None and any(self._inflight.drafts):
+                return True  # how many tokens it yields is known only once they are
+            if self.speculator.wants(len(self.scheduler.running)):
+                return True
         return any(
             r.num_pending_outputs
             and (
@@ -706,6 +715,16 @@ class EngineCore:
                     r.spec_token_ids = []
                 else:
                     r.spec_token_ids = r.spec_token_ids[: state.matcher.validate_tokens(r.spec_token_ids)]
+
+    def _measure_speculation(self, sched: SchedulerOutput, deltas: list[TokenDelta], seconds: float) -> None:
+        """Feeds the speculator's speed gate: a call delivers the tokens of the step launched by the call
+        before (asynchronously or not), so its tokens and time count for that step's mode, if that step
+        only decoded (a prefill chunk's time says nothing about decoding)."""
+        last, self._last_launch = self._last_launch, None
+        if sched.scheduled and all(item.num_new_tokens - item.num_spec == 1 for item in sched.scheduled):
+            self._last_launch = (len(sched.scheduled), self._speculating)
+        if last is not None and self.speculator.gate is not None:
+            self.speculator.gate.observe(last[0], last[1], sum(len(d.token_ids) for d in deltas), seconds)
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         if config.speculative is None:

@@ -94,6 +94,45 @@ class NgramProposer:
         return ngram_propose(request.all_token_ids, limit, self.lookup_min, self.lookup_max)
 
 
+class SpeedGate:
+    """Whether speculating pays at a batch size, measured: decode throughput (tokens delivered per second of
+    engine step) with and without it, per power-of-two batch bucket, as exponential averages. The better
+    mode runs; every `probe_every` decode steps of a bucket one runs in the other mode to keep its figure
+    current (load, acceptance and the step's cost all change). Both modes are tried first."""
+
+    _EMA = 0.2
+
+    def __init__(self, probe_every: int = 24, margin: float = 1.0):
+        self.probe_every, self.margin = probe_every, margin
+        self._rate: dict[tuple[int, bool], float] = {}
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, batch - 1).bit_length()
+
+    def wants(self, batch: int) -> bool:
+        b = self.bucket(batch)
+        on, off = self._rate.get((b, True)), self._rate.get((b, False))
+        if on is None or off is None:
+            return on is None  # measure speculating first, then without
+        best = on >= self.margin * off
+        probe = self._steps.get(b, 0) % self.probe_every == self.probe_every - 1
+        return best != probe
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        b = self.bucket(batch)
+        self._steps[b] = self._steps.get(b, 0) + 1
+        rate = tokens / seconds
+        prev = self._rate.get((b, speculated))
+        self._rate[(b, speculated)] = rate if prev is None else (1 - self._EMA) * prev + self._EMA * rate
+
+    def rates(self) -> dict:
+        return {f"{b}{'-spec' if on else ''}": round(r, 1) for (b, on), r in sorted(self._rate.items())}
+
+
 class Speculator:
     """Proposes each running request's drafts for the next step and keeps each request's acceptance, which
     sets how many it proposes (back-off when a request's drafts keep failing)."""
@@ -108,6 +147,7 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self.gate = SpeedGate() if config.adaptive else None
 
     def draft_limit(self, request: Request, max_model_len: int) -> int:
         """The most drafts `request` may propose now: k, fewer when its acceptance is poor, and never past
@@ -121,8 +161,7 @@ class Speculator:
 
     def propose(self, requests: list[Request], max_model_len: int) -> None:
         """Sets `spec_token_ids` on each running request in decode (one known token left to compute)."""
-        cfg = self.config
-        off = cfg.disable_by_batch_size is not None and len(requests) >= cfg.disable_by_batch_size
+        off = not self.wants(len(requests))
         wanted = []
         for request in requests:
             request.spec_token_ids = []
@@ -140,6 +179,14 @@ class Speculator:
             proposals = [self.proposer.propose(request, limit) for request, limit in wanted]
         for (request, limit), drafts in zip(wanted, proposals):
             request.spec_token_ids = list(drafts)[:limit]
+
+    def wants(self, batch: int) -> bool:
+        """Whether a step of `batch` running requests proposes drafts: not at or past disable_by_batch_size,
+        nor where the speed gate measured that speculating is slower."""
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and batch >= cfg.disable_by_batch_size:
+            return False
+        return self.gate is None or self.gate.wants(batch)
 
     def verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.stats.record(num_drafted, num_accepted, self.k)
