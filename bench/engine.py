@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.report import add_report_argument, report_if_asked
+from bench.report import add_report_argument, int_list, report_if_asked
 from bench.sizes import PRESET_CONFIGS
 
 # Targets from the issue, recorded in the JSON next to the measurements.
@@ -57,22 +57,12 @@ _BANDWIDTH_ROWS = 64
 _FILL_STEPS = 8  # at most this many untimed steps fill the asynchronous pipeline before a timed decode run
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="checkpoint directory (e.g. make-model --preset bench); required")
     p.add_argument("--json", type=Path, help="where to write the results; required unless --sizes-only")
-    p.add_argument("--batches", type=_ints, default=[1, 8, 16, 32], help="decode batch sizes (default 1,8,16,32)")
-    p.add_argument("--roofline-batches", type=_ints, default=[1, 16], help="batches with a roofline ratio (default 1,16)")
-    p.add_argument("--compare-batches", type=_ints, default=[1, 16], help="batches run with transformers too (default 1,16)")
+    p.add_argument("--batches", type=int_list, default=[1, 8, 16, 32], help="decode batch sizes (default 1,8,16,32)")
+    p.add_argument("--roofline-batches", type=int_list, default=[1, 16], help="batches with a roofline ratio (default 1,16)")
+    p.add_argument("--compare-batches", type=int_list, default=[1, 16], help="batches run with transformers too (default 1,16)")
     p.add_argument("--runs", type=int, default=5, help="alternating timed runs per measurement (default 5)")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per run (default 32)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt length for the decode runs (default 64)")
@@ -87,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparison")
     p.add_argument(
-        "--overhead-batches", type=_ints, default=[1, 16, 64], help="batches whose host time per step is measured (default 1,16,64)"
+        "--overhead-batches", type=int_list, default=[1, 16, 64], help="batches whose host time per step is measured (default 1,16,64)"
     )
     p.add_argument(
         "--startup",

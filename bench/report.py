@@ -153,6 +153,26 @@ _NOT_HEADLINE_PARTS = {"runs", "targets"}
 # ---------------------------------------------------------------------------------------- results
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers, sorted and deduplicated (`--batches 1,8,16`)."""
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def write_result(args: argparse.Namespace, kind: str, result: dict) -> None:
+    """A bench's result: printed as JSON, written to `--json` if given, and reported with `--report`."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if getattr(args, "json", None):
+        Path(args.json).write_text(text + "\n")
+    report_if_asked(args, kind, result)
+
+
 def add_report_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, metavar="DIR", help="also write PNG plots and an index.html report into DIR")
 

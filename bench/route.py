@@ -16,7 +16,6 @@ binary is missing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -27,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.report import add_report_argument, report_if_asked
+from bench.report import add_report_argument, write_result
 
 TARGETS = {
     "memory": {"p99_ms": 1.0, "decisions_per_s": 5000},
@@ -379,11 +378,7 @@ def run(args: argparse.Namespace) -> int:
                 t = TARGETS[backend]
                 r["meets_targets"] = r["p99_ms"] <= t["p99_ms"] and r["decisions_per_s"] >= t["decisions_per_s"]
             result[backend] = r
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-    report_if_asked(args, "route", result)
+    write_result(args, "route", result)
     return 0
 
 

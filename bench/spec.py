@@ -26,13 +26,12 @@ JSON to `--json`, plots with `--report DIR`. No jax at import time (registered i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.report import add_report_argument, report_if_asked
+from bench.report import add_report_argument, int_list, write_result
 
 # Modules of the standard library outside the training corpus (workers/models/tokenizer.py's list).
 HELD_OUT = (
@@ -62,24 +61,14 @@ QUESTIONS = [
 TARGETS = {"fraction_of_bound": 0.85, "speedup_batch_1": 1.3, "never_below": 0.95}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, help="where to write the results")
     p.add_argument("--target", type=Path, help="target checkpoint (default: the trained target, trained if not cached)")
     p.add_argument("--draft", type=Path, help="draft checkpoint for --methods draft (default: the trained draft)")
     p.add_argument("--quick", action="store_true", help="the test-sized trained pair (trains in seconds): a smoke run")
     p.add_argument("--methods", default="ngram,draft", help="comma-separated: ngram, draft (default both)")
-    p.add_argument("--k", type=_ints, default=[1, 3], help="num_speculative_tokens values (default 1,3)")
-    p.add_argument("--batches", type=_ints, default=[1, 4, 8, 16, 32], help="decode batch sizes (default 1,4,8,16,32)")
+    p.add_argument("--k", type=int_list, default=[1, 3], help="num_speculative_tokens values (default 1,3)")
+    p.add_argument("--batches", type=int_list, default=[1, 4, 8, 16, 32], help="decode batch sizes (default 1,4,8,16,32)")
     p.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat (default both)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--prompt-len", type=int, default=128, help="code prompt length in tokens (default 128)")
@@ -237,11 +226,7 @@ def run(args) -> int:
                 _progress(f"{wl} B={b} run {r + 1}/{args.runs}")
             per[str(b)] = summarise(samples, engines, prompts)
     result["summary"] = summary(result)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-    report_if_asked(args, "spec", result)
+    write_result(args, "spec", result)
     return 0
 
 

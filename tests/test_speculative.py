@@ -318,7 +318,7 @@ def test_a_draft_model_equal_to_the_target_is_always_right_and_a_different_one_s
     target = models["qwen3_moe"]
     ps = prompts(4, seed=12, lo=3, hi=40)
     ref = [o.token_ids for o in LLM(str(target), **ARGS).generate(ps, GREEDY)]
-    same = LLM(str(target), speculative={"method": "draft", "model": str(target), "num_speculative_tokens": 3}, **ARGS)
+    same = LLM(str(target), speculative={"method": "draft", "model": str(target), "num_speculative_tokens": 3, "adaptive": False}, **ARGS)
     assert [o.token_ids for o in same.generate(ps, GREEDY)] == ref
     stats = same.engine.speculator.stats
     assert stats.num_draft_tokens > 30 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -328,7 +328,9 @@ def test_a_draft_model_equal_to_the_target_is_always_right_and_a_different_one_s
     hybrid = models["qwen3_next"]
     ref_h = [o.token_ids for o in LLM(str(hybrid), **ARGS).generate(ps, GREEDY)]
     for model, expected in ((target, ref), (hybrid, ref_h)):
-        llm = LLM(str(model), speculative={"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}, **ARGS)
+        llm = LLM(
+            str(model), speculative={"method": "draft_model", "model": str(other), "num_speculative_tokens": 1, "adaptive": False}, **ARGS
+        )
         assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
         assert llm.engine.speculator.stats.num_draft_tokens > 20
         assert_nothing_left(llm.engine)

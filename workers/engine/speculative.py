@@ -247,7 +247,9 @@ class DraftModelProposer:
         budget, items, proposing = self.max_tokens, [], []
         for request, _ in wanted:
             start = min(request.spec_draft_len, request.num_tokens - 1)
-            n = min(request.num_tokens - start, budget)
+            # Never past the blocks the request has (the last known token's may not be allocated yet).
+            n = min(request.num_tokens, len(request.block_ids) * self.block_size) - start
+            n = min(n, budget)
             if n <= 0 or len(items) >= self.max_seqs:
                 continue
             items.append(ScheduledRequest(request, n, start))
@@ -273,12 +275,11 @@ class DraftModelProposer:
         return [drafts[r.request_id] for r, _ in wanted]
 
     def _room(self, request: Request, limit: int) -> int:
-        """Drafts whose draft-step positions have blocks: allocated now if the pool has them (the scheduler
-        then finds them allocated; blocks past the accepted tokens go back after the verify step)."""
-        if limit <= 1:
-            return limit
-        if self.kv.allocate(request, limit) is None:  # positions up to num_tokens + limit - 1
-            return min(limit, len(request.block_ids) * self.block_size - request.num_tokens + 1)
+        """Drafts whose draft-step positions (the last known token's, then one per draft but the last) have
+        blocks: allocated now if the pool has them (the scheduler then finds them allocated; blocks past
+        the accepted tokens go back after the verify step)."""
+        if self.kv.allocate(request, limit) is None:  # positions up to num_tokens - 1 + limit - 1
+            return max(0, min(limit, len(request.block_ids) * self.block_size - request.num_tokens + 1))
         return limit
 
     def _step(self, sched) -> list[int]:
