@@ -26,6 +26,7 @@ JSON to `--json`, plots with `--report DIR`. No jax at import time (registered i
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -115,6 +116,11 @@ def _engine(model: Path, args, speculative: dict | None, **overrides):
         max_num_seqs=max_b,
         max_num_batched_tokens=max(512, max_b * 8),
         max_model_len=1024,
+        # Few shapes: a run keeps several engines (and their compiled programs) alive at once, and XLA:CPU
+        # ran out of memory maps compiling the default grid for all of them.
+        token_buckets=[8, 32, 128, max(512, max_b * 8)],
+        page_buckets=[4, 16, 64],
+        kv_cache_memory_bytes=64 << 20,
         warmup=False,
         speculative=speculative,
         compilation_cache_dir=None,
@@ -225,6 +231,8 @@ def run(args) -> int:
                     samples[name].append(decode_run(engine, prompts, args.max_tokens))
                 _progress(f"{wl} B={b} run {r + 1}/{args.runs}")
             per[str(b)] = summarise(samples, engines, prompts)
+            if args.json:  # what is measured so far survives a run that dies later
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
     result["summary"] = summary(result)
     write_result(args, "spec", result)
     return 0
