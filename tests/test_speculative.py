@@ -114,8 +114,8 @@ def test_greedy_output_is_unchanged_and_nothing_is_left_behind(models, arch):
     verify steps) with the oracle's drafts, then with real n-gram drafts: the tokens without speculation,
     the same KV events (no block of a rejected token is ever published), and an empty pool at the end."""
     model = models[arch]
-    ps = [p * 2 for p in prompts(6, seed=1, lo=3, hi=14)] + prompts(2, seed=2, lo=40, hi=60)
-    params = [GREEDY] * 7 + [SamplingParams(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)]
+    ps = [p * 2 for p in prompts(4, seed=1, lo=3, hi=14)] + prompts(2, seed=2, lo=40, hi=60)
+    params = [GREEDY] * 5 + [SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)]
     base = LLM(str(model), **ARGS)
     base_sub = base.engine.events.subscribe()
     ref = [o.token_ids for o in base.generate(ps, params)]
@@ -316,12 +316,12 @@ def test_a_draft_model_equal_to_the_target_is_always_right_and_a_different_one_s
     every greedy draft is accepted; another model's drafts are mostly rejected, and the output is still
     the target's. A hybrid target takes an attention-only draft."""
     target = models["qwen3_moe"]
-    ps = prompts(4, seed=12, lo=3, hi=40)
+    ps = prompts(3, seed=12, lo=3, hi=40)
     ref = [o.token_ids for o in LLM(str(target), **ARGS).generate(ps, GREEDY)]
     same = LLM(str(target), speculative={"method": "draft", "model": str(target), "num_speculative_tokens": 3, "adaptive": False}, **ARGS)
     assert [o.token_ids for o in same.generate(ps, GREEDY)] == ref
     stats = same.engine.speculator.stats
-    assert stats.num_draft_tokens > 30 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert_nothing_left(same.engine)
 
     other = make_model(tmp_path / "other", "qwen3_moe", "tiny", seed=9)  # same tokenizer, other weights
@@ -332,7 +332,7 @@ def test_a_draft_model_equal_to_the_target_is_always_right_and_a_different_one_s
             str(model), speculative={"method": "draft_model", "model": str(other), "num_speculative_tokens": 1, "adaptive": False}, **ARGS
         )
         assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
-        assert llm.engine.speculator.stats.num_draft_tokens > 20
+        assert llm.engine.speculator.stats.num_draft_tokens > 15
         assert_nothing_left(llm.engine)
 
 

@@ -43,7 +43,7 @@ from .weights import Concat, OneOf, Rows, Stack, Tensor, is_spec, plan_leaves
 log = logging.getLogger("moray.train")
 
 CACHE_ROOT = Path(os.environ.get("MORAY_TRAINED_CACHE", Path.home() / ".cache" / "moray" / "trained"))
-_FORMAT = 1  # bump when training changes what a digest means
+_FORMAT = 2  # bump when training changes what a digest means
 
 
 @dataclass(frozen=True)
@@ -91,14 +91,20 @@ def trained_model(spec: TrainSpec, cache_root: Path | None = None, show_progress
     return out
 
 
-def corpus_ids(tokenizer) -> np.ndarray:
-    """The standard-library corpus as one token stream (files joined by EOS)."""
+def corpus_ids(tokenizer, max_chars: int | None = None) -> np.ndarray:
+    """The standard-library corpus as one token stream (files joined by EOS), its first `max_chars`
+    characters' worth of files (all by default)."""
     from .tokenizer import _corpus_files
 
     eos = tokenizer.eos_token_ids[0]
     ids: list[int] = []
+    chars = 0
     for path in _corpus_files():
-        ids += tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False) + [eos]
+        if max_chars is not None and chars >= max_chars:
+            break
+        text = path.read_text(encoding="utf-8", errors="replace")
+        chars += len(text)
+        ids += tokenizer.encode(text, add_special_tokens=False) + [eos]
     return np.asarray(ids, np.int32)
 
 
@@ -112,7 +118,9 @@ def train(spec: TrainSpec, out: Path, show_progress: bool = True) -> dict:
     family, cfg = load_config(out)
     plan = family.plan(cfg)
     params = _initial_params(out)
-    data = corpus_ids(Tokenizer.from_dir(out))
+    # ~10 characters of text per token the training reads: windows rarely repeat, and a short run does not
+    # tokenise the whole corpus.
+    data = corpus_ids(Tokenizer.from_dir(out), max_chars=10 * spec.steps * spec.batch * (spec.seq_len + 1))
     rng = np.random.default_rng(spec.seed)
     step_fn = _train_step(family, cfg, plan, spec)
     opt = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params))
