@@ -730,9 +730,7 @@ class EngineCore:
         if config.speculative is None:
             return None
         proposer = None
-        if config.speculative.method == "draft":
-            if self.model.data_parallel_size > 1:
-                raise ValueError("speculative method draft: not with data-parallel attention yet")
+        if config.speculative.method == "draft":  # refuses meshes itself (the draft runs on one device)
             proposer = DraftModelProposer(config, self.kv, self.max_model_len, self.runner.num_blocks, self.cfg, config.model)
             if config.warmup:
                 proposer.warmup()

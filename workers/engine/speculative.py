@@ -65,9 +65,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
 
-    def record(self, num_drafted: int, num_accepted: int, k: int) -> None:
-        if len(self.accepted_per_pos) < k:
-            self.accepted_per_pos += [0] * (k - len(self.accepted_per_pos))
+    def record(self, num_drafted: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
@@ -129,9 +127,6 @@ class SpeedGate:
         prev = self._rate.get((b, speculated))
         self._rate[(b, speculated)] = rate if prev is None else (1 - self._EMA) * prev + self._EMA * rate
 
-    def rates(self) -> dict:
-        return {f"{b}{'-spec' if on else ''}": round(r, 1) for (b, on), r in sorted(self._rate.items())}
-
 
 class Speculator:
     """Proposes each running request's drafts for the next step and keeps each request's acceptance, which
@@ -189,7 +184,7 @@ class Speculator:
         return self.gate is None or self.gate.wants(batch)
 
     def verified(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        self.stats.record(num_drafted, num_accepted, self.k)
+        self.stats.record(num_drafted, num_accepted)
         rate = num_accepted / num_drafted
         request.spec_acceptance = (1 - self._EMA) * request.spec_acceptance + self._EMA * rate
 
