@@ -104,7 +104,73 @@ DEEPSEEK_V3: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-PRESET_CONFIGS: dict[str, dict[str, Any]] = {"qwen3.5-397b": QWEN3_5_397B_A17B, "deepseek-v3": DEEPSEEK_V3}
+# Gemma 4's text configs. Nothing can be downloaded here: the values are those transformers' own conversion
+# script writes (huggingface/transformers src/transformers/models/gemma4/convert_gemma4_weights.py, its
+# `_VARIANTS` "gemma-4-31b" and "gemma-4-26b-a4b", plus Gemma4TextConfig's defaults for what it leaves unset),
+# which agree with the GGUF metadata Ollama publishes for both and with config excerpts quoted in public
+# tests (mlx-community/gemma-4-26b-a4b-it-4bit). Published sizes: 31B "30.7B parameters" (with a ~550M
+# vision encoder), 26B-A4B "25.2B total / 3.8B active". Layers: 5 sliding (window 1024, head_dim 256) to
+# 1 full (head_dim 512, attention_k_eq_v with `num_global_key_value_heads`).
+_GEMMA4_ROPE = {
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+}
+
+
+def _gemma4(num_layers: int, **text: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "gemma4_text",
+            "vocab_size": 262144,
+            "num_hidden_layers": num_layers,
+            "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * (num_layers // 6),
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "attention_k_eq_v": True,
+            "sliding_window": 1024,
+            "num_kv_shared_layers": 0,
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 262144,
+            "final_logit_softcapping": 30.0,
+            "max_position_embeddings": 262144,
+            "rope_parameters": _GEMMA4_ROPE,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "use_bidirectional_attention": "vision",
+            "tie_word_embeddings": True,
+            **text,
+        },
+    }
+
+
+GEMMA4_31B = _gemma4(
+    60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4
+)
+GEMMA4_26B_A4B = _gemma4(
+    30,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    enable_moe_block=True,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+)
+
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3.5-397b": QWEN3_5_397B_A17B,
+    "deepseek-v3": DEEPSEEK_V3,
+    "gemma4-31b": GEMMA4_31B,
+    "gemma4-26b-a4b": GEMMA4_26B_A4B,
+}
+# Contexts the per-sequence KV is given at, and the weight formats the weight bytes are given in.
+CONTEXTS = (8192, 131072)
+W4A16_GROUP = 32  # the group of Google's QAT W4A16 releases (vllm-project/recipes#514)
 
 
 def model_config(raw: dict[str, Any]):
@@ -147,6 +213,37 @@ def state_bytes_per_sequence(cfg) -> int:
     return cfg.num_state_layers * sum(state_bytes_per_layer(cfg).values())
 
 
+def kv_bytes_per_sequence(cfg, itemsize: int, context: int, window_rule: bool, block_size: int = 16) -> int:
+    """One sequence's KV at `context` tokens. With the window rule a sliding-window layer holds only the
+    blocks its window can still reach (ceil(window / block) + 1 at most: the window straddles a block
+    boundary); without it every layer holds every block."""
+    blocks = -(-context // block_size)
+    total = 0
+    for i, layer in enumerate(cfg.kv_layer_ids):
+        window = cfg.sliding_windows[layer]
+        held = min(blocks, -(-window // block_size) + 1) if window_rule and window else blocks
+        total += held * block_size * math.prod(cfg.kv_layer_page_dims(i)) * itemsize
+    return total
+
+
+def weight_bytes(raw: dict[str, Any], cfg) -> dict[str, int]:
+    """The served weights (the family's load plan: a composite's towers excluded) in bfloat16, and in
+    compressed-tensors W4A16 (group 32, bf16 scales) for every Linear but routers, as `moray quantize`
+    writes them; embeddings stay bfloat16 (the LM head is tied)."""
+    from workers.models import FAMILIES
+    from workers.models.quant import _linear_tensors
+    from workers.models.weights import plan_leaves
+
+    bf16 = w4a16 = 0
+    for spec in plan_leaves(FAMILIES[raw["model_type"]].plan(cfg)):
+        n = math.prod(spec.shape)
+        bf16 += 2 * n
+        linear = _linear_tensors(spec) is not None or "experts" in (spec.logical_axes or ())
+        router = "router" in (spec.logical_axes or ())
+        w4a16 += n // 2 + 2 * (n // W4A16_GROUP) if linear and not router else 2 * n
+    return {"bfloat16": bf16, "w4a16": w4a16}
+
+
 def sizes(cfg, kv_dtype: str) -> dict[str, Any]:
     if kv_dtype not in KV_ITEMSIZE:
         raise ValueError(f"unknown KV dtype {kv_dtype!r} (known: {', '.join(KV_ITEMSIZE)})")
@@ -169,6 +266,30 @@ def sizes(cfg, kv_dtype: str) -> dict[str, Any]:
     }
 
 
+def window_sizes(raw: dict[str, Any], cfg, kv_dtype: str) -> dict[str, Any]:
+    """Weight bytes and per-sequence KV with and without the sliding-window rule (models with windows)."""
+    itemsize = KV_ITEMSIZE[kv_dtype]
+    weights = weight_bytes(raw, cfg)
+    per_sequence = {
+        str(n): {
+            "all_blocks_gib": kv_bytes_per_sequence(cfg, itemsize, n, False) / 2**30,
+            "window_rule_gib": kv_bytes_per_sequence(cfg, itemsize, n, True) / 2**30,
+        }
+        for n in CONTEXTS
+    }
+    return {
+        "weight_bytes": weights,
+        "weight_gib": {k: v / 2**30 for k, v in weights.items()},
+        "kv_per_sequence": per_sequence,
+        "sliding_layers": sum(1 for layer in cfg.kv_layer_ids if cfg.sliding_windows[layer]),
+    }
+
+
 def sizes_from_config(raw: dict[str, Any], kv_dtype: str = "bfloat16") -> dict[str, Any]:
-    """KV bytes per token (in `kv_dtype`) and state bytes per sequence of a `config.json` dict."""
-    return sizes(model_config(raw), kv_dtype)
+    """KV bytes per token (in `kv_dtype`) and state bytes per sequence of a `config.json` dict; for models
+    with sliding-window layers also the weight bytes and the KV of one sequence with and without the window rule."""
+    cfg = model_config(raw)
+    out = sizes(cfg, kv_dtype)
+    if any(cfg.sliding_windows):
+        out.update(window_sizes(raw, cfg, kv_dtype))
+    return out

@@ -127,18 +127,23 @@ def tile_rows(num_assignments: int, num_experts: int) -> int:
     return min(max(m, MIN_TILE_ROWS), MAX_TILE_ROWS)
 
 
-def _swiglu(gate_up: jax.Array) -> jax.Array:
+# The gate's activation in each expert's gated MLP: SiLU (SwiGLU, most families) or the tanh
+# approximation of GELU (GeGLU: Gemma 4's `gelu_pytorch_tanh`). Both map 0 to 0, so zero padding rows stay 0.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def _swiglu(gate_up: jax.Array, activation: str = "silu") -> jax.Array:
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    return ACTIVATIONS[activation](gate) * up
 
 
-def _expert_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+def _expert_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str = "silu") -> jax.Array:
     """One expert on rows x [..., H] with its gate_up [2I, H] and down [H, I]; float32 result [..., H]."""
     if is_quantized(gate_up):  # packed experts (kernels/quant.py): dequantise just this expert, per group
         h = quantized_matmul(x, gate_up, impl="xla")
-        return quantized_matmul(_swiglu(h).astype(x.dtype), down, impl="xla")
+        return quantized_matmul(_swiglu(h, activation).astype(x.dtype), down, impl="xla")
     h = jnp.einsum("...h,ih->...i", x, gate_up, preferred_element_type=jnp.float32)
-    act = _swiglu(h).astype(x.dtype)
+    act = _swiglu(h, activation).astype(x.dtype)
     return jnp.einsum("...i,hi->...h", act, down, preferred_element_type=jnp.float32)
 
 
@@ -148,7 +153,7 @@ def _combine(out: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.einsum("tkh,tk->th", out.reshape(t, k, -1), weights)
 
 
-def _experts_gather(x, ids, weights, gate_up, down):
+def _experts_gather(x, ids, weights, gate_up, down, activation="silu"):
     # Each distinct expert is sliced once (XLA:CPU copies a dynamic slice before a dot, so slicing per
     # assignment re-copied an expert for every token choosing it), then each of its assignments runs as a
     # matrix-vector product against that copy, which is still hot in cache. Gathering all chosen experts
@@ -171,7 +176,7 @@ def _experts_gather(x, ids, weights, gate_up, down):
             p = group_starts[e] + j
             token = token_of[p]
             row = jax.lax.dynamic_slice_in_dim(x, token, 1)
-            y = _expert_mlp(row, expert_gate_up, expert_down) * weight_of[p]
+            y = _expert_mlp(row, expert_gate_up, expert_down, activation) * weight_of[p]
             # A read-modify-write rather than a scatter-add: a scatter would stop XLA:CPU from compiling
             # the loop into one fused function, which was slower here.
             return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, token, 1) + y, token, 0)
@@ -198,14 +203,14 @@ def _sort_by_expert(ids: jax.Array, num_experts: int):
     return order, group_sizes
 
 
-def _experts_sorted(x, ids, weights, gate_up, down):
+def _experts_sorted(x, ids, weights, gate_up, down, activation="silu"):
     gate_up, down = as_dense(gate_up, x.dtype), as_dense(down, x.dtype)  # ragged_dot takes dense operands
     t, k = ids.shape
     order, group_sizes = _sort_by_expert(ids, gate_up.shape[0])
     token_of = order // k
     xs = x[token_of]
     h = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), group_sizes, preferred_element_type=jnp.float32)
-    act = _swiglu(h).astype(x.dtype)
+    act = _swiglu(h, activation).astype(x.dtype)
     out = jax.lax.ragged_dot(act, jnp.swapaxes(down, 1, 2), group_sizes, preferred_element_type=jnp.float32)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token_of].add(out)
@@ -242,7 +247,7 @@ def _tile_layout(group: jax.Array, num_groups: int, m: int):
     return row_of, row_token, tile_group.astype(jnp.int32), tile_ends
 
 
-def experts_in_range(x, ids, weights, gate_up, down, first_expert, m: int | None = None):
+def experts_in_range(x, ids, weights, gate_up, down, first_expert, m: int | None = None, activation: str = "silu"):
     """The `tiled` grouped matmul over the experts [first_expert, first_expert + E) that gate_up/down
     hold; assignments to other experts contribute 0. float32 [T, H].
 
@@ -265,7 +270,7 @@ def experts_in_range(x, ids, weights, gate_up, down, first_expert, m: int | None
         index, rows, expert = args
         return jax.lax.cond(
             index < used_tiles,
-            lambda: _expert_mlp(rows, gate_up[expert], down[expert]),
+            lambda: _expert_mlp(rows, gate_up[expert], down[expert], activation),
             lambda: jnp.zeros_like(rows, jnp.float32),  # zeros_like keeps shard_map's varying-axes type
         )
 
@@ -275,13 +280,13 @@ def experts_in_range(x, ids, weights, gate_up, down, first_expert, m: int | None
     return _combine(out.reshape(-1, h)[row_of], jnp.where(mine, weights.astype(jnp.float32), 0.0))
 
 
-def _experts_tiled(x, ids, weights, gate_up, down, m: int | None = None):
-    return experts_in_range(x, ids, weights, gate_up, down, 0, m)
+def _experts_tiled(x, ids, weights, gate_up, down, activation="silu", m: int | None = None):
+    return experts_in_range(x, ids, weights, gate_up, down, 0, m, activation)
 
 
-def _experts_pallas(x, ids, weights, gate_up, down, interpret: bool | None = None):
+def _experts_pallas(x, ids, weights, gate_up, down, activation="silu", interpret: bool | None = None):
     if is_quantized(gate_up):
-        return _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret)
+        return _experts_pallas_quantized(x, ids, weights, gate_up, down, activation, interpret)
     t, k = ids.shape
     a = t * k
     if interpret is None:
@@ -306,13 +311,13 @@ def _experts_pallas(x, ids, weights, gate_up, down, interpret: bool | None = Non
         )
         return out[:a]
 
-    act = _swiglu(gmm(x[order // k], gate_up)).astype(x.dtype)
+    act = _swiglu(gmm(x[order // k], gate_up), activation).astype(x.dtype)
     out_sorted = gmm(act, down)
     unsort = jnp.argsort(order)  # sorted position of each token-major assignment
     return _combine(out_sorted[unsort], weights)
 
 
-def _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret: bool | None = None):
+def _experts_pallas_quantized(x, ids, weights, gate_up, down, activation="silu", interpret: bool | None = None):
     """Packed experts: the `tiled` layout (each row tile owned by one expert) through the Pallas kernel of
     `kernels.quant.grouped_matmul`, which dequantises each weight block in VMEM."""
     h = x.shape[1]
@@ -322,20 +327,20 @@ def _experts_pallas_quantized(x, ids, weights, gate_up, down, interpret: bool | 
     tile_expert = jnp.minimum(tile_expert, num_experts - 1)
     rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[row_token]  # padding rows stay zero
     used = tile_ends[-1:]
-    act = _swiglu(grouped_matmul(rows, gate_up, tile_expert, used, tm=m, interpret=interpret)).astype(x.dtype)
+    act = _swiglu(grouped_matmul(rows, gate_up, tile_expert, used, tm=m, interpret=interpret), activation).astype(x.dtype)
     out = grouped_matmul(act, down, tile_expert, used, tm=m, interpret=interpret)
     return _combine(out[row_of], weights)
 
 
-def cpu_kernel_applies(x: jax.Array, gate_up) -> bool:
-    """The `cpu` kernel takes dense float32 experts and tokens on the CPU backend (and needs to build)."""
-    dense_f32 = not is_quantized(gate_up) and gate_up.dtype == jnp.float32 and x.dtype == jnp.float32
+def cpu_kernel_applies(x: jax.Array, gate_up, activation: str = "silu") -> bool:
+    """The `cpu` kernel takes dense float32 SiLU experts and tokens on the CPU backend (and needs to build)."""
+    dense_f32 = activation == "silu" and not is_quantized(gate_up) and gate_up.dtype == jnp.float32 and x.dtype == jnp.float32
     return dense_f32 and jax.default_backend() == "cpu" and cpu_ffi.available()
 
 
-def _experts_cpu(x, ids, weights, gate_up, down):
-    if not cpu_kernel_applies(x, gate_up):
-        raise ValueError("MoE impl 'cpu' needs dense float32 weights on the CPU backend and a C++ compiler")
+def _experts_cpu(x, ids, weights, gate_up, down, activation="silu"):
+    if not cpu_kernel_applies(x, gate_up, activation):
+        raise ValueError("MoE impl 'cpu' needs dense float32 SiLU experts on the CPU backend and a C++ compiler")
     return cpu_ffi.moe_experts(x, ids, weights, gate_up, down)
 
 
@@ -355,17 +360,22 @@ def routed_experts(
     gate_up: jax.Array,  # [E, 2I, H]
     down: jax.Array,  # [E, H, I]
     impl: str | None = None,
+    activation: str = "silu",
 ) -> jax.Array:
-    """Sum over k of weight * down(silu(gate(x)) * up(x)) for each token's selected experts.
+    """Sum over k of weight * down(act(gate(x)) * up(x)) for each token's selected experts.
 
     `impl` is one of IMPLS; None lets `moe_impl` choose from the static shapes and the backend.
+    `activation` is a key of ACTIVATIONS; where an implementation lacks it (the C++ `cpu` kernel is SiLU
+    only) the automatic choice falls back to the XLA `gather` path.
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
     auto = impl is None and not os.environ.get(IMPL_ENV_VAR)
     impl = impl or moe_impl(ids.size, num_experts=gate_up.shape[0])
     if auto and impl == "pallas" and is_quantized(gate_up) and select_impl(gate_up.group_size) == "xla":
         impl = "tiled"  # groups as wide as the MXU: XLA dequantises per tile (kernels.quant.select_impl)
-    if auto and impl == "gather" and cpu_kernel_applies(x, gate_up):
+    if auto and impl == "gather" and cpu_kernel_applies(x, gate_up, activation):
         impl = "cpu"
     if impl not in _IMPL_FNS:
         raise ValueError(f"unknown MoE impl {impl!r}; expected one of {IMPLS}")
-    return _IMPL_FNS[impl](x, ids, weights, gate_up, down).astype(x.dtype)
+    return _IMPL_FNS[impl](x, ids, weights, gate_up, down, activation).astype(x.dtype)

@@ -37,15 +37,16 @@ def save_hf_checkpoint(out: Path, family: str, seed: int = 0, max_shard_size=Non
     return out
 
 
-def hf_logits(model_dir: Path, token_ids: list[int]) -> np.ndarray:
-    return hf_logits_many(model_dir, [token_ids])[0]
+def hf_logits(model_dir: Path, token_ids: list[int], **kwargs) -> np.ndarray:
+    return hf_logits_many(model_dir, [token_ids], **kwargs)[0]
 
 
-def hf_logits_many(model_dir: Path, prompts: list[list[int]]) -> list[np.ndarray]:
-    """Each prompt's logits [len, vocab], run one at a time through one loaded model."""
+def hf_logits_many(model_dir: Path, prompts: list[list[int]], **kwargs) -> list[np.ndarray]:
+    """Each prompt's logits [len, vocab], run one at a time through one loaded model (`kwargs` go to its
+    forward)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        return [model(torch.tensor([ids])).logits[0].numpy() for ids in prompts]
+        return [model(torch.tensor([ids]), **kwargs).logits[0].numpy() for ids in prompts]
 
 
 def rewrite_config(model_dir: Path, **changes) -> None:
@@ -131,3 +132,53 @@ def qwen2_ep_checkpoint(out_dir):
         shared_expert_intermediate_size=64,
         **SMALL_INIT,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 4: sliding and full layers of different shapes, KV-shared layers, per-layer inputs, MoE.
+
+GEMMA4_BASE = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    vocab_size_per_layer_input=96,
+    hidden_size_per_layer_input=8,
+    initializer_range=0.1,
+    max_position_embeddings=256,
+    final_logit_softcapping=30.0,
+)
+# transformers 5.24 slices the per-layer inputs before the KV-shared layers even when there are none (a
+# TypeError); asking for the hidden states turns that slicing off without changing the logits.
+GEMMA4_HF_KWARGS = dict(output_hidden_states=True)
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+TINY_GEMMA4_VISION = dict(
+    hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16
+)
+
+
+def save_gemma4_checkpoint(out: Path, seed: int = 0, composite: bool = False, **overrides) -> Path:
+    """A random Gemma 4 checkpoint saved by transformers (`gemma4_text`, or the `gemma4` composite with a
+    one-layer vision tower). Every 1-D parameter and each layer_scalar is moved off its initial value."""
+    text = {**GEMMA4_BASE, **overrides}
+    torch.manual_seed(seed)
+    if composite:
+        cfg = transformers.Gemma4Config(text_config=text, vision_config=TINY_GEMMA4_VISION, audio_config=None)
+        model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+    else:
+        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**text)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.mul_(1.0 + torch.rand_like(b) * 0.5)
+    model.save_pretrained(out)
+    return out

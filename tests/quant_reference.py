@@ -107,13 +107,13 @@ def compress_with_library(dense_dir: Path, out_dir: Path, preset: str, ignore=DE
     return out_dir
 
 
-def decompress_with_library(ct_dir: Path, out_dir: Path) -> Path:
+def decompress_with_library(ct_dir: Path, out_dir: Path, embeddings=("model.embed_tokens",)) -> Path:
     """The library's own decompression of a compressed-tensors checkpoint, as a dense float32 checkpoint.
 
-    The converter matches modules by name only, so the embedding (a `*.weight` that is no Linear) is
-    named as ignored."""
+    The converter matches modules by name only, so the embeddings (`*.weight` tensors that are no Linear)
+    are named as ignored."""
     ct_dir, out_dir = Path(ct_dir), Path(out_dir)
-    dequantizer = CompressedTensorsDequantizer(str(ct_dir), ignore=["model.embed_tokens"], dtype=torch.float32)
+    dequantizer = CompressedTensorsDequantizer(str(ct_dir), ignore=list(embeddings), dtype=torch.float32)
     dense = dequantizer.process(read_tensors(ct_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in dense.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

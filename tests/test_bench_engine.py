@@ -257,6 +257,27 @@ def test_sizes_only_deepseek_v3_counts_one_latent_row_per_layer(capsys):
     assert data["state_bytes_per_sequence"] == 0 and data["layers"]["full_attention"] == 61
 
 
+@pytest.mark.parametrize(
+    "preset,params,sliding,full",
+    # (published parameters, sliding layers' 2*Hkv*D, full layers' with attention_k_eq_v's global KV heads)
+    [("gemma4-31b", 30.7e9, 2 * 16 * 256, 2 * 4 * 512), ("gemma4-26b-a4b", 25.2e9, 2 * 8 * 256, 2 * 2 * 512)],
+)
+def test_sizes_only_gemma4_weights_and_window_rule(capsys, preset, params, sliding, full):
+    data = sizes_only(capsys, "--preset", preset)
+    layers = data["layers"]["num_layers"]
+    n_full = layers // 6
+    assert data["kv_bytes_per_token"] == 2 * ((layers - n_full) * sliding + n_full * full)
+    assert abs(data["weight_bytes"]["bfloat16"] / 2 - params) < 0.02 * params  # the published size
+    for context in ("8192", "131072"):
+        kv = data["kv_per_sequence"][context]
+        assert kv["all_blocks_gib"] * 2**30 == int(context) * data["kv_bytes_per_token"]
+        # Sliding layers hold (1024 / 16 + 1) blocks of 16 tokens; full layers every token.
+        held = 2 * ((layers - n_full) * sliding * 65 * 16 + n_full * full * int(context))
+        assert kv["window_rule_gib"] * 2**30 == held
+    if preset == "gemma4-31b":  # the seeds' 21.67 GiB on one v6e chip holds these weights and ~3.7 GiB more
+        assert 17 < data["weight_gib"]["w4a16"] < 19
+
+
 def test_sizes_only_matches_the_bench(capsys, hybrid):
     data, _, model = hybrid
     sizes = sizes_only(capsys, "--model", str(model), "--dtype", "float32")

@@ -20,14 +20,17 @@ IMPLS = ("gather", "sorted", "tiled", "pallas", "cpu")
 HIDDEN, INTER = 32, 16
 
 
-def dense_reference(x, ids, weights, gate_up, down):
+def dense_reference(x, ids, weights, gate_up, down, activation="silu"):
     """Every expert on every token in float32 numpy, weighted by the dense [T, E] routing matrix."""
     x, weights, gate_up, down = (np.asarray(a, np.float32) for a in (x, weights, gate_up, down))
     num_experts = gate_up.shape[0]
     one_hot = np.asarray(ids)[..., None] == np.arange(num_experts)  # [T, k, E]
     routing = np.einsum("tk,tke->te", weights, one_hot.astype(np.float32))  # zero where unrouted
     gate, up = np.split(np.einsum("th,eih->tei", x, gate_up), 2, axis=-1)
-    act = gate / (1.0 + np.exp(-gate)) * up
+    if activation == "silu":
+        act = gate / (1.0 + np.exp(-gate)) * up
+    else:  # gelu, tanh approximation
+        act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate**3))) * up
     out = np.einsum("tei,ehi->teh", act, down)
     return np.einsum("teh,te->th", out, routing)
 
@@ -274,3 +277,20 @@ def test_benchmark_sanity():
     print("routed_experts ms/call:", {k: round(v * 1e3, 2) for k, v in timings.items()})
     for impl in ("sorted", "tiled"):
         np.testing.assert_allclose(results[impl], results["gather"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gelu_tanh_experts_in_every_impl(impl):
+    """Gemma 4's GeGLU experts: the activation is a parameter of every path; the C++ kernel (SiLU only)
+    refuses it when forced and is skipped by the automatic choice."""
+    gate_up, down = make_weights(8)
+    x, ids, weights = make_tokens(6, 8, 2, "random")
+    want = dense_reference(x, ids, weights, gate_up, down, "gelu_tanh")
+    if impl == "cpu":
+        with pytest.raises(ValueError, match="SiLU"):
+            moe.routed_experts(x, ids, weights, gate_up, down, impl="cpu", activation="gelu_tanh")
+        got = moe.routed_experts(x, ids, weights, gate_up, down, activation="gelu_tanh")  # automatic: gather
+    else:
+        got = moe.routed_experts(x, ids, weights, gate_up, down, impl=impl, activation="gelu_tanh")
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(got) - dense_reference(x, ids, weights, gate_up, down)).max() > 1e-3  # not SiLU

@@ -222,9 +222,9 @@ class DataParallelRunner(ModelRunner):
             self._step_impl, donate_argnums=(1, 2), out_shardings=(replicated, pages, pools), static_argnames=("decode_only",)
         )
 
-    def _new_pages(self, page_shape):
-        zeros = jax.jit(lambda: jnp.zeros(page_shape, self.model.dtype), out_shardings=self.rank_sharding)
-        return [zeros() for _ in range(self.cfg.num_kv_layers)]
+    def _new_pages(self, page_shapes):
+        zeros = lambda shape: jax.jit(lambda: jnp.zeros(shape, self.model.dtype), out_shardings=self.rank_sharding)()
+        return [zeros(shape) for shape in page_shapes]
 
     def _new_state_pools(self):
         """Rank r's slots are rows [r * slots, (r + 1) * slots) of each pool, on rank r's devices."""

@@ -435,7 +435,7 @@ class EngineCore:
     def _host_tier(self, config: EngineConfig, extra_bytes_per_block: float = 0.0, events=True) -> HostKVTier | None:
         """The host tier of attention KV blocks (None when off); `extra_bytes_per_block`: what else the
         tier's memory budget pays per block (a hybrid model's state snapshots)."""
-        shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_page_dims)
+        shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_transport_dims)
         dtype = np.dtype(self.runner.kv_pages[0].dtype)
         block_nbytes = int(np.prod(shape)) * dtype.itemsize
         num_blocks = config.host_kv.num_blocks(int(block_nbytes + extra_bytes_per_block))

@@ -5,7 +5,7 @@ prefix continues past the device cache finds the following blocks here and gets 
 fresh device blocks before its first step, instead of recomputing them. Blocks are keyed by their chained
 hash (`block_hash`), so a block is reusable exactly when the device cache would have reused it.
 
-Storage is one numpy array [num_blocks, layers, block_size, *kv_page_dims] in the model's dtype,
+Storage is one numpy array [num_blocks, layers, block_size, *kv_transport_dims] in the model's dtype,
 allocated up front (untouched pages cost no RSS). Eviction follows the same session-aware order as the
 device cache (`retention.py`): sessionless and ended conversations first, then live sessions.
 Every block kept or dropped here is published as a KV event with `tier="host"`, so the router's index

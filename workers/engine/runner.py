@@ -121,8 +121,11 @@ class ModelRunner:
             raise ValueError("the largest token bucket must be >= max_num_batched_tokens")
         if self.page_buckets[-1] < max_pages:
             raise ValueError(f"the largest page bucket must be >= max_model_len / block_size = {max_pages}")
-        page_shape = (num_blocks, config.block_size, *self.cfg.kv_page_dims)  # MLA: one latent row per token
-        self.kv_pages = self._new_pages(page_shape)
+        # Per cache layer (MLA: one latent row per token; Gemma 4: full and sliding layers differ).
+        page_shapes = [(num_blocks, config.block_size, *self.cfg.kv_layer_page_dims(i)) for i in range(self.cfg.num_kv_layers)]
+        self.kv_pages = self._new_pages(page_shapes)
+        # Blocks leave the device (handoff, host tier) in one layout for every layer: ModelConfig.kv_transport_dims.
+        self.transport_width = None if self.cfg.uniform_kv_pages else self.cfg.kv_transport_dims[1]
         # Linear-attention layers: conv and recurrent state pools, float32, addressed by slot.
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
@@ -152,8 +155,8 @@ class ModelRunner:
         # on that, so uncommitted initial pages would compile the first bucket twice.
         return jax.device_put(make(), NamedSharding(self.model.mesh, PartitionSpec()))
 
-    def _new_pages(self, page_shape: tuple[int, ...]) -> list[jax.Array]:
-        return [self._replicated(lambda: jnp.zeros(page_shape, self.model.dtype)) for _ in range(self.cfg.num_kv_layers)]
+    def _new_pages(self, page_shapes: list[tuple[int, ...]]) -> list[jax.Array]:
+        return [self._replicated(lambda: jnp.zeros(shape, self.model.dtype)) for shape in page_shapes]
 
     def _new_state_pools(self) -> tuple[list[jax.Array], list[jax.Array]]:
         n, cfg = self.num_state_slots, self.cfg
@@ -432,14 +435,14 @@ class ModelRunner:
         return ids
 
     def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> np.ndarray:
-        """KV of `block_ids` for layers [start, end) on the host: [layers, blocks, page, 2*Hkv, D]."""
+        """KV of `block_ids` for layers [start, end) on the host: [layers, blocks, page, *kv_transport_dims]."""
         return np.asarray(self.gather_blocks_async(block_ids, layer_start, layer_end))[:, : len(block_ids)]
 
     def gather_blocks_async(self, block_ids: list[int], layer_start: int, layer_end: int) -> jax.Array:
         """Dispatches the copy of `block_ids` into a fresh device array (padded to a page bucket) and returns
         at once: the copy reads the pages before any later step writes them (dispatch order), and the
         host fetches the array when it needs it."""
-        return _gather_jit(self.kv_pages[layer_start:layer_end], self._padded_ids(block_ids, 0))
+        return _gather_jit(self.kv_pages[layer_start:layer_end], self._padded_ids(block_ids, 0), self.transport_width)
 
     def stage_export(self, block_ids: list[int]) -> tuple[int, jax.Array | None]:
         """Dispatches a copy of every layer's KV of `block_ids`, blocks first ([padded blocks, layers, page,
@@ -451,7 +454,7 @@ class ModelRunner:
         splits the copy by blocks across the hosts, so that each host exports the blocks it holds and no
         host receives the whole KV; the part is None on a host that holds none of it."""
         ids = self._padded_ids(block_ids, 0)
-        out = self._export_gather(len(ids))(self.kv_pages, ids)
+        out = self._export_gather(len(ids))(self.kv_pages, ids, self.transport_width)
         offset, part = _local_part(out)
         if part is not None:
             part.copy_to_host_async()
@@ -475,7 +478,7 @@ class ModelRunner:
         fn = self._export_gathers.get(padded_blocks)
         if fn is None:
             sharding = _split_over_hosts(self.model.mesh, padded_blocks)
-            fn = self._export_gathers[padded_blocks] = jax.jit(_gather_blocks_first, out_shardings=sharding)
+            fn = self._export_gathers[padded_blocks] = jax.jit(_gather_blocks_first, out_shardings=sharding, static_argnums=2)
         return fn
 
     @functools.cached_property
@@ -623,13 +626,30 @@ def _spec(x):
     return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
 
 
-def _gather_blocks(kv_pages, ids):
-    return jnp.stack([pages[ids] for pages in kv_pages])
+def _to_transport(blocks, width: int | None):
+    """[n, page, R, D] -> [n, page, 1, width], zero-padded (layers of different shapes share one transport
+    layout: ModelConfig.kv_transport_dims); width None: unchanged."""
+    if width is None:
+        return blocks
+    flat = blocks.reshape(*blocks.shape[:2], 1, -1)
+    return jnp.pad(flat, ((0, 0), (0, 0), (0, 0), (0, width - flat.shape[-1])))
+
+
+def _from_transport(data, page_shape):
+    """The inverse of `_to_transport` for a layer whose pages are `page_shape`."""
+    if data.shape[2:] == tuple(page_shape[2:]):
+        return data
+    r, d = page_shape[2:]
+    return data[..., : r * d].reshape(*data.shape[:2], r, d)
+
+
+def _gather_blocks(kv_pages, ids, width=None):
+    return jnp.stack([_to_transport(pages[ids], width) for pages in kv_pages])
 
 
 def _scatter_blocks(kv_pages, ids, data):
-    # data blocks first: [blocks, layers, page, 2*Hkv, D]; ids past the pool (padding) are dropped
-    return [pages.at[ids].set(data[:, i], mode="drop") for i, pages in enumerate(kv_pages)]
+    # data blocks first: [blocks, layers, page, *transport dims]; ids past the pool (padding) are dropped
+    return [pages.at[ids].set(_from_transport(data[:, i], pages.shape), mode="drop") for i, pages in enumerate(kv_pages)]
 
 
 def _copy_pages(kv_pages, src, dst):
@@ -641,14 +661,14 @@ def _merge_tokens(tokens, prev_tokens, sources):
 
 
 _merge_tokens_jit = jax.jit(_merge_tokens)
-_gather_jit = jax.jit(_gather_blocks)
+_gather_jit = jax.jit(_gather_blocks, static_argnums=2)
 
 
-def _gather_blocks_first(kv_pages, ids):
-    return jnp.stack([pages[ids] for pages in kv_pages], axis=1)
+def _gather_blocks_first(kv_pages, ids, width=None):
+    return jnp.stack([_to_transport(pages[ids], width) for pages in kv_pages], axis=1)
 
 
-_gather_blocks_first_jit = jax.jit(_gather_blocks_first)
+_gather_blocks_first_jit = jax.jit(_gather_blocks_first, static_argnums=2)
 
 
 def _split_over_hosts(mesh, padded_blocks: int) -> NamedSharding:

@@ -1,7 +1,7 @@
 """Model families, config parsing and checkpoint loading. Imports only `kernels` from Moray.
 
 One file per family (`qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, the hybrid linear-attention
-`qwen3_5_moe.py` and `qwen3_next.py`), each exposing `MODEL_TYPE`, `config_from_hf(raw) -> ModelConfig`,
+`qwen3_5_moe.py` and `qwen3_next.py`, `deepseek_v3.py`, `gemma4.py`), each exposing `MODEL_TYPE`, `config_from_hf(raw) -> ModelConfig`,
 `plan(cfg) -> ModelWeights of WeightSpec` and
 `forward(weights, cfg, tokens, positions, cache, logits_indices=None, experts=None) -> (logits, cache)`
 (`experts`: an executor replacing `routed_experts`, e.g. `moe_parallel.ExpertParallel` over a mesh).
@@ -23,9 +23,9 @@ _FROM_MODEL = ("LoadedModel", "default_dtype", "load_config", "load_model", "pro
 
 def __getattr__(name: str):
     if name == "FAMILIES":
-        from . import deepseek_v3, mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+        from . import deepseek_v3, gemma4, mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
-        families = (qwen3_moe, mixtral, qwen2_moe, qwen3_5_moe, qwen3_next, deepseek_v3)
+        families = (qwen3_moe, mixtral, qwen2_moe, qwen3_5_moe, qwen3_next, deepseek_v3, gemma4)
         value = {t: m for m in families for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))}
     elif name in _FROM_MODEL:
         value = getattr(import_module(".model", __name__), name)

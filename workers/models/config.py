@@ -8,6 +8,7 @@ normalise the key styles of transformers 4.x and 5.x (e.g. `rope_theta` vs `rope
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,26 @@ class LinearAttentionConfig(BaseModel):
         return 2 * self.key_dim + self.value_dim
 
 
+class Gemma4Settings(BaseModel):
+    """What only Gemma 4's forward needs (`gemma4.py`); the per-layer attention shapes and KV sharing the
+    engine must know are ModelConfig fields."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # Full-attention layers: "proportional" RoPE (theta, the rotated fraction of the head, factor).
+    full_rope_theta: float = Field(gt=0)
+    full_partial_rotary_factor: float = Field(gt=0, le=1)
+    full_rope_factor: float = Field(default=1.0, gt=0)
+    # Full layers without v_proj: V is v_norm(k_proj x), K is RoPE(k_norm(k_proj x)).
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float | None = Field(default=None, gt=0)
+    # Per-layer input embeddings (0: none).
+    hidden_size_per_layer_input: int = Field(default=0, ge=0)
+    vocab_size_per_layer_input: int = Field(default=0, ge=0)
+    # Per layer: the dense MLP's width (KV-shared layers of `use_double_wide_mlp` models are twice as wide).
+    layer_intermediate_sizes: tuple[int, ...]
+
+
 class ModelConfig(BaseModel):
     """Everything the forward pass needs to know about an architecture, nothing about serving."""
 
@@ -174,6 +195,16 @@ class ModelConfig(BaseModel):
     num_expert_groups: int = Field(default=1, gt=0)
     topk_expert_groups: int = Field(default=1, gt=0)
     routed_scaling_factor: float = Field(default=1.0, gt=0)
+    # The routed experts' activation (their SwiGLU's gate): "silu", or Gemma 4's "gelu_tanh".
+    expert_activation: str = "silu"
+    # Attention shapes per layer where they differ (Gemma 4: full layers have other head dims and KV heads);
+    # empty: `head_dim` / `num_kv_heads` everywhere.
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    # Per layer, the layer whose KV cache it attends: itself, or an earlier layer of the same kind whose
+    # KV it reuses and to which it writes nothing (Gemma 4's `num_kv_shared_layers`). Empty: itself.
+    kv_source_layers: tuple[int, ...] = ()
+    gemma4: Gemma4Settings | None = None
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
@@ -198,6 +229,14 @@ class ModelConfig(BaseModel):
                 f"partial_rotary_factor ({self.partial_rotary_factor}) of head_dim ({self.head_dim}) must give an "
                 "even number of rotary dims"
             )
+        for name in ("layer_head_dims", "layer_kv_heads", "kv_source_layers"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} must have num_hidden_layers entries")
+        if any(self.num_heads % self.layer_num_kv_heads(i) for i in range(self.num_layers)):
+            raise ValueError(f"every layer's KV heads must divide num_attention_heads ({self.num_heads})")
+        for layer, source in enumerate(self.kv_source_layers):
+            if source > layer or self.kv_source_layers[source] != source or self.sliding_windows[source] != self.sliding_windows[layer]:
+                raise ValueError(f"layer {layer} cannot reuse the KV of layer {source} (an earlier layer of its kind that keeps its own)")
         if self.linear_attention_layers:
             ids = self.linear_attention_layers
             if list(ids) != sorted(set(ids)) or not all(0 <= i < self.num_layers for i in ids):
@@ -206,19 +245,45 @@ class ModelConfig(BaseModel):
                 raise ValueError("linear attention layers need the linear_* settings")
         return self
 
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
     @property
     def kv_page_dims(self) -> tuple[int, int]:
         """The last two dims of a KV page [num_pages, page_size, *kv_page_dims]: K and V per KV head
-        interleaved (2 * Hkv, D), or MLA's one latent row per token (1, kv_lora_rank + rope dim)."""
+        interleaved (2 * Hkv, D), or MLA's one latent row per token (1, kv_lora_rank + rope dim). Models
+        whose layers differ (`uniform_kv_pages` false) have one per cache layer: `kv_layer_page_dims`."""
+        if not self.uniform_kv_pages:
+            raise ValueError(f"{self.model_type}: the KV page shape differs per layer (see kv_layer_page_dims)")
+        return self.kv_layer_page_dims(0) if self.num_kv_layers else (2 * self.num_kv_heads, self.head_dim)
+
+    def kv_layer_page_dims(self, kv_layer: int) -> tuple[int, int]:
+        """The page dims of cache layer `kv_layer` (an index among `kv_layer_ids`)."""
         if self.mla is not None:
             return (1, self.mla.latent_dim)
-        return (2 * self.num_kv_heads, self.head_dim)
+        layer = self.kv_layer_ids[kv_layer]
+        return (2 * self.layer_num_kv_heads(layer), self.layer_head_dim(layer))
+
+    @property
+    def kv_transport_dims(self) -> tuple[int, int]:
+        """How one block of one cache layer leaves the device (handoff chunks, the host tier): its page dims
+        when every layer shares them; else one row per token as wide as the widest layer's 2 * Hkv * D,
+        each layer zero-padded to it (Gemma 4's full layers are half as wide as its sliding ones)."""
+        if self.uniform_kv_pages:
+            return self.kv_page_dims
+        return (1, max(math.prod(self.kv_layer_page_dims(i)) for i in range(self.num_kv_layers)))
+
+    @property
+    def uniform_kv_pages(self) -> bool:
+        return len({self.kv_layer_page_dims(i) for i in range(self.num_kv_layers)}) <= 1
 
     @property
     def kv_elements_per_token(self) -> int:
         """Elements of KV cached per token over all layers (times the dtype's size: bytes)."""
-        rows, width = self.kv_page_dims
-        return self.num_kv_layers * rows * width
+        return sum(math.prod(self.kv_layer_page_dims(i)) for i in range(self.num_kv_layers))
 
     @property
     def q_size(self) -> int:
@@ -246,8 +311,13 @@ class ModelConfig(BaseModel):
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """The attention layers that keep a KV cache (not the linear ones, not those reusing another's)."""
+        return tuple(i for i in self.attention_layer_ids if self.kv_source_layer(i) == i)
+
+    @property
     def num_kv_layers(self) -> int:
-        return self.num_layers - len(self.linear_attention_layers)
+        return len(self.kv_layer_ids)
 
     @property
     def num_state_layers(self) -> int:
@@ -256,11 +326,14 @@ class ModelConfig(BaseModel):
     def is_linear_layer(self, layer: int) -> bool:
         return layer in self.linear_attention_layers
 
+    def kv_source_layer(self, layer: int) -> int:
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
+
     def kv_layer_index(self, layer: int) -> int:
-        """Index of full-attention layer `layer` among the full-attention layers."""
+        """Index among the cache layers of the KV attention layer `layer` reads (its own, or the one it reuses)."""
         if self.is_linear_layer(layer):
             raise ValueError(f"layer {layer} is a linear-attention layer; it has no KV cache")
-        return layer - sum(1 for i in self.linear_attention_layers if i < layer)
+        return self.kv_layer_ids.index(self.kv_source_layer(layer))
 
     def state_layer_index(self, layer: int) -> int:
         """Index of linear-attention layer `layer` among the linear-attention layers."""

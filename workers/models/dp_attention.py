@@ -35,10 +35,10 @@ class DataParallelPagedKVCache:
     mesh: Mesh = field(metadata=dict(static=True))
     axes: tuple[str, ...] = field(metadata=dict(static=True))  # the data-parallel mesh axes
 
-    def update_and_attend(self, layer, q, k, v, positions, sliding_window):
+    def update_and_attend(self, layer, q, k, v, positions, sliding_window, sm_scale=None):
         """q [dp, N, Hq, D], k/v [dp, N, Hkv, D] -> [dp, N, Hq, D]; writes this step's K/V first."""
         rank = PartitionSpec(self.axes)
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
 
         def per_rank(pages, q, k, v, slots, kv_lens, page_indices, cu_q_lens, num_seqs):
             pages = write_kv(pages, k[0], v[0], slots[0])
@@ -54,6 +54,20 @@ class DataParallelPagedKVCache:
             self.pages[layer], q, k, v, self.slot_mapping, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs
         )
         return out
+
+    def attend(self, layer, q, positions, sliding_window, sm_scale=None):
+        """A layer reusing `layer`'s KV (Gemma 4's shared layers): each rank reads its pages, writes nothing."""
+        rank = PartitionSpec(self.axes)
+        scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+
+        def per_rank(pages, q, kv_lens, page_indices, cu_q_lens, num_seqs):
+            out = ragged_paged_attention(
+                q[0], pages, kv_lens[0], page_indices[0], cu_q_lens[0], num_seqs[0], sm_scale=scale, sliding_window=sliding_window
+            )
+            return out[None]
+
+        attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 6, out_specs=rank, check_vma=False)
+        return attend(self.pages[layer], q, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs)
 
     def update_and_attend_latent(self, layer, q, row, positions, sm_scale, v_dim):
         """MLA: q [dp, N, Hq, Dk] (absorbed), row [dp, N, Dk] -> [dp, N, Hq, v_dim]; each rank writes and

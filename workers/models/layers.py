@@ -5,7 +5,9 @@ fused at load time (q|k|v, gate|up) so each becomes one matmul. A family file co
 its decoder block; anything a family does differently lives in that family's file.
 
 The cache protocol the model calls (`KVCache` here, the engine's paged caches elsewhere):
-- full-attention layers: `update_and_attend(cfg.kv_layer_index(layer), q, k, v, positions, sliding_window)`;
+- full-attention layers: `update_and_attend(cfg.kv_layer_index(layer), q, k, v, positions, sliding_window,
+  sm_scale=None)` (None: head_dim ** -0.5); a layer reusing another's KV (Gemma 4) calls `attend(kv_layer, q,
+  positions, sliding_window, sm_scale)`, which reads that layer's cache and writes nothing;
 - MLA layers (DeepSeek-V3, `deepseek_v3.py`): `update_and_attend_latent(layer, q [B, T, H, Dk], row [B, T, Dk],
   positions, sm_scale, v_dim) -> [B, T, H, v_dim]`: the row (latent | rope key) is cached, q is absorbed;
 - linear-attention layers (hybrid models, `linear_attention.py`), indexed by `cfg.state_layer_index(layer)`:
@@ -107,25 +109,28 @@ class KVCache:
         if cfg.mla is not None:  # one latent row per token in `k`; no V
             row = jnp.zeros((batch, max_len, 1, cfg.mla.latent_dim), dtype)
             return KVCache(k=[row] * cfg.num_kv_layers, v=[], chunk_size=chunk_size)
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shapes = [(batch, max_len, rows // 2, d) for rows, d in map(cfg.kv_layer_page_dims, range(cfg.num_kv_layers))]
         conv = recurrent = None
         if cfg.is_hybrid:
             conv = [jnp.zeros((batch, *cfg.conv_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)]
             recurrent = [jnp.zeros((batch, *cfg.recurrent_state_shape), jnp.float32) for _ in range(cfg.num_state_layers)]
         return KVCache(
-            k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_kv_layers)],
-            v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_kv_layers)],
+            k=[jnp.zeros(shape, dtype) for shape in shapes],
+            v=[jnp.zeros(shape, dtype) for shape in shapes],
             conv=conv,
             recurrent=recurrent,
             chunk_size=chunk_size,
         )
 
-    def update_and_attend(self, layer, q, k, v, positions, sliding_window):
+    def update_and_attend(self, layer, q, k, v, positions, sliding_window, sm_scale=None):
         rows = jnp.arange(q.shape[0])[:, None]
         # Out-of-range positions (padding past the cache) are dropped by the scatter.
         self.k[layer] = self.k[layer].at[rows, positions].set(k.astype(self.k[layer].dtype), mode="drop")
         self.v[layer] = self.v[layer].at[rows, positions].set(v.astype(self.v[layer].dtype), mode="drop")
-        return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window)
+        return self.attend(layer, q, positions, sliding_window, sm_scale)
+
+    def attend(self, layer, q, positions, sliding_window, sm_scale=None):
+        return causal_attention(q, self.k[layer], self.v[layer], positions, sliding_window, sm_scale=sm_scale)
 
     def update_and_attend_latent(self, layer, q, row, positions, sm_scale, v_dim):
         rows = jnp.arange(q.shape[0])[:, None]
@@ -163,18 +168,22 @@ class PagedKVCache:
     cu_q_lens: Array  # i32[S + 1]
     num_seqs: Array  # i32[1]
 
-    def update_and_attend(self, layer, q, k, v, positions, sliding_window):
+    def update_and_attend(self, layer, q, k, v, positions, sliding_window, sm_scale=None):
         b, t = q.shape[:2]
         flat = lambda a: a.reshape(b * t, *a.shape[2:])
         self.pages[layer] = write_kv(self.pages[layer], flat(k), flat(v), self.slot_mapping)
+        return self.attend(layer, q, positions, sliding_window, sm_scale)
+
+    def attend(self, layer, q, positions, sliding_window, sm_scale=None):
+        b, t = q.shape[:2]
         out = ragged_paged_attention(
-            flat(q),
+            q.reshape(b * t, *q.shape[2:]),
             self.pages[layer],
             self.kv_lens,
             self.page_indices,
             self.cu_q_lens,
             self.num_seqs,
-            sm_scale=q.shape[-1] ** -0.5,
+            sm_scale=q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
             sliding_window=sliding_window,
         )
         return out.reshape(q.shape)

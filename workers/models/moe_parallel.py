@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +122,7 @@ class ExpertParallel:
 
     # ---------------------------------------------------------------- entry points
 
-    def __call__(self, x: Array, ids: Array, weights: Array, gate_up, down) -> Array:
+    def __call__(self, x: Array, ids: Array, weights: Array, gate_up, down, activation: str = "silu") -> Array:
         """`routed_experts` over the mesh: x [T, H], ids/weights [T, k] (any sharding) -> [T, H]."""
         t = x.shape[0]
         pad = -t % self.mesh.size  # every device gets the same number of rows
@@ -129,25 +130,25 @@ class ExpertParallel:
             x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
         tokens, experts = PartitionSpec(self.token_axes), PartitionSpec(self.ep_axes)
         fn = jax.shard_map(
-            self.local,
+            partial(self.local, activation=activation),
             mesh=self.mesh,
             in_specs=(tokens, tokens, tokens, experts, experts),
             out_specs=tokens,
         )
         return fn(x, ids, weights, gate_up, down)[:t]
 
-    def local(self, x: Array, ids: Array, weights: Array, gate_up, down) -> Array:
+    def local(self, x: Array, ids: Array, weights: Array, gate_up, down, activation: str = "silu") -> Array:
         """The per-device body (call inside shard_map): this device's tokens and experts -> its output."""
         if self.ep_size == 1:
-            return routed_experts(x, ids, weights, gate_up, down)
+            return routed_experts(x, ids, weights, gate_up, down, activation=activation)
         first_expert = axes_index(self.ep_axes) * gate_up.shape[0]
         if self.uses_all_to_all(x.shape[0] * self.mesh.size):
-            return self._all_to_all_moe(x, ids, weights, gate_up, down, first_expert)
+            return self._all_to_all_moe(x, ids, weights, gate_up, down, first_expert, activation)
         mode = self.dispatch_for(x.shape[1])
         all_ids, all_weights = self.gather_routing(ids, weights, mode)
         rows = self.gather_tokens(x, mode)
         m = tile_rows(all_ids.size // self.ep_size, gate_up.shape[0])
-        y = experts_in_range(rows, all_ids, all_weights, gate_up, down, first_expert, m)
+        y = experts_in_range(rows, all_ids, all_weights, gate_up, down, first_expert, m, activation)
         return self.combine(y.astype(x.dtype), mode)
 
     # ---------------------------------------------------------------- dispatch and combine
@@ -181,7 +182,7 @@ class ExpertParallel:
 
     # ---------------------------------------------------------------- all-to-all dispatch
 
-    def _all_to_all_moe(self, x, ids, weights, gate_up, down, first_expert):
+    def _all_to_all_moe(self, x, ids, weights, gate_up, down, first_expert, activation="silu"):
         """Each assignment's row goes to the device of its expert and its output comes back.
 
         counts[s, d] = assignments device s sends to device d (all-gathered: a few ints). A slice's
@@ -210,7 +211,7 @@ class ExpertParallel:
         recv_ids = exchange(ids.reshape(-1, 1)[order], jnp.full((capacity, 1), -1, jnp.int32), there)  # -1: empty
         ones = jnp.ones((capacity, 1), jnp.float32)
         m = tile_rows(n * k, e_local)
-        y = experts_in_range(recv_rows, recv_ids, ones, gate_up, down, first_expert, m).astype(x.dtype)
+        y = experts_in_range(recv_rows, recv_ids, ones, gate_up, down, first_expert, m, activation).astype(x.dtype)
         returned = exchange(y, jnp.zeros((n * k, h), x.dtype), back)  # in destination order
         per_assignment = jnp.zeros_like(returned).at[order].set(returned)
         return jnp.einsum("tkh,tk->th", per_assignment.reshape(n, k, -1).astype(jnp.float32), weights).astype(x.dtype)

@@ -72,7 +72,8 @@ EXTRA_TENSOR_REASONS = {
     "input_global_scale": "activation global scales (input_global_scale, NVFP4) are not supported",
     "output_scale": "output activation quantisation (output_scale) is not supported",
 }
-_NON_LINEAR_MODULES = ("embed_tokens",)  # 2-D weights that are nn.Embedding, not nn.Linear
+# 2-D weights that are nn.Embedding, not nn.Linear (Gemma 4's per-layer input table too).
+_NON_LINEAR_MODULES = ("embed_tokens", "embed_tokens_per_layer")
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 

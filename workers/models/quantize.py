@@ -17,8 +17,9 @@ the library and `moray` all read it.
 128x128 block (max |w| of the block / 448; w = q * scale), dynamic activations.
 
 Scales keep the weight's dtype (as the library does) and arithmetic happens in that dtype.
-Linear modules are the 2-D `*.weight` tensors other than the token embedding; MoE experts are already
-one Linear per expert projection in Hugging Face checkpoints. Routers (`mlp.gate`, Mixtral's
+Linear modules are the 2-D `*.weight` tensors other than the token embeddings; MoE experts are one Linear
+per expert projection, also when the input holds transformers 5's fused `experts.gate_up_proj` [E, 2I, H] /
+`experts.down_proj` [E, H, I] (Gemma 4): those are written per expert (`experts.N.gate_proj`, ...). Routers (`mlp.gate`, Mixtral's
 `block_sparse_moe.gate`, Qwen2-MoE's `shared_expert_gate`), `lm_head` and the vision tower of
 vision-language composites (`model.visual.*`, e.g. Qwen3.5: Moray serves only the text model, the tower
 holds 2-D tensors that are no Linear such as `pos_embed`, and widths like 4304 that fit no group) are left
@@ -55,6 +56,8 @@ DEFAULT_IGNORE = (
     r"re:.*block_sparse_moe\.gate$",
     r"re:.*shared_expert_gate$",
     r"re:model\.visual\.",  # vision-language composites: the vision tower (not served by Moray)
+    r"re:.*router\.proj$",  # Gemma 4's router
+    r"re:model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.",  # Gemma 4's towers (not served)
 )
 FORMATS = {"w4a16": "pack-quantized", "fp8": "float-quantized", "mxfp8": "mxfp8-quantized"}
 MAX_SHARD_BYTES = 4 << 30
@@ -236,8 +239,37 @@ def matches(module: str, patterns) -> bool:
     return any(p == module or (p.startswith("re:") and re.match(p[3:], module)) for p in patterns)
 
 
+EMBEDDINGS = ("embed_tokens", "embed_tokens_per_layer")  # 2-D, but looked up, never multiplied
+# transformers 5's fused expert tensors [E, 2I, H] / [E, H, I] (Gemma 4's `experts.gate_up_proj`, Qwen's v5
+# saves): written as one Linear per expert and projection, the layout the QAT releases and vLLM use.
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
 def is_linear_weight(key: str, shape: tuple[int, ...]) -> bool:
-    return key.endswith(".weight") and len(shape) == 2 and not key.removesuffix(".weight").endswith("embed_tokens")
+    return key.endswith(".weight") and len(shape) == 2 and not key.removesuffix(".weight").endswith(EMBEDDINGS)
+
+
+def fused_expert_parts(key: str, shape: tuple[int, ...]) -> list[tuple[str, int, slice]] | None:
+    """For a fused expert tensor `...experts.gate_up_proj` [E, rows, in]: (per-expert module, expert, rows)
+    of each Linear it holds, e.g. `...experts.3.up_proj` = rows [I, 2I) of expert 3; None for other keys."""
+    prefix, _, name = key.rpartition(".")
+    if len(shape) != 3 or name not in FUSED_EXPERTS or not prefix.endswith("experts"):
+        return None
+    parts = FUSED_EXPERTS[name]
+    rows = shape[1] // len(parts)
+    return [(f"{prefix}.{e}.{part}", e, slice(i * rows, (i + 1) * rows)) for e in range(shape[0]) for i, part in enumerate(parts)]
+
+
+def linear_modules(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+    """Every Linear module of the checkpoint and its [out, in] shape, fused experts split per expert."""
+    out = {}
+    for key in reader.keys():
+        shape = reader.shape(key)
+        if is_linear_weight(key, shape):
+            out[key.removesuffix(".weight")] = shape
+        for module, _, rows in fused_expert_parts(key, shape) or ():
+            out[module] = (rows.stop - rows.start, shape[2])
+    return out
 
 
 def _check_layer(module: str, shape: tuple[int, ...], scheme: str, group_size: int | None) -> None:
@@ -255,8 +287,16 @@ def _output_tensors(reader: CheckpointReader, scheme, group_size, ignore) -> Ite
     for key in sorted(reader.keys()):
         shape = reader.shape(key)
         module = key.removesuffix(".weight")
+        parts = fused_expert_parts(key, shape)
+        if parts is not None:
+            fused = np.asarray(reader.array(key))
+            for name, expert, rows in parts:
+                w = np.ascontiguousarray(fused[expert, rows])
+                tensors = {"weight": w} if matches(name, ignore) else quantize_weight(w, scheme, group_size)
+                yield from ((f"{name}.{param}", t) for param, t in tensors.items())
+            continue
         if len(shape) == 3 and key.endswith("_proj"):
-            raise ValueError(f"'{key}' is a fused expert tensor (transformers 5.x layout); save per-expert weights")
+            raise ValueError(f"'{key}' is a 3-D tensor this quantizer does not know how to split into Linear layers")
         if not is_linear_weight(key, shape) or matches(module, ignore):
             yield key, np.asarray(reader.array(key))
             continue
@@ -310,7 +350,7 @@ def quantize_checkpoint(
         group_size = None  # --group-size -1: one scale per output channel
     patterns = (*DEFAULT_IGNORE, *ignore)
     reader = CheckpointReader(in_dir)
-    linear = {k.removesuffix(".weight"): reader.shape(k) for k in reader.keys() if is_linear_weight(k, reader.shape(k))}
+    linear = linear_modules(reader)
     ignored = sorted(m for m in linear if matches(m, patterns))
     for module, shape in linear.items():
         if module not in ignored:
