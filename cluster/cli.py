@@ -184,7 +184,7 @@ def _add_module_commands(sub, commands: dict[str, tuple[str, str]]) -> None:
 
 # `workers.models.make_model.ARCHS`, spelled out: importing it would load JAX for every `moray` command
 # (tests/test_make_model.py checks the two agree).
-MAKE_MODEL_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v3"]
+MAKE_MODEL_ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gemma4"]
 
 
 def build_parser() -> argparse.ArgumentParser:

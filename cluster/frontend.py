@@ -34,7 +34,7 @@ from . import openai_api as oa
 from .config import ClusterConfig, parse_cluster_config
 from .grpc_service import quiet_client_errors
 from .pipeline import PreparedRequest, RequestPipeline
-from .reasoning import ThinkSplitter, split_reasoning
+from .reasoning import TAGS, ThinkSplitter, split_reasoning
 
 log = logging.getLogger("moray.cluster")
 
@@ -289,7 +289,7 @@ class Frontend:
             message = {"role": "assistant", "content": "".join(c.text)}
             finish_reason = c.last.finish_reason
             if r.reasoning is not None:
-                message["reasoning_content"], message["content"] = split_reasoning(message["content"], r.reasoning)
+                message["reasoning_content"], message["content"] = split_reasoning(message["content"], r.reasoning, r.reasoning_tags)
             if r.tool_format is not None:
                 content, calls = tool_calls.parse(message["content"], r.tool_format)
                 if calls:
@@ -394,7 +394,7 @@ class Frontend:
 
     def _chat_choice(self, body: oa.ChatCompletionRequest):
         def for_request(req: PreparedRequest):
-            splitter = ThinkSplitter(in_reasoning=req.reasoning) if req.reasoning is not None else None
+            splitter = ThinkSplitter(in_reasoning=req.reasoning, tags=TAGS[req.reasoning_tags]) if req.reasoning is not None else None
             calls = tool_calls.ToolCallStream(req.tool_format) if req.tool_format is not None else None
             first = True
 

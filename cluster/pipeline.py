@@ -56,6 +56,7 @@ class PreparedRequest:
     # requests with the same client id cannot touch each other.
     public_id: str | None = None
     reasoning: bool | None = None  # see validation.Checked.reasoning
+    reasoning_tags: str = "think"  # see validation.Checked.reasoning_tags
     tool_format: str | None = None  # see validation.Checked.tool_format
     index: int = 0  # the choice it answers (prompt i, sample j of n: i * n + j, as OpenAI numbers them)
     echo: str | None = None  # see validation.Checked.echo
@@ -87,6 +88,7 @@ def _choices(kind: str, batch: list[validation.Checked], n: int, session: str | 
             _nth_sample(c.params, index % n),
             session,
             reasoning=c.reasoning,
+            reasoning_tags=c.reasoning_tags,
             tool_format=c.tool_format,
             index=index,
             echo=c.echo,

@@ -1,6 +1,7 @@
 """Reasoning content: the text a thinking model writes between `<think>` and `</think>` goes to the chat
 response's `reasoning_content` (streamed as `delta.reasoning_content`), the rest to `content`, as vLLM's
-reasoning parsers do for Qwen3 and DeepSeek-R1.
+reasoning parsers do for Qwen3 and DeepSeek-R1. Gemma 4 writes `<|channel>thought\n...<channel|>` instead
+(special tokens: its requests are decoded with them, `validation.py`); the `thought\n` label is no reasoning.
 
 Whether a request is parsed this way follows its chat template: a template that mentions the start tag
 is a thinking model's. Where the rendered prompt itself ends inside an open `<think>` (DeepSeek-R1, and
@@ -16,14 +17,34 @@ from dataclasses import dataclass, field
 START, END = "<think>", "</think>"
 
 
+@dataclass(frozen=True)
+class Tags:
+    start: str
+    end: str
+    label: str = ""  # written right after `start`, not part of the reasoning (Gemma 4's "thought\n")
+
+
+TAGS = {"think": Tags(START, END), "gemma4": Tags("<|channel>", "<channel|>", "thought\n")}
+
+
+def template_tags(template: str | None) -> str | None:
+    """The reasoning tags a chat template writes (a key of TAGS), or None for a model that does not think."""
+    if not template:
+        return None
+    if TAGS["gemma4"].start in template:
+        return "gemma4"
+    return "think" if START in template else None
+
+
 def template_thinks(template: str | None) -> bool:
-    """A chat template that writes think tags: its model's output is split into reasoning and content."""
-    return bool(template) and START in template
+    """A chat template that writes reasoning tags: its model's output is split into reasoning and content."""
+    return template_tags(template) is not None
 
 
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """The rendered prompt ends inside an unclosed `<think>`: the model's output begins as reasoning."""
-    return prompt_text.rfind(START) > prompt_text.rfind(END)
+def prompt_opens_reasoning(prompt_text: str, tags: str = "think") -> bool:
+    """The rendered prompt ends inside an unclosed reasoning block: the model's output begins as reasoning."""
+    t = TAGS[tags]
+    return prompt_text.rfind(t.start) > prompt_text.rfind(t.end)
 
 
 @dataclass
@@ -33,7 +54,9 @@ class ThinkSplitter:
     concatenated deltas equal the split of the whole text."""
 
     in_reasoning: bool = False
+    tags: Tags = TAGS["think"]
     _held: str = field(default="", repr=False)
+    _label_due: bool = field(default=False, repr=False)  # just entered reasoning: the label may follow
     _done_thinking: bool = field(default=False, repr=False)  # one reasoning block per response
     _after_end: bool = field(default=False, repr=False)  # content so far is only the newlines after </think>
 
@@ -45,7 +68,16 @@ class ThinkSplitter:
             if not self.in_reasoning and self._done_thinking:
                 content.append(self._content(text))
                 break
-            tag = END if self.in_reasoning else START
+            if self.in_reasoning and self._label_due:
+                label = self.tags.label
+                if len(text) < len(label) and label.startswith(text):
+                    self._held = text  # maybe the label, cut across deltas
+                    break
+                self._label_due = False
+                if text.startswith(label):
+                    text = text[len(label) :]
+                    continue
+            tag = self.tags.end if self.in_reasoning else self.tags.start
             at = text.find(tag)
             if at < 0:
                 keep = partial_tag_suffix(text, tag)
@@ -60,6 +92,7 @@ class ThinkSplitter:
                 self._done_thinking = self._after_end = True
             else:
                 content.append(self._content(text[:at]))
+                self._label_due = bool(self.tags.label)
             self.in_reasoning = not self.in_reasoning
             text = text[at + len(tag) :]
         return "".join(reasoning), "".join(content)
@@ -76,9 +109,9 @@ class ThinkSplitter:
         return (held, "") if self.in_reasoning else ("", self._content(held))
 
 
-def split_reasoning(text: str, starts_in_reasoning: bool = False) -> tuple[str | None, str]:
+def split_reasoning(text: str, starts_in_reasoning: bool = False, tags: str = "think") -> tuple[str | None, str]:
     """(reasoning_content or None, content) of a whole output."""
-    splitter = ThinkSplitter(in_reasoning=starts_in_reasoning)
+    splitter = ThinkSplitter(in_reasoning=starts_in_reasoning, tags=TAGS[tags])
     r1, c1 = splitter.feed(text)
     r2, c2 = splitter.finish()
     reasoning = r1 + r2

@@ -5,7 +5,10 @@ Formats (chosen from the chat template, or `server.tool_call_parser`):
 - "qwen" (Qwen3, Qwen3.5, Hermes style): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
   one block per call;
 - "deepseek" (DeepSeek-V3): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n
-  {...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
+  {...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
+- "gemma4" (Gemma 4): `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:42,flag:true,obj:{...},list:[...]}<tool_call|>`,
+  one block per call, back to back: bare keys, strings between `<|"|>` quote tokens, other values bare
+  (true/false/null, numbers); arguments become JSON as vLLM's and SGLang's Gemma 4 parsers make them.
 
 Streaming: text before a call streams as content; a call is held back until its block is complete and
 then sent as one `tool_calls` delta (index, id, name and the whole arguments string), which the OpenAI
@@ -23,10 +26,12 @@ from typing import Any
 
 from .reasoning import partial_tag_suffix
 
-FORMATS = ("qwen", "deepseek")
+FORMATS = ("qwen", "deepseek", "gemma4")
 
 _QWEN_START, _QWEN_END = "<tool_call>", "</tool_call>"
 _DS_BEGIN, _DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_G4_START, _G4_END, _G4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+_G4_CALL = re.compile(r"call:(?P<name>[\w\-\.]+)\{(?P<args>.*)\}", re.S)
 _DS_CALL = re.compile(
     r"<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(?P<name>[^\n]+)\n```(?:json)?\n(?P<args>.*?)\n```<｜tool▁call▁end｜>", re.S
 )
@@ -38,6 +43,8 @@ def format_for_template(template: str | None) -> str | None:
         return None
     if "tool▁calls▁begin" in template or "tool▁call▁begin" in template:
         return "deepseek"
+    if _G4_START in template:
+        return "gemma4"
     if _QWEN_START in template:
         return "qwen"
     return None
@@ -79,11 +86,11 @@ class ToolCallStream:
 
     @property
     def _start(self) -> str:
-        return _QWEN_START if self.fmt == "qwen" else _DS_BEGIN
+        return {"qwen": _QWEN_START, "deepseek": _DS_BEGIN, "gemma4": _G4_START}[self.fmt]
 
     @property
     def _end(self) -> str:
-        return _QWEN_END if self.fmt == "qwen" else _DS_END
+        return {"qwen": _QWEN_END, "deepseek": _DS_END, "gemma4": _G4_END}[self.fmt]
 
     def feed(self, text: str) -> str:
         self._buffer += text
@@ -136,6 +143,10 @@ class ToolCallStream:
             body = block[len(_QWEN_START) : -len(_QWEN_END)].strip()
             call = _call_from_json(body)
             return None if call is None else [call]
+        if self.fmt == "gemma4":
+            m = _G4_CALL.fullmatch(block[len(_G4_START) : -len(_G4_END)].strip())
+            args = None if m is None else gemma4_arguments(m.group("args"))
+            return None if args is None else [ToolCall(m.group("name"), json.dumps(args, ensure_ascii=False))]
         calls = []
         for m in _DS_CALL.finditer(block):
             try:
@@ -144,6 +155,70 @@ class ToolCallStream:
                 return None
             calls.append(ToolCall(m.group("name").strip(), json.dumps(args, ensure_ascii=False)))
         return calls or None
+
+
+def gemma4_arguments(text: str) -> dict[str, Any] | None:
+    """The members of a Gemma 4 call's `{...}` (without the braces) as a dict; None if malformed."""
+    try:
+        value, end = _g4_members(text, 0, "")
+    except ValueError:
+        return None
+    return value if end == len(text) else None
+
+
+def _g4_members(text: str, i: int, close: str) -> tuple[dict[str, Any], int]:
+    """key:value pairs from i up to `close` (or the end when close is ""); returns (dict, index of close)."""
+    out: dict[str, Any] = {}
+    while i < len(text) and text[i] != close:
+        colon = text.find(":", i)
+        if colon < 0:
+            raise ValueError("a key without a value")
+        key = text[i:colon].strip().replace(_G4_QUOTE, "")
+        if not key:
+            raise ValueError("an empty key")
+        out[key], i = _g4_value(text, colon + 1, close)
+        if i < len(text) and text[i] == ",":
+            i += 1
+    if close and i >= len(text):
+        raise ValueError("unclosed object")
+    return out, i
+
+
+def _g4_value(text: str, i: int, close: str) -> tuple[Any, int]:
+    """One value from i; returns (value, index just past it)."""
+    if text.startswith(_G4_QUOTE, i):
+        end = text.find(_G4_QUOTE, i + len(_G4_QUOTE))
+        if end < 0:
+            raise ValueError("unterminated string")
+        return text[i + len(_G4_QUOTE) : end], end + len(_G4_QUOTE)
+    if text.startswith("{", i):
+        value, end = _g4_members(text, i + 1, "}")
+        return value, end + 1
+    if text.startswith("[", i):
+        items, i = [], i + 1
+        while i < len(text) and text[i] != "]":
+            item, i = _g4_value(text, i, "]")
+            items.append(item)
+            if i < len(text) and text[i] == ",":
+                i += 1
+        if i >= len(text):
+            raise ValueError("unclosed list")
+        return items, i + 1
+    end = i
+    while end < len(text) and text[end] not in ",}]":
+        end += 1
+    return _g4_bare(text[i:end].strip()), end
+
+
+def _g4_bare(token: str) -> Any:
+    if token in ("true", "false"):
+        return token == "true"
+    if token in ("null", "none", "nil"):
+        return None
+    try:
+        return float(token) if any(c in token for c in ".eE") else int(token)
+    except ValueError:
+        return token
 
 
 def _call_from_json(body: str) -> ToolCall | None:
@@ -201,6 +276,8 @@ def forced_call_grammar(
         tid = token_id(text) if token_id is not None else None
         return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
+    if fmt == "gemma4":
+        return _gemma4_call_grammar(tools, repeat, marker)
     begin, end = marker(_DS_BEGIN), marker(_DS_END)
     call_begin, call_end, sep = marker("<｜tool▁call▁begin｜>"), marker("<｜tool▁call▁end｜>"), marker("<｜tool▁sep｜>")
     lines = [f"start: {begin} call{repeat} {end}", "call: " + " | ".join(f"call{i}" for i in range(len(tools)))]
@@ -208,6 +285,36 @@ def forced_call_grammar(
         header = json.dumps(t["function"]["name"] + "\n```json\n")
         lines.append(f'call{i}: {call_begin} "function" {sep} {header} args{i} "\\n```" {call_end}')
         lines.append(f"args{i}: %json {schema_text(_parameters(t))}")
+    return "\n".join(lines) + "\n"
+
+
+def _gemma4_call_grammar(tools: list[dict[str, Any]], repeat: str, marker: Callable[[str], str]) -> str:
+    """Gemma 4 calls of the given functions: each function's own keys (from its parameters' properties,
+    required ones first, in the schema's order) with Gemma's value syntax. Values are checked for syntax,
+    not against the schema (Gemma's arguments are no JSON the schema grammar could read)."""
+    quote = marker(_G4_QUOTE)
+    lines = [f"start: call{repeat}", "call: " + " | ".join(f"call{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        params = _parameters(t)
+        props = list((params.get("properties") or {}).keys())
+        required = [k for k in params.get("required") or [] if k in props]
+        optional = [k for k in props if k not in required]
+        members = [f'"{k}:" value' for k in required]
+        body = ' "," '.join(members)
+        if optional:
+            extra = " | ".join(f'"{k}:" value' for k in optional)
+            body = f'{body} ("," ({extra}))*' if body else f'(({extra}) ("," ({extra}))*)?'
+        header = json.dumps(f"call:{t['function']['name']}{{")
+        lines.append(f'call{i}: {marker(_G4_START)} {header} {body or ""} "}}" {marker(_G4_END)}')
+    lines += [
+        f"value: {quote} TEXT {quote} | object | list | BARE",
+        'object: "{" (member ("," member)*)? "}"',
+        'member: KEY ":" value',
+        'list: "[" (value ("," value)*)? "]"',
+        "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
+        "TEXT: /[^<]*/",
+        "BARE: /-?[0-9]+(\\.[0-9]+)?([eE][-+]?[0-9]+)?|true|false|null/",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -34,7 +34,7 @@ from workers.engine.structured import GrammarCompiler, GrammarError
 
 from . import openai_api as oa
 from . import tool_calls
-from .reasoning import prompt_opens_reasoning, template_thinks
+from .reasoning import prompt_opens_reasoning, template_tags
 
 log = logging.getLogger("moray.cluster")
 
@@ -85,6 +85,7 @@ class Checked:
     # Chat requests of a thinking model (cluster/reasoning.py): whether the output starts inside
     # <think> (True/False); None when the output is not split into reasoning and content.
     reasoning: bool | None = None
+    reasoning_tags: str = "think"  # the tag set (cluster.reasoning.TAGS) the output is split by
     # Chat requests with tools: the tool-call format to parse the output with (cluster/tool_calls.py).
     tool_format: str | None = None
     # Completions with echo: the prompt's text, sent before the output. max_tokens 0 (scoring the prompt):
@@ -466,11 +467,17 @@ class RequestValidator:
             except ValueError as e:
                 raise oa.APIError(400, f"tool_choice: {e}", param="tool_choice") from None
             fields["structured"] = StructuredOutputs(kind="lark", value=grammar)
-        reasoning = prompt_opens_reasoning(text) if template_thinks(self.tokenizer.chat_template) else None
+        tags = template_tags(self.tokenizer.chat_template)
+        reasoning = prompt_opens_reasoning(text, tags) if tags is not None else None
+        tool_format = self.tool_format if rendered_tools is not None else None
+        if tags == "gemma4" or tool_format == "gemma4":
+            # Gemma 4's reasoning and tool-call markers (and its string quotes) are special tokens: the
+            # parsers read them in the text, so this output is decoded with them (as vLLM's parsers ask).
+            fields["skip_special_tokens"] = False
         shared = await self.message_boundaries(messages, text, prompt, body.chat_template_kwargs, rendered_tools)
         fields["prefix_boundaries"] = sorted(set(fields.get("prefix_boundaries") or ()) | set(shared))
         params = self.sampling_params(fields, len(prompt), max_tokens)
-        return Checked(prompt, params, reasoning, self.tool_format if rendered_tools is not None else None)
+        return Checked(prompt, params, reasoning, tags or "think", tool_format)
 
     # ---------------------------------------------------------------- /tokenize, /detokenize
 

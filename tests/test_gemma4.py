@@ -198,3 +198,23 @@ def test_w4a16_checkpoint_packs_dense_layers_and_experts(moe, tmp_path, group):
     # The packed model computes what the dense model of the library's dequantised weights computes.
     want = prompt_logits(load_model(decompressed, show_progress=False), PROMPTS)
     np.testing.assert_allclose(prompt_logits(model, PROMPTS), want, atol=TOL, rtol=0)
+
+
+def test_data_parallel_engine_gives_the_single_device_tokens(moe):
+    """Data-parallel attention over 8 virtual devices (each rank its own KV blocks, KV-shared layers read
+    their rank's pages) with the experts split over the mesh."""
+    batch = [list(range(1, 30)), [8, 2, 77, 45, 1, 90, 33], list(range(40, 52))]
+    single = LLM(str(moe), **ARGS).generate(batch, SHORT)
+    parallel = LLM(str(moe), parallel={"mesh": "1x8"}, **ARGS).generate(batch, SHORT)
+    assert [o.token_ids for o in parallel] == [o.token_ids for o in single]
+
+
+def test_make_model_writes_what_transformers_reads(tmp_path):
+    from workers.models.make_model import make_model
+
+    d = make_model(tmp_path / "g", "gemma4", "tiny", seed=1)
+    ids = list(range(3, 40))
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), **GEMMA4_HF_KWARGS).logits[0].numpy()
+    np.testing.assert_allclose(prompt_logits(load_model(d, show_progress=False), [ids])[0], ref, atol=TOL, rtol=0)

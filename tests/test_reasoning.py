@@ -69,3 +69,22 @@ def test_validator_decides_how_each_chat_output_is_split(tokenizer):
     assert checked(tokenizer, "{%- for m in messages %}{{ m.content }}{%- endfor %}").reasoning is None  # not a thinking model
     with pytest.raises(oa.APIError, match="cannot be set"):
         checked(tokenizer, QWEN3_LIKE, chat_template_kwargs={"messages": []})
+
+
+GEMMA4 = "<|channel>thought\nThe user wants a number.<channel|>Four."
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 100])
+def test_gemma4_channel_tags_and_label(size):
+    """Gemma 4 writes `<|channel>thought\n...<channel|>`: the label is not reasoning; a prompt that closed an
+    empty thought block (thinking off) starts as content."""
+    from cluster.reasoning import TAGS, template_tags
+
+    assert split_reasoning(GEMMA4, False, "gemma4") == ("The user wants a number.", "Four.")
+    splitter = ThinkSplitter(tags=TAGS["gemma4"])
+    parts = [splitter.feed(GEMMA4[i : i + size]) for i in range(0, len(GEMMA4), size)] + [splitter.finish()]
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == ("The user wants a number.", "Four.")
+    assert split_reasoning("<|channel>though<channel|>x", False, "gemma4") == ("though", "x")  # no full label: kept
+    assert template_tags("{{ '<|channel>thought' }}") == "gemma4" and template_tags("<think>") == "think"
+    assert not prompt_opens_reasoning("<|turn>model\n<|channel>thought\n<channel|>", "gemma4")
+    assert prompt_opens_reasoning("<|turn>model\n<|channel>thought\n", "gemma4")

@@ -19,10 +19,13 @@ DEEPSEEK = (
     '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1, "b": 2}\n```'
     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
 )
+GEMMA4 = 'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_call>call:add{a:1,b:2}<tool_call|>'
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
 
 
-@pytest.mark.parametrize("fmt,text,content", [("qwen", QWEN, "Let me check.\n"), ("deepseek", DEEPSEEK, "Checking.")])
+@pytest.mark.parametrize(
+    "fmt,text,content", [("qwen", QWEN, "Let me check.\n"), ("deepseek", DEEPSEEK, "Checking."), ("gemma4", GEMMA4, "Checking.")]
+)
 def test_parse_whole_and_streamed(fmt, text, content):
     got_content, calls = parse(text, fmt)
     assert got_content.strip() == content.strip()
@@ -57,7 +60,27 @@ def test_arguments_given_as_a_string_are_parsed():
 def test_format_from_template():
     assert format_for_template("...<tool_call>...") == "qwen"
     assert format_for_template("...<｜tool▁calls▁begin｜>...") == "deepseek"
+    assert format_for_template("...<|tool_call>call:...") == "gemma4"
     assert format_for_template("{{ messages }}") is None and format_for_template(None) is None
+
+
+def test_gemma4_argument_syntax_becomes_json():
+    """Gemma 4's values as vLLM's parser reads them: quoted strings (commas and braces inside stay text),
+    numbers, booleans, null, nested objects and lists; a malformed call stays content."""
+    text = '<|tool_call>call:f.x-y{s:<|"|>a, {b}<|"|>,i:-3,f:2.5,t:true,n:null,o:{k:[1,<|"|>z<|"|>,{q:false}]},e:[]}<tool_call|>'
+    _, (call,) = parse(text, "gemma4")
+    assert call.name == "f.x-y"
+    assert json.loads(call.arguments) == {
+        "s": "a, {b}",
+        "i": -3,
+        "f": 2.5,
+        "t": True,
+        "n": None,
+        "o": {"k": [1, "z", {"q": False}]},
+        "e": [],
+    }
+    for bad in ('<|tool_call>call:f{a:<|"|>open}<tool_call|>', "<|tool_call>call:f{a:[1,2}<tool_call|>", "<|tool_call>f{a:1}<tool_call|>"):
+        assert parse(bad, "gemma4") == (bad, [])
 
 
 TOOLS = [
@@ -118,6 +141,24 @@ def test_forced_grammar_for_the_deepseek_format(compiler):
     # A tokenizer with the markers as special tokens gets them asked for by id.
     ids = {"<｜tool▁calls▁begin｜>": 9001, "<｜tool▁calls▁end｜>": 9002}
     assert "<[9001]>" in forced_call_grammar(TOOLS, "required", False, "deepseek", token_id=ids.get)
+
+
+def test_forced_grammar_for_the_gemma4_format(compiler):
+    """The function's own keys, required ones first, in Gemma 4's value syntax."""
+    call = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,unit:<|"|>c<|"|>}<tool_call|>'
+    grammar = forced_call_grammar(TOOLS, "required", parallel=True, fmt="gemma4")
+    assert consumes(compiler, grammar, call) and consumes(compiler, grammar, call + call)
+    assert not consumes(compiler, grammar, call.replace("city", "town")) and not consumes(compiler, grammar, "Sure")
+    assert not consumes(compiler, grammar, '<|tool_call>call:get_weather{unit:<|"|>c<|"|>}<tool_call|>')  # city is required
+    named = forced_call_grammar(TOOLS, {"type": "function", "function": {"name": "add"}}, parallel=False, fmt="gemma4")
+    assert consumes(compiler, named, "<|tool_call>call:add{a:3}<tool_call|>") and consumes(
+        compiler, named, "<|tool_call>call:add{}<tool_call|>"
+    )
+    assert not consumes(compiler, named, call)
+    _, (parsed,) = parse(call, "gemma4")
+    jsonschema.validate(json.loads(parsed.arguments), TOOLS[0]["function"]["parameters"])
+    ids = {'<|"|>': 52, "<|tool_call>": 48, "<tool_call|>": 49}
+    assert "<[48]>" in forced_call_grammar(TOOLS, "required", False, "gemma4", token_id=ids.get)
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 100])

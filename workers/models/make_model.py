@@ -32,8 +32,12 @@ ARCHS = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    # Written as the released multimodal composite (text model under model.language_model, no towers).
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 HYBRID_ARCHS = ("qwen3_5_moe", "qwen3_next")
+# Written with transformers 5's fused expert tensors (the only layout transformers' Gemma 4 reads).
+FUSED_EXPERT_ARCHS = ("gemma4",)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,80 @@ DEEPSEEK_PRESETS: dict[str, tuple[Preset, MLAPreset]] = {
         MLAPreset(384, 256, 64, 32, 64, 8, 4, 1, 1),
     ),
 }
+
+
+@dataclass(frozen=True)
+class Gemma4Preset:
+    """Gemma 4's attention part of a preset: every `full_every`-th layer (and the last) is full attention,
+    with `global_head_dim` and, through attention_k_eq_v, `global_kv_heads`; the others slide."""
+
+    sliding_window: int
+    global_head_dim: int
+    global_kv_heads: int
+    full_every: int
+    per_layer_input: int  # hidden_size_per_layer_input (0: none, as in the 31B and 26B-A4B)
+
+
+# Gemma 4 presets, MoE like the 26B-A4B (experts beside a dense GeGLU MLP); `intermediate_size` is the dense
+# MLP's. tiny: < 5 MB, 3 sliding (window 16) + 1 full layer. small: ~10 MB, 6 layers, per-layer inputs.
+# bench: ~1.2 GB float32, the 26B-A4B's head ratios and window.
+GEMMA4_PRESETS: dict[str, tuple[Preset, Gemma4Preset]] = {
+    "tiny": (Preset(512, 64, 4, 4, 2, 16, 8, 2, 32, 48, 0.2, 1 << 30), Gemma4Preset(16, 32, 1, 4, 0)),
+    "small": (Preset(2048, 128, 6, 4, 2, 32, 16, 4, 32, 64, 0.1, 4 << 20), Gemma4Preset(32, 64, 1, 3, 16)),
+    "bench": (Preset(16384, 1024, 6, 8, 4, 128, 64, 8, 256, 768, 0.02, 512 << 20), Gemma4Preset(1024, 256, 1, 6, 0)),
+}
+
+
+def gemma4_config(p: Preset, gp: Gemma4Preset, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """config.json of a Gemma 4 composite (no vision or audio tower weights), transformers 5.x key style."""
+    types = [
+        "full_attention" if (i + 1) % gp.full_every == 0 or i == p.num_layers - 1 else "sliding_attention" for i in range(p.num_layers)
+    ]
+    text = {
+        "model_type": "gemma4_text",
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "global_head_dim": gp.global_head_dim,
+        "num_global_key_value_heads": gp.global_kv_heads,
+        "attention_k_eq_v": True,
+        "sliding_window": gp.sliding_window,
+        "layer_types": types,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": gp.per_layer_input,
+        "vocab_size_per_layer_input": p.vocab_size,
+        "enable_moe_block": True,
+        "num_experts": p.num_experts,
+        "top_k_experts": p.top_k,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "tie_word_embeddings": True,
+        "initializer_range": p.initializer_range,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+    }
+    return {
+        "architectures": [ARCHS["gemma4"]],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": None,
+        "audio_config": None,
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+    }
 
 
 def deepseek_config(p: Preset, mp: MLAPreset, eos_id: int, pad_id: int) -> dict[str, Any]:
@@ -258,21 +336,22 @@ def hybrid_config(arch: str, p: Preset, lp: LinearPreset, eos_id: int, pad_id: i
     }
 
 
-def _tensors(source) -> Iterator[Tensor]:
-    """The checkpoint tensors behind a source, in the layout Hugging Face writes."""
+def _tensors(source, fused: bool = False) -> Iterator[Tensor]:
+    """The checkpoint tensors behind a source, in the layout Hugging Face writes (`fused`: experts as one
+    tensor, the last option of their OneOf)."""
     if isinstance(source, Tensor):
         yield source
     elif isinstance(source, OneOf):
-        yield from _tensors(source.options[0])
+        yield from _tensors(source.options[-1 if fused else 0], fused)
     elif isinstance(source, (Concat, Stack, Rows)):
         for part in source.parts:
-            yield from _tensors(part)
+            yield from _tensors(part, fused)
 
 
-def random_tensors(cfg, plan, seed: int, std: float) -> Iterator[tuple[str, np.ndarray]]:
+def random_tensors(cfg, plan, seed: int, std: float, fused: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     for spec in plan_leaves(plan):
-        for t in _tensors(spec.source):
+        for t in _tensors(spec.source, fused):
             if spec.init_scale is None:  # norms start at one, as transformers initialises them
                 yield t.key, np.ones(t.shape, np.float32)
             elif spec.init_scale == 0:  # zero-centred norms (weight = offset from one) start at zero
@@ -326,7 +405,7 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
     if isinstance(preset, Preset):
-        if arch in HYBRID_ARCHS or arch == "deepseek_v3":
+        if arch in HYBRID_ARCHS or arch in ("deepseek_v3", "gemma4"):
             raise ValueError(f"{arch} takes a named preset")
         p = preset
     elif preset not in PRESETS:
@@ -337,6 +416,8 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
         p, linear_preset = HYBRID_PRESETS[preset]
     if arch == "deepseek_v3":
         p, mla_preset = DEEPSEEK_PRESETS[preset]
+    if arch == "gemma4":
+        p, gemma_preset = GEMMA4_PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -347,6 +428,8 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
         raw = hybrid_config(arch, p, linear_preset, eos, pad)
     elif arch == "deepseek_v3":
         raw = deepseek_config(p, mla_preset, eos, pad)
+    elif arch == "gemma4":
+        raw = gemma4_config(p, gemma_preset, eos, pad)
     else:
         raw = hf_config(arch, p, eos, pad)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -355,7 +438,8 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
     family = FAMILIES[arch]
     cfg = family.config_from_hf(raw)
     plan = family.plan(cfg)
-    total = sum(1 for spec in plan_leaves(plan) for _ in _tensors(spec.source))
-    write_safetensors(out, random_tensors(cfg, plan, seed, p.initializer_range), total, p.max_shard_bytes)
+    fused = arch in FUSED_EXPERT_ARCHS
+    total = sum(1 for spec in plan_leaves(plan) for _ in _tensors(spec.source, fused))
+    write_safetensors(out, random_tensors(cfg, plan, seed, p.initializer_range, fused), total, p.max_shard_bytes)
     log.info("wrote %s/%s checkpoint to %s in %.1fs", arch, preset, out, time.perf_counter() - start)
     return out
