@@ -218,3 +218,26 @@ def test_make_model_writes_what_transformers_reads(tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor([ids]), **GEMMA4_HF_KWARGS).logits[0].numpy()
     np.testing.assert_allclose(prompt_logits(load_model(d, show_progress=False), [ids])[0], ref, atol=TOL, rtol=0)
+
+
+def test_speculative_rollback_past_the_window(moe):
+    """Drafts verified in one step and rejected part-way (an oracle spoiling every third proposal) give the
+    tokens of a run without speculation, past the sliding window; every block goes back to the pool."""
+    prompts = [list(range(1, 30)), [8, 2, 77, 45, 1, 90, 33]]
+    plain = LLM(str(moe), **ARGS).generate(prompts, GREEDY)
+
+    class Oracle:
+        calls = 0
+
+        def propose(self, request, limit):
+            ref = next(o.token_ids for p, o in zip(prompts, plain) if p == request.prompt_token_ids)
+            drafts = ref[len(request.output_token_ids) : len(request.output_token_ids) + limit]
+            Oracle.calls += 1
+            if drafts and Oracle.calls % 3 == 0:
+                drafts[-1] = (drafts[-1] + 1) % 96
+            return drafts
+
+    llm = LLM(str(moe), speculative={"num_speculative_tokens": 3, "adaptive": False}, **ARGS)
+    llm.engine.speculator.proposer = Oracle()
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
