@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from engine_harness import ENGINE_ARGS, kv_handoff, run_to_end
+from engine_harness import ENGINE_ARGS, kv_handoff
 from hf_checkpoints import GEMMA4_HF_KWARGS, GEMMA4_MOE, SMALL_INIT, rewrite_config, save_gemma4_checkpoint
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
@@ -121,14 +121,12 @@ def test_host_tier_reloads_layers_of_different_shapes(tiered, uncached):
     assert again.token_ids == uncached.generate([turn2], SHORT)[0].token_ids
 
 
-def test_kv_handoff_between_engines(moe):
+def test_kv_handoff_between_engines(moe, uncached):
     prefill = EngineCore(EngineConfig(model=str(moe), worker_id="p", **ARGS), show_progress=False)
     decode = EngineCore(EngineConfig(model=str(moe), worker_id="d", **ARGS), show_progress=False)
-    single = EngineCore(EngineConfig(model=str(moe), worker_id="s", **ARGS), show_progress=False)
     prompt = list(range(3, 40))
     _, outs, _ = kv_handoff(prefill, decode, "r", prompt, SHORT, chunk_bytes=4096)
-    single.add_request("r", prompt, SHORT)
-    assert outs[-1].token_ids == run_to_end(single, "r").token_ids
+    assert outs[-1].token_ids == uncached.generate([prompt], SHORT)[0].token_ids
 
 
 def test_moe_under_expert_parallel_dispatch_modes(tmp_path):
@@ -200,11 +198,11 @@ def test_w4a16_checkpoint_packs_dense_layers_and_experts(moe, tmp_path, group):
     np.testing.assert_allclose(prompt_logits(model, PROMPTS), want, atol=TOL, rtol=0)
 
 
-def test_data_parallel_engine_gives_the_single_device_tokens(moe):
+def test_data_parallel_engine_gives_the_single_device_tokens(moe, uncached):
     """Data-parallel attention over 8 virtual devices (each rank its own KV blocks, KV-shared layers read
     their rank's pages) with the experts split over the mesh."""
     batch = [list(range(1, 30)), [8, 2, 77, 45, 1, 90, 33], list(range(40, 52))]
-    single = LLM(str(moe), **ARGS).generate(batch, SHORT)
+    single = uncached.generate(batch, SHORT)
     parallel = LLM(str(moe), parallel={"mesh": "1x8"}, **ARGS).generate(batch, SHORT)
     assert [o.token_ids for o in parallel] == [o.token_ids for o in single]
 
@@ -220,11 +218,11 @@ def test_make_model_writes_what_transformers_reads(tmp_path):
     np.testing.assert_allclose(prompt_logits(load_model(d, show_progress=False), [ids])[0], ref, atol=TOL, rtol=0)
 
 
-def test_speculative_rollback_past_the_window(moe):
+def test_speculative_rollback_past_the_window(moe, uncached):
     """Drafts verified in one step and rejected part-way (an oracle spoiling every third proposal) give the
     tokens of a run without speculation, past the sliding window; every block goes back to the pool."""
     prompts = [list(range(1, 30)), [8, 2, 77, 45, 1, 90, 33]]
-    plain = LLM(str(moe), **ARGS).generate(prompts, GREEDY)
+    plain = uncached.generate(prompts, GREEDY)
 
     class Oracle:
         calls = 0

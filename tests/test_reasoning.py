@@ -88,3 +88,26 @@ def test_gemma4_channel_tags_and_label(size):
     assert template_tags("{{ '<|channel>thought' }}") == "gemma4" and template_tags("<think>") == "think"
     assert not prompt_opens_reasoning("<|turn>model\n<|channel>thought\n<channel|>", "gemma4")
     assert prompt_opens_reasoning("<|turn>model\n<|channel>thought\n", "gemma4")
+
+
+# Gemma 4's chat format, reduced to what decides the split: thinking is on only when asked for, and with it
+# off the generation prompt closes an empty thought block; calls are written as <|tool_call>...<tool_call|>.
+GEMMA4_LIKE = (
+    "{%- set think = enable_thinking | default(false) -%}"
+    "{%- if think or tools -%}<|turn>system\n{% if think %}<|think|>\n{% endif %}"
+    "{%- for t in tools or [] %}<|tool>declaration:{{ t.function.name }}<tool|>{% endfor %}<turn|>\n{%- endif -%}"
+    "{%- for m in messages -%}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<turn|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|turn>model\n{% if not think %}<|channel>thought\n<channel|>{% endif %}{%- endif -%}"
+    "{#- calls: <|tool_call>call:NAME{...}<tool_call|> -#}"
+)
+
+
+def test_validator_splits_gemma4_output_by_its_channel_tags_and_keeps_its_markers(tokenizer):
+    off = checked(tokenizer, GEMMA4_LIKE)
+    assert (off.reasoning, off.reasoning_tags, off.tool_format) == (False, "gemma4", None)
+    assert off.params.skip_special_tokens is False  # the markers are special tokens of the real tokenizer
+    on = checked(tokenizer, GEMMA4_LIKE, chat_template_kwargs={"enable_thinking": True})
+    assert on.reasoning is False and "<|think|>" in tokenizer.decode(on.prompt, skip_special_tokens=False)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    assert checked(tokenizer, GEMMA4_LIKE, tools=[tool]).tool_format == "gemma4"
+    assert checked(tokenizer, QWEN3_LIKE).params.skip_special_tokens is True
