@@ -462,6 +462,30 @@ class _Bench:
 
     # ------------------------------------------------------------------ the whole benchmark
 
+    def expert_loads(self) -> dict | None:
+        """Tokens routed per expert over the whole run (every step the bench ran), as the engine counts them:
+        per MoE layer the busiest expert and EP rank against the mean (experts split contiguously over the
+        ranks); None for a dense model."""
+        import numpy as np
+
+        from workers.engine.runner import rank_imbalance
+
+        if not any(self.engine.cfg.moe_layers):
+            return None
+        loads = self.engine.runner.read_expert_loads()
+        ep = getattr(self.engine.model.experts, "ep_size", 1)
+        per_rank = loads.reshape(loads.shape[0], ep, -1).sum(-1)
+        mean = lambda a: np.maximum(a.mean(1), 1e-9)  # noqa: E731
+        return {
+            "routed_tokens": int(loads.sum()),
+            "ep_size": ep,
+            "rank_max_over_mean": rank_imbalance(loads, ep),
+            "per_layer": {
+                "expert_max_over_mean": (loads.max(1) / mean(loads)).round(3).tolist(),
+                "rank_max_over_mean": (per_rank.max(1) / mean(per_rank)).round(3).tolist(),
+            },
+        }
+
     def run(self) -> int:
         args = self.args
 
@@ -526,6 +550,7 @@ class _Bench:
             peer.close()
         result = self._result(decode, peer_decode, peer_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
         result["host_overhead"] = {str(b): split[b] for b in sorted(split)}
+        result["expert_loads"] = self.expert_loads()
         if args.startup:
             result["startup"] = self.startup()
         result["load_average"] = {"start": load_start, "end": _loadavg()}

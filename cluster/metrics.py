@@ -112,6 +112,12 @@ _WORKER_COUNTERS = {
     ),
     "engine.num_preemptions": ("preemptions", "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
     "engine.spec_num_drafts": ("spec_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", None),
+    "engine.expert_routed_tokens": (
+        "expert_routed_tokens",
+        "moray_expert_routed_tokens",
+        "token-to-expert assignments a worker's MoE layers routed (padding excluded; a snapshot every few dozen steps)",
+        None,
+    ),
     "engine.spec_num_draft_tokens": ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", None),
     "engine.spec_num_accepted_tokens": (
         "spec_accepted_tokens",
@@ -329,6 +335,12 @@ class WorkerMetrics:
         self.state_bytes = Gauge(
             "moray_state_snapshot_bytes", "device bytes a hybrid model's state snapshots hold on a worker", ["worker", "role"], registry=r
         )
+        self.expert_imbalance = Gauge(
+            "moray_expert_rank_imbalance_ratio",
+            "the worst MoE layer's busiest expert-parallel rank over the mean rank, by tokens routed since the worker started",
+            ["worker", "role"],
+            registry=r,
+        )
         self.state_budget = Gauge(
             "moray_state_snapshot_budget_bytes",
             "device bytes a hybrid model's state snapshots may hold on a worker (state_cache_memory_bytes)",
@@ -369,6 +381,8 @@ class WorkerMetrics:
         self.kv_bytes_per_token.labels(w, role).set(e.kv_bytes_per_token)
         self.state_bytes.labels(w, role).set(e.state_snapshot_bytes)
         self.state_budget.labels(w, role).set(e.state_snapshot_budget_bytes)
+        if e.expert_routed_tokens:
+            self.expert_imbalance.labels(w, role).set(e.expert_rank_imbalance)
         totals = self._totals.setdefault(w, {})
         for path, (attr, metric, _, only) in _WORKER_COUNTERS.items():
             if only is not None and role != only:
@@ -397,7 +411,7 @@ class WorkerMetrics:
         for labels in list(self.spec_accepted_per_pos._metrics):
             if labels[1] == worker_id:
                 self.spec_accepted_per_pos.remove(*labels)
-        for gauge in (self.host_kv_usage, self.kv_bytes_per_token, self.state_bytes, self.state_budget):
+        for gauge in (self.host_kv_usage, self.kv_bytes_per_token, self.state_bytes, self.state_budget, self.expert_imbalance):
             _remove(gauge, worker_id, role)
         for _, (attr, metric, _, only) in _WORKER_COUNTERS.items():
             _remove(getattr(self, attr), *self._worker_labels(worker_id, role, metric, only))

@@ -110,6 +110,9 @@ def test_decode_and_prefill(result):
     assert data["prefill"]["prompt_len"] == PREFILL
     assert positive(data["prefill"]["tokens_per_s"]) and len(data["prefill"]["samples_tokens_per_s"]) == RUNS
     assert set(data["warmup_s"]) == {"1", "2", "prefill"}
+    loads = data["expert_loads"]  # counted by the engine over every step the bench ran
+    assert loads["routed_tokens"] > 0 and loads["ep_size"] == 1 and loads["rank_max_over_mean"] == 1.0
+    assert all(r >= 1.0 for r in loads["per_layer"]["expert_max_over_mean"])
 
 
 def test_report(result):

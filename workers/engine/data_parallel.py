@@ -31,7 +31,7 @@ from .config import EngineConfig
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .kv_events import KVEventPublisher
 from .request import Request
-from .runner import KEEP, ModelRunner, StepInputs, pick_bucket
+from .runner import KEEP, ModelRunner, RoutingCounter, StepInputs, pick_bucket
 from .scheduler import SchedulerOutput
 from .state_cache import HybridCacheManager, HybridPrefix, KeepPoints
 
@@ -219,7 +219,7 @@ class DataParallelRunner(ModelRunner):
             pools = ([self.rank_sharding] * self.cfg.num_state_layers,) * 2
         # Logits replicated: every process of a multi-host engine samples the same tokens.
         self._step = jax.jit(
-            self._step_impl, donate_argnums=(1, 2), out_shardings=(replicated, pages, pools), static_argnames=("decode_only",)
+            self._step_impl, donate_argnums=(1, 2), out_shardings=(replicated, pages, pools, replicated), static_argnames=("decode_only",)
         )
 
     def _new_pages(self, page_shapes):
@@ -257,8 +257,9 @@ class DataParallelRunner(ModelRunner):
         else:
             conv, rec = state_pools
             cache = DataParallelHybridCache(*meta, list(conv), list(rec), *states, decode_only=decode_only)
-        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
-        return logits, cache.pages, None if state_pools is None else (cache.conv, cache.recurrent)
+        counter = RoutingCounter(self.model.experts, slot_mapping >= 0, self.cfg.num_experts)
+        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
+        return logits, cache.pages, None if state_pools is None else (cache.conv, cache.recurrent), counter.loads()
 
     def rank_of(self, block_ids: list[int]) -> int:
         return block_ids[0] // self.blocks_per_rank

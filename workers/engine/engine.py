@@ -28,7 +28,7 @@ from .kv_events import KVEventPublisher
 from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - RequestOutput: the offline result type
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
-from .runner import ModelRunner, kv_bytes_per_block, state_bytes_per_sequence
+from .runner import ModelRunner, kv_bytes_per_block, rank_imbalance, state_bytes_per_sequence
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -404,7 +404,15 @@ class EngineCore:
             state_snapshot_budget_bytes=self.max_snapshots * self.state_bytes * self.model.data_parallel_size,
             **self._host_stats(),
             **self._spec_stats(),
+            **self._expert_stats(),
         )
+
+    def _expert_stats(self) -> dict:
+        loads = self.runner.expert_load_snapshot() if any(self.cfg.moe_layers) else None
+        if loads is None:
+            return {}
+        ep = getattr(self.model.experts, "ep_size", 1)
+        return {"expert_routed_tokens": int(loads.sum()), "expert_rank_imbalance": rank_imbalance(loads, ep)}
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:

@@ -129,6 +129,9 @@ class ModelRunner:
         # Linear-attention layers: conv and recurrent state pools, float32, addressed by slot.
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
+        self.expert_loads: jax.Array | None = None  # int32 [MoE layers, experts], summed on device (read_expert_loads)
+        self._load_snapshot: jax.Array | None = None  # expert_loads as of a recent step, copied to the host
+        self._steps_run = 0
         # Input tokens are placed explicitly, merged with the device's sampled tokens or not, so that both
         # kinds of step reach the same compiled program (jit keys its cache on the arguments' placement).
         self.token_sharding = NamedSharding(self.model.mesh, PartitionSpec())
@@ -205,9 +208,10 @@ class ModelRunner:
                 *states,
                 decode_only=decode_only,
             )
-        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=self.model.experts)
+        counter = RoutingCounter(self.model.experts, slot_mapping >= 0, self.cfg.num_experts)
+        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
         pools = None if state_pools is None else (cache.conv, cache.recurrent)
-        return logits, cache.pages, pools
+        return logits, cache.pages, pools, counter.loads()
 
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
@@ -282,8 +286,37 @@ class ModelRunner:
         if inputs.state_inits:
             self.init_state_slots(inputs.state_inits)
         program = self.program(self.shape_of(inputs))
-        logits, self.kv_pages, self.state_pools = program(self.model.weights, self.kv_pages, self.state_pools, *self._step_args(inputs))
+        logits, self.kv_pages, self.state_pools, loads = program(
+            self.model.weights, self.kv_pages, self.state_pools, *self._step_args(inputs)
+        )
+        self.expert_loads = loads if self.expert_loads is None else _add_jit(self.expert_loads, loads)
+        self._steps_run += 1
+        if self._steps_run % LOAD_SNAPSHOT_STEPS == 1:  # the first step, then every LOAD_SNAPSHOT_STEPS
+            self._load_snapshot = self.expert_loads
+            if self._load_snapshot.is_fully_addressable:
+                self._load_snapshot.copy_to_host_async()
         return logits
+
+    def expert_load_snapshot(self) -> np.ndarray | None:
+        """The counts as of the last snapshot (at most LOAD_SNAPSHOT_STEPS steps old; its host copy was started
+        then, so reading it does not wait for the steps since); None before the first step."""
+        if self._load_snapshot is None:
+            return None
+        loads = self._load_snapshot
+        if not loads.is_fully_addressable:
+            loads = loads.addressable_shards[0].data
+        return np.asarray(loads).astype(np.int64)
+
+    def read_expert_loads(self) -> np.ndarray:
+        """Tokens routed to each (MoE layer, expert) since the runner started, padding excluded: int64 [MoE
+        layers, experts]. Counted on the device every step; this is the only host read (call it every few
+        hundred steps, not every step)."""
+        if self.expert_loads is None:
+            return np.zeros((sum(self.cfg.moe_layers), self.cfg.num_experts), np.int64)
+        loads = self.expert_loads
+        if not loads.is_fully_addressable:  # multi-host: replicated, any local shard is all of it
+            loads = loads.addressable_shards[0].data
+        return np.asarray(loads).astype(np.int64)
 
     def _step_args(self, inputs: StepInputs) -> tuple:
         """The step program's per-step arguments (after the weights and the cache)."""
@@ -661,6 +694,45 @@ def _merge_tokens(tokens, prev_tokens, sources):
 
 
 _merge_tokens_jit = jax.jit(_merge_tokens)
+_add_jit = jax.jit(jnp.add)
+# Steps between the expert-load snapshots the engine's stats read (a [MoE layers, experts] int32 copy).
+LOAD_SNAPSHOT_STEPS = 32
+
+
+def rank_imbalance(loads: np.ndarray, ep_size: int) -> float:
+    """Over MoE layers [L, E], the worst layer's busiest expert-parallel rank (experts split contiguously,
+    E / ep_size each) over the mean rank; 1.0 for a balanced or empty load."""
+    if loads.size == 0 or loads.sum() == 0:
+        return 1.0
+    per_rank = loads.reshape(loads.shape[0], ep_size, -1).sum(-1).astype(np.float64)
+    mean = per_rank.mean(1)
+    live = mean > 0
+    return float((per_rank.max(1)[live] / mean[live]).max())
+
+
+class RoutingCounter:
+    """The model's `experts` executor, wrapped (inside the step program) to count the tokens each MoE layer
+    routes to each expert before running it, padding tokens excluded. Counting sees the router's ids before
+    any dispatch, so it is the same for every expert-parallel mode."""
+
+    def __init__(self, inner, valid: jax.Array, num_experts: int):
+        from kernels.moe import routed_experts
+
+        self.inner = inner or routed_experts
+        self.valid = valid.reshape(-1)  # per token of the flattened batch (data-parallel: rank-major)
+        self.num_experts = max(num_experts, 1)
+        self.counts: list[jax.Array] = []
+
+    def __call__(self, x, ids, weights, gate_up, down, **kwargs):
+        valid = jnp.broadcast_to(self.valid[:, None], ids.shape).astype(jnp.int32)
+        self.counts.append(jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(valid, mode="drop"))
+        return self.inner(x, ids, weights, gate_up, down, **kwargs)
+
+    def loads(self) -> jax.Array:
+        """[MoE layers, experts] of this step, in layer order."""
+        return jnp.stack(self.counts) if self.counts else jnp.zeros((0, self.num_experts), jnp.int32)
+
+
 _gather_jit = jax.jit(_gather_blocks, static_argnums=2)
 
 

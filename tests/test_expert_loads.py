@@ -1,0 +1,86 @@
+"""Expert load statistics: the engine counts on the device, every step, the tokens each MoE layer routes to
+each expert (padding excluded), in every dispatch mode; the counts equal those taken from the router's
+outputs directly (the model run eagerly over each prompt, its ids counted on the host)."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_harness import ENGINE_ARGS, prompts
+
+from kernels.moe import routed_experts
+from workers.engine import LLM, SamplingParams
+from workers.models import load_model
+from workers.models.layers import KVCache
+from workers.models.make_model import make_model
+
+ARGS = {**ENGINE_ARGS, "warmup": False}
+PROMPTS = prompts(6, seed=7, lo=5, hi=70)  # some over the 64-token step budget: chunked prefill
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("loads") / "m", "qwen3_moe", "tiny", seed=4)
+
+
+def router_counts(model_dir, rows) -> np.ndarray:
+    """[MoE layers, experts]: each prompt run alone, eagerly, its router ids counted with numpy."""
+    model = load_model(model_dir, show_progress=False)
+    cfg = model.cfg
+    counts = np.zeros((sum(cfg.moe_layers), cfg.num_experts), np.int64)
+
+    for row in rows:
+        seen = []
+
+        def experts(x, ids, weights, gate_up, down, **kw):
+            seen.append(np.asarray(ids))
+            return routed_experts(x, ids, weights, gate_up, down, **kw)
+
+        tokens = jnp.asarray([row], jnp.int32)
+        positions = jnp.arange(len(row), dtype=jnp.int32)[None]
+        model.family.forward(model.weights, cfg, tokens, positions, KVCache.zeros(cfg, 1, len(row), model.dtype), experts=experts)
+        for layer, ids in enumerate(seen):
+            counts[layer] += np.bincount(ids.reshape(-1), minlength=cfg.num_experts)
+    return counts
+
+
+@pytest.mark.parametrize("parallel", [None, {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}}], ids=["one-device", "dp-ep"])
+def test_engine_counts_equal_the_router_outputs(tiny, parallel):
+    extra = {} if parallel is None else {"parallel": parallel}
+    llm = LLM(str(tiny), **ARGS, **extra)
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1))  # prefill only: the prompts' tokens
+    got = llm.engine.runner.read_expert_loads()
+    want = router_counts(tiny, PROMPTS)
+    assert got.sum() == 2 * sum(len(p) for p in PROMPTS) * sum(llm.engine.cfg.moe_layers)  # top-2, no padding counted
+    np.testing.assert_array_equal(got, want)
+    # New prompts (no prefix hits) with decode steps: their prompts plus one token per request and later step.
+    fresh = prompts(2, seed=99, lo=5, hi=30)
+    llm.generate(fresh, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    more = llm.engine.runner.read_expert_loads().sum() - got.sum()
+    assert more == 2 * (sum(len(p) for p in fresh) + 2 * 3) * sum(llm.engine.cfg.moe_layers)
+
+
+def test_stats_and_metrics_carry_the_snapshot(tiny):
+    """EngineStats carries the snapshot's total and the per-rank imbalance; the metrics export them per
+    worker (one counter and one gauge: no per-expert series)."""
+    from prometheus_client import generate_latest
+
+    from cluster.metrics import WorkerMetrics
+    from workers.engine.runner import rank_imbalance
+    from workers.messages import WorkerHeartbeat
+
+    llm = LLM(str(tiny), **ARGS)
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=2))
+    stats = llm.engine.stats()
+    snapshot = llm.engine.runner.expert_load_snapshot()
+    assert stats.expert_routed_tokens == snapshot.sum() > 0 and stats.expert_rank_imbalance == 1.0  # one rank
+    loads = np.array([[10, 0, 0, 0, 5, 5, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    assert rank_imbalance(loads, 2) == 1.0 and rank_imbalance(loads, 4) == 10 / 5  # ranks {10,0,10,0}, mean 5
+    metrics = WorkerMetrics()
+    metrics.observe_worker(WorkerHeartbeat(worker_id="w0", role="decode", ts=time.time(), engine=stats))
+    text = generate_latest(metrics.registry).decode()
+    assert f'moray_expert_routed_tokens_total{{role="decode",worker="w0"}} {float(stats.expert_routed_tokens)}' in text
+    assert 'moray_expert_rank_imbalance_ratio{role="decode",worker="w0"} 1.0' in text
