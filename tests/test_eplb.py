@@ -70,3 +70,66 @@ def test_bad_shapes_are_refused():
         rebalance_experts(ZIPF, 56, 1, 1, DEVICES)
     with pytest.raises(ValueError, match="experts over groups"):
         rebalance_experts(ZIPF, 64, 3, 1, DEVICES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Redundant experts in the model: the placement applied to the weights, the dispatch through the replica map.
+
+PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94]]
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    from hf_checkpoints import qwen2_ep_checkpoint
+
+    return qwen2_ep_checkpoint(tmp_path_factory.mktemp("eplb-qwen2"))
+
+
+def skewed_placement(layers: int, experts: int, slots: int, nodes: int, devices: int):
+    """A placement for Zipf loads whose hottest experts get replicas (moved off their home ranks)."""
+    load = np.stack([RNG.permutation(1.0 / np.arange(1, experts + 1)) for _ in range(layers)])
+    p = rebalance_experts(load, slots, 1, nodes, devices)
+    assert p.logcnt.max() > 1 and not np.array_equal(p.phy2log[:, :experts], np.tile(np.arange(experts), (layers, 1)))
+    return p
+
+
+def test_redundant_experts_equal_one_device_in_every_dispatch_mode(qwen2):
+    """16 experts in 24 slots over the 8 EP ranks of a 2x4 mesh (3 slots each, hot experts replicated):
+    every dispatch variant, and the FP8-free gather, gives the one-device logits."""
+    from workers.engine.config import ParallelConfig
+    from workers.models import load_model, prompt_logits
+    from workers.models.moe_parallel import DISPATCH_MODES, apply_placement
+    from workers.parallel import load_parallel_model
+
+    want = prompt_logits(load_model(qwen2, dtype="float32", show_progress=False), PROMPTS)
+    placement = skewed_placement(2, 16, 24, 2, 8)
+    for mode in (*DISPATCH_MODES, "all-to-all"):
+        moe = {"dispatch": "flat", "all_to_all_min_tokens": 1} if mode == "all-to-all" else {"dispatch": mode}
+        model = load_parallel_model(qwen2, ParallelConfig(mesh="2x4", moe=moe), dtype="float32", show_progress=False)
+        apply_placement(model.weights, placement, model.mesh)
+        assert model.weights.layers[0].mlp.gate_up.shape[0] == 24
+        np.testing.assert_allclose(prompt_logits(model, PROMPTS), want, atol=1e-5, rtol=0, err_msg=mode)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "deepseek_v3", "qwen3_moe-w4a16"])
+def test_redundant_experts_in_other_families_and_packed_experts(arch, tmp_path):
+    """The hybrid and MLA families, and int4-packed experts (values and scales move together), under the
+    hierarchical dispatch on 2x4 with 8 spare slots."""
+    from workers.engine.config import ParallelConfig
+    from workers.models import load_model, prompt_logits
+    from workers.models.make_model import make_model
+    from workers.models.moe_parallel import apply_placement
+    from workers.models.quantize import quantize_checkpoint
+    from workers.parallel import load_parallel_model
+
+    family = arch.split("-")[0]
+    d = make_model(tmp_path / family, family, "tiny", seed=2)
+    if arch.endswith("w4a16"):
+        d = quantize_checkpoint(d, tmp_path / "w4a16", "w4a16", 16)
+    single = load_model(d, dtype="float32", show_progress=False)
+    want = prompt_logits(single, PROMPTS)
+    cfg = single.cfg
+    placement = skewed_placement(sum(cfg.moe_layers), cfg.num_experts, cfg.num_experts + 8, 2, 8)
+    model = load_parallel_model(d, ParallelConfig(mesh="2x4", moe={"dispatch": "hierarchical"}), dtype="float32", show_progress=False)
+    apply_placement(model.weights, placement, model.mesh)
+    np.testing.assert_allclose(prompt_logits(model, PROMPTS), want, atol=1e-4, rtol=0)

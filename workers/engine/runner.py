@@ -724,6 +724,8 @@ class RoutingCounter:
         self.counts: list[jax.Array] = []
 
     def __call__(self, x, ids, weights, gate_up, down, **kwargs):
+        # Per physical expert slot (= the logical expert without redundant experts).
+        self.num_experts = gate_up.shape[0]
         valid = jnp.broadcast_to(self.valid[:, None], ids.shape).astype(jnp.int32)
         self.counts.append(jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(valid, mode="drop"))
         return self.inner(x, ids, weights, gate_up, down, **kwargs)

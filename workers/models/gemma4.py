@@ -40,7 +40,7 @@ from kernels.moe import routed_experts
 from kernels.quant import QuantizedWeight, quantized_matmul
 
 from .config import Gemma4Settings, ModelConfig, ModelLoadError, build_config, common_fields, text_config_from_hf
-from .layers import MLPWeights, apply_rope, linear
+from .layers import MLPWeights, apply_rope, linear, physical_ids
 from .plans import mlp_plan
 from .weights import Concat, Tensor, WeightSpec, fused_experts, linear_spec, norm_spec
 
@@ -209,11 +209,13 @@ class Gemma4Experts:
     router: Array  # [E, hidden]
     router_scale: Array  # [hidden]
     per_expert_scale: Array  # [E]
-    gate_up: Array  # [E, 2 * moe_intermediate, hidden]
+    gate_up: Array  # [E (or R physical slots), 2 * moe_intermediate, hidden]
     down: Array  # [E, hidden, moe_intermediate]
     pre_norm: Array  # pre_feedforward_layernorm_2
     post_norm_mlp: Array  # post_feedforward_layernorm_1 (the dense MLP's output)
     post_norm: Array  # post_feedforward_layernorm_2 (the experts' output)
+    log2phy: Array | None = None  # redundant experts, as layers.MoEWeights
+    logcnt: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -402,9 +404,10 @@ def routed(h: Array, w: Gemma4Experts, cfg: ModelConfig, experts: Callable | Non
     top = top / jnp.sum(top, axis=-1, keepdims=True)
     weights = top * w.per_expert_scale.astype(jnp.float32)[ids]
     x = gemma_norm(flat, w.pre_norm, cfg.rms_norm_eps)
-    out = (experts or routed_experts)(
-        x, ids.astype(jnp.int32), weights.astype(x.dtype), w.gate_up, w.down, activation=cfg.expert_activation
-    )
+    ids = ids.astype(jnp.int32)
+    if w.log2phy is not None:
+        ids = physical_ids(ids, w.log2phy, w.logcnt)
+    out = (experts or routed_experts)(x, ids, weights.astype(x.dtype), w.gate_up, w.down, activation=cfg.expert_activation)
     return out.reshape(shape)
 
 

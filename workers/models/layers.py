@@ -66,6 +66,10 @@ class MoEWeights:
     shared: MLPWeights | None = None  # Qwen2-MoE shared expert; DeepSeek-V3's shared experts (ungated)
     shared_gate: Array | None = None  # [1, hidden]
     router_bias: Array | None = None  # [E] DeepSeek-V3's e_score_correction_bias (expert choice only)
+    # Redundant experts (`moe_parallel.apply_placement`): gate_up/down hold R >= E physical slots, and these
+    # map each logical expert to its replicas: [E, max replicas] slot ids (-1 padded) and [E] counts.
+    log2phy: Array | None = None
+    logcnt: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -311,12 +315,22 @@ def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callabl
     return moe_block(x, w, route, experts)
 
 
+def physical_ids(ids: Array, log2phy: Array, logcnt: Array) -> Array:
+    """Logical expert ids [T, k] -> physical slots: the a-th assignment of the batch (token-major) goes to
+    replica a mod logcnt[e] of its expert e. The rule depends only on the batch, so every device splits a
+    replicated expert's tokens the same way and each assignment runs exactly once."""
+    a = jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape)
+    return log2phy[ids, a % logcnt[ids]]
+
+
 def moe_block(x: Array, w: MoEWeights, route: Callable[[Array], tuple[Array, Array]], experts: Callable | None = None) -> Array:
     """The MoE every family shares once it has routed: `route(tokens [T, hidden]) -> (weights, ids)` per
     token, then the routed experts, plus the shared expert (gated by sigmoid(shared_gate) when it has one)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, ids = route(flat)
+    if w.log2phy is not None:
+        ids = physical_ids(ids, w.log2phy, w.logcnt)
     out = (experts or routed_experts)(flat, ids, weights.astype(flat.dtype), w.gate_up, w.down)
     if w.shared is not None:
         shared = swiglu_mlp(flat, w.shared)

@@ -37,7 +37,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels.collectives import (
     axes_index,
@@ -215,3 +216,22 @@ class ExpertParallel:
         returned = exchange(y, jnp.zeros((n * k, h), x.dtype), back)  # in destination order
         per_assignment = jnp.zeros_like(returned).at[order].set(returned)
         return jnp.einsum("tkh,tk->th", per_assignment.reshape(n, k, -1).astype(jnp.float32), weights).astype(x.dtype)
+
+
+def apply_placement(weights, placement, mesh: Mesh):
+    """The model's weights with redundant experts: every MoE layer's experts rearranged into the placement's
+    physical slots (`eplb.Placement`, one row per MoE layer in layer order; slot r lives on EP rank
+    r // (R / ep)) and the replica maps set. Packed (quantised) experts move with their scales. The slots keep
+    the experts' sharding, so R must divide over the EP ranks."""
+    blocks = [getattr(lw, "experts", None) or lw.mlp for lw in weights.layers]
+    blocks = [b for b in blocks if getattr(b, "router", None) is not None]
+    if len(blocks) != placement.phy2log.shape[0]:
+        raise ValueError(f"the placement has {placement.phy2log.shape[0]} MoE layers, the model {len(blocks)}")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    for block, phy2log, log2phy, logcnt in zip(blocks, placement.phy2log, placement.log2phy, placement.logcnt):
+        index = jnp.asarray(phy2log, jnp.int32)
+        move = lambda leaf: jax.device_put(jnp.take(leaf, index, axis=0), leaf.sharding)  # noqa: E731
+        block.gate_up, block.down = jax.tree.map(move, block.gate_up), jax.tree.map(move, block.down)
+        block.log2phy = jax.device_put(jnp.asarray(np.maximum(log2phy, 0), jnp.int32), replicated)
+        block.logcnt = jax.device_put(jnp.asarray(logcnt, jnp.int32), replicated)
+    return weights
