@@ -84,3 +84,25 @@ def test_stats_and_metrics_carry_the_snapshot(tiny):
     text = generate_latest(metrics.registry).decode()
     assert f'moray_expert_routed_tokens_total{{role="decode",worker="w0"}} {float(stats.expert_routed_tokens)}' in text
     assert 'moray_expert_rank_imbalance_ratio{role="decode",worker="w0"} 1.0' in text
+
+
+def test_rebalancing_in_the_middle_of_16_streams_changes_no_token(tiny):
+    """Redundant slots on the 2x4 EP mesh, re-placed every 4 steps from the counted loads while 16 streams
+    decode: every stream's greedy tokens equal a run without balancing; the placements really moved experts
+    (hot experts replicated) and a manual rebalance works too."""
+    parallel = {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}}
+    batch = prompts(16, seed=21, lo=5, hi=40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(tiny), parallel=parallel, **ARGS).generate(batch, greedy)
+    llm = LLM(str(tiny), parallel=parallel, eplb={"num_redundant_experts": 8, "period_steps": 4}, **ARGS)
+    balanced = llm.generate(batch, greedy)
+    balancer = llm.engine.balancer
+    assert balancer.num_rebalances >= 2 and balancer.placement.logcnt.max() > 1
+    assert [o.token_ids for o in balanced] == [o.token_ids for o in plain]
+    assert llm.engine.rebalance_experts(wait=True) and balancer.num_rebalances >= 3
+    assert [o.token_ids for o in llm.generate(batch[:4], greedy)] == [o.token_ids for o in plain[:4]]
+
+
+def test_eplb_settings_are_checked(tiny):
+    with pytest.raises(ValueError, match="split evenly over the 8 expert-parallel ranks"):
+        LLM(str(tiny), parallel={"mesh": "2x4"}, eplb={"num_redundant_experts": 4}, **ARGS)

@@ -140,6 +140,20 @@ def available_host_memory() -> int:
     return max(0, available)
 
 
+class EplbConfig(BaseModel):
+    """Expert load balancing while serving (`workers/engine/expert_balancer.py`), after vLLM's `eplb_config`:
+    redundant expert slots re-placed from the engine's own expert-load counts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_redundant_experts: int = Field(
+        default=0, ge=0, description="extra physical expert slots per MoE layer (a multiple of the expert-parallel size)"
+    )
+    period_steps: int = Field(
+        default=3000, ge=0, description="engine steps between rebalances (from the loads since the last one); 0: only when asked"
+    )
+
+
 class SpeculativeConfig(BaseModel):
     """Speculative decoding (`workers/engine/speculative.py`), under vLLM's `speculative_config` names: a
     proposer guesses up to `num_speculative_tokens` next tokens and one target step verifies them all."""
@@ -256,6 +270,7 @@ class EngineConfig(BaseModel):
     compilation_cache_dir: str | None = DEFAULT_COMPILE_CACHE
 
     speculative: SpeculativeConfig | None = Field(default=None, description="speculative decoding; off unless set")
+    eplb: EplbConfig | None = Field(default=None, description="expert load balancing with redundant experts (MoE models); off unless set")
 
     worker_id: str = "worker-0"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

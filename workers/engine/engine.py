@@ -22,6 +22,7 @@ from workers.parallel import distributed_settings, init_distributed, load_parall
 
 from .config import EngineConfig
 from .data_parallel import DataParallelKVCacheManager, DataParallelRunner
+from .expert_balancer import ExpertBalancer
 from .host_tier import HostKVTier
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
@@ -108,6 +109,8 @@ class EngineCore:
         setup_compilation_cache(config.compilation_cache_dir)
         self.model = model or load_engine_model(config, show_progress)
         self.cfg = self.model.cfg
+        # Redundant expert slots are placed before the runner compiles against the weights' shapes.
+        self.balancer = ExpertBalancer(self.model, config.eplb) if config.eplb is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config.model)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids, config.structured_coerce_one_of)
@@ -407,6 +410,16 @@ class EngineCore:
             **self._expert_stats(),
         )
 
+    def rebalance_experts(self, wait: bool = False) -> bool:
+        """Starts a rebalance from the expert loads since the last one (swapped in at a later step boundary, or
+        before returning with `wait`); False when expert load balancing is off or one is under way."""
+        if self.balancer is None:
+            return False
+        started = self.balancer.request(self.runner.read_expert_loads())
+        if started and wait:
+            self.balancer.wait()
+        return started
+
     def _expert_stats(self) -> dict:
         loads = self.runner.expert_load_snapshot() if any(self.cfg.moe_layers) else None
         if loads is None:
@@ -540,6 +553,8 @@ class EngineCore:
         host's work (schedule, prepare, detokenise, stop checks) overlaps the device's, and a step's deltas
         come back from the next call. Without it, each call waits for its own step."""
         start = time.perf_counter()
+        if self.balancer is not None:
+            self.balancer.on_step(self.runner.expert_load_snapshot)
         deltas = self._schedule_prelude()
         sched = self._schedule()
         launched = self._run(sched) if sched.scheduled else None

@@ -1,0 +1,138 @@
+"""Expert load balancing while serving (`EngineConfig.eplb`): redundant expert slots, re-placed from the
+loads the engine counts.
+
+The model is loaded with `num_redundant_experts` extra physical slots per MoE layer (R = E + spare, split
+over the EP ranks like the experts), so the step programs' shapes never change after start-up. Every
+`period_steps` steps (or on `EngineCore.rebalance_experts()`), the logical loads routed since the last
+rebalance go to `eplb.rebalance_experts` on a background thread; at the next step boundary after it
+returns, the experts are copied into their new slots on the device (one gather per MoE layer, dispatched
+before the next step, which therefore reads the new weights) and the replica maps swapped. A step in
+flight keeps the arrays it was launched with, so no request waits more than the copies take, and a
+replicated expert computes the same numbers in any slot: streams are unchanged by a rebalance.
+
+One engine process only: an engine over several hosts would have to apply a placement on every host at
+the same step, which it does not do yet (refused at start).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from workers.models import LoadedModel
+from workers.models.eplb import Placement, rebalance_experts
+
+from .config import EplbConfig
+
+log = logging.getLogger("moray.engine")
+
+
+def moe_blocks(weights) -> list:
+    """The MoE layers' expert blocks (layers.MoEWeights, gemma4.Gemma4Experts), in layer order."""
+    blocks = [getattr(lw, "experts", None) or getattr(lw, "mlp", None) for lw in weights.layers]
+    return [b for b in blocks if getattr(b, "router", None) is not None]
+
+
+class ExpertBalancer:
+    def __init__(self, model: LoadedModel, config: EplbConfig):
+        cfg = model.cfg
+        if not any(cfg.moe_layers):
+            raise ValueError("eplb: the model has no MoE layers")
+        if jax.process_count() > 1:
+            raise ValueError("eplb: an engine over several hosts cannot rebalance yet (every host must swap at the same step)")
+        experts = model.experts
+        self.ep_size = getattr(experts, "ep_size", 1)
+        self.num_slots = cfg.num_experts + config.num_redundant_experts
+        if self.num_slots % self.ep_size:
+            raise ValueError(
+                f"eplb: {cfg.num_experts} experts + {config.num_redundant_experts} redundant slots must split evenly "
+                f"over the {self.ep_size} expert-parallel ranks"
+            )
+        self.model, self.config = model, config
+        self.num_layers = sum(cfg.moe_layers)
+        self.num_experts = cfg.num_experts
+        self.max_replicas = 1 + config.num_redundant_experts  # the replica map's fixed width
+        # Groups stay whole on a node (the first EP axis when the experts span several; else one node).
+        ep_axes = getattr(experts, "ep_axes", ())
+        self.num_nodes = model.mesh.shape[ep_axes[0]] if len(ep_axes) > 1 else 1
+        self.num_groups = cfg.num_expert_groups
+        self.num_rebalances = 0
+        self._steps = 0
+        self._base: np.ndarray | None = None  # physical counts when the current window started
+        self._pending: concurrent.futures.Future | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moray-eplb")
+        # Start-up: every expert once, the spare slots to the first experts (no loads yet); loaded weights
+        # are in logical order, so the identity map is the current placement.
+        identity = np.tile(np.arange(self.num_experts), (self.num_layers, 1))
+        self.placement = Placement(identity, identity[:, :, None], np.ones_like(identity))
+        self._swap(self._place(np.ones((self.num_layers, self.num_experts))))
+        self.num_rebalances = 0  # the start-up placement is no rebalance
+
+    # ---------------------------------------------------------------- in the engine thread
+
+    def on_step(self, physical_counts) -> None:
+        """At a step boundary: swap in a placement that is ready; start one every `period_steps`."""
+        self._steps += 1
+        if self._pending is not None and self._pending.done():
+            placement, self._pending = self._pending.result(), None
+            self._swap(placement)
+        period = self.config.period_steps
+        if period and self._steps % period == 0 and self._pending is None:
+            self.request(physical_counts())
+
+    def request(self, physical: np.ndarray | None) -> bool:
+        """Starts computing a placement from the loads since the last one (on the background thread); False
+        when one is already being computed or nothing was counted yet."""
+        if self._pending is not None or physical is None:
+            return False
+        window = physical if self._base is None else physical - self._base
+        self._base = physical
+        self._pending = self._pool.submit(self._place, self.logical_loads(window))
+        return True
+
+    def wait(self) -> None:
+        """Swaps in the placement being computed, if any (manual trigger, tests)."""
+        if self._pending is not None:
+            placement, self._pending = self._pending.result(), None
+            self._swap(placement)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- placement
+
+    def logical_loads(self, physical: np.ndarray) -> np.ndarray:
+        """Counts per physical slot [L, R] -> per logical expert [L, E] (the replicas summed)."""
+        out = np.zeros((self.num_layers, self.num_experts))
+        for layer in range(self.num_layers):
+            np.add.at(out[layer], self.placement.phy2log[layer], physical[layer])
+        return out
+
+    def _place(self, loads: np.ndarray) -> Placement:
+        groups = self.num_groups if self.num_groups % self.num_nodes == 0 else 1
+        return rebalance_experts(loads, self.num_slots, groups, self.num_nodes, self.ep_size)
+
+    def _swap(self, placement: Placement) -> None:
+        """Moves every MoE layer's experts from the current slots into the new ones (device gathers, in
+        dispatch order before the next step) and installs the new replica maps."""
+        replicated = NamedSharding(self.model.mesh, PartitionSpec())
+        for layer, block in enumerate(moe_blocks(self.model.weights)):
+            # New slot r takes the expert phy2log[r] from its first current slot.
+            source = self.placement.log2phy[layer, placement.phy2log[layer], 0]
+            index = jnp.asarray(source, jnp.int32)
+            # Same partitioning as before (at start-up E rows become R rows, split the same way).
+            move = lambda leaf: jax.device_put(jnp.take(leaf, index, axis=0), leaf.sharding)  # noqa: E731
+            block.gate_up, block.down = jax.tree.map(move, block.gate_up), jax.tree.map(move, block.down)
+            maps = np.zeros((self.num_experts, self.max_replicas), np.int32)
+            width = min(self.max_replicas, placement.log2phy.shape[2])
+            maps[:, :width] = np.maximum(placement.log2phy[layer, :, :width], 0)
+            block.log2phy = jax.device_put(jnp.asarray(maps), replicated)
+            block.logcnt = jax.device_put(jnp.asarray(placement.logcnt[layer], jnp.int32), replicated)
+        self.placement = placement
+        self.num_rebalances += 1
+        log.info("eplb: placement %d swapped in (%d slots, most replicas %d)", self.num_rebalances, self.num_slots, placement.logcnt.max())
