@@ -778,3 +778,34 @@ def test_host_tier_events_reach_redis_replicas_started_later_see_both_tiers_and_
         assert not any(client.hexists(f"kv:{{{MODEL}}}:{h}", "w0") for h in everything)
     finally:
         copy.close()
+
+
+def test_breaker_notifications_follow_its_state_when_threads_race():
+    """A close whose notification is delayed (its thread lost the CPU) and an open in between: the last
+    notification must be the open, as the breaker's state is. Notified outside the lock, the close's "up"
+    came last and the up gauge read 1 while the breaker was open (seen in the suite under load)."""
+    import threading
+
+    import redis
+
+    from cluster.router.redis_conn import CircuitBreaker
+
+    seen, gate = [], threading.Event()
+
+    def on_change(up: bool) -> None:
+        if up:
+            gate.wait(5)  # the closing thread stalls inside its notification
+        seen.append(up)
+
+    breaker = CircuitBreaker(redis.Redis(host="127.0.0.1", port=1), on_change=on_change)
+    breaker.failure(ConnectionError("down"))
+    closer = threading.Thread(target=breaker.success)
+    closer.start()
+    time.sleep(0.1)
+    opener = threading.Thread(target=lambda: breaker.failure(ConnectionError("down again")))
+    opener.start()
+    time.sleep(0.1)
+    gate.set()
+    closer.join(5)
+    opener.join(5)
+    assert breaker.is_open and seen[-1] is False, seen

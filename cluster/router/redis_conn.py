@@ -145,26 +145,30 @@ class CircuitBreaker:
                 threading.Thread(target=self._probe, name="moray-redis-probe", daemon=True).start()
         raise IndexUnavailable(self._reason)
 
+    # A change of state and its notification happen under the lock: notified outside it, a close that lost
+    # the CPU between the two could report "up" after a later open had reported "down" (the up gauge then
+    # read 1 while the breaker was open).
+
     def failure(self, exc: BaseException) -> IndexUnavailable:
         """Opens the breaker; returns the IndexUnavailable to raise."""
         reason = describe(self.client, exc)
         with self._lock:
             was_open, self._open, self._reason = self._open, True, reason
             self._next_probe = time.monotonic() + self.retry_interval_s
-        if not was_open:
-            log.warning("KV index unavailable, routing by load only until it returns: %s", reason)
-            if self.on_change:
-                self.on_change(False)
+            if not was_open:
+                log.warning("KV index unavailable, routing by load only until it returns: %s", reason)
+                if self.on_change:
+                    self.on_change(False)
         return IndexUnavailable(reason)
 
     def success(self) -> None:
         if self._open:
             with self._lock:
                 was_open, self._open = self._open, False
-            if was_open:
-                log.warning("KV index reachable again; KV-aware routing resumes")
-                if self.on_change:
-                    self.on_change(True)
+                if was_open:
+                    log.warning("KV index reachable again; KV-aware routing resumes")
+                    if self.on_change:
+                        self.on_change(True)
 
     def _probe(self) -> None:
         try:
