@@ -38,6 +38,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "serve": ("workload",),
     "handoff": ("transfer", "prefill_rate", "second_token"),
     "spec": ("workloads", "draft"),
+    "eplb": ("redundant_slots", "without", "with"),
 }
 
 # The figures a reader looks at first, as glob patterns over dotted leaf paths (list items by index).
@@ -145,6 +146,7 @@ HEADLINES["spec"] = (
     "workloads.*.*.*.fraction_of_bound",
     "summary.*.*",
 )
+HEADLINES["eplb"] = ("summary.*", "summary.*.*")
 # Path parts under which nothing is a headline: per-run figures (the medians above them are), and the
 # targets the bench compares itself with (inputs, not measurements).
 _NOT_HEADLINE_PARTS = {"runs", "targets"}
@@ -885,3 +887,20 @@ def plot_spec(result: dict, rep: Report) -> None:
 
 
 PLOTS["spec"] = plot_spec
+
+
+def plot_eplb(result: dict, rep: Report) -> None:
+    """`bench eplb`: the busiest EP rank over the mean, per window, without and with rebalancing."""
+    fig, (ax,) = rep.figure(1)
+    for name in ("without", "with"):
+        ys = [w["rank_max_over_mean"] for w in result.get(name, {}).get("windows", [])]
+        ax.plot(range(len(ys)), ys, marker="o", label=name)
+    if result.get("drift_at_window"):
+        ax.axvline(result["drift_at_window"] - 0.5, color="grey", linestyle="--", linewidth=0.8)
+    ax.axhline(1.15, color="grey", linewidth=0.8)
+    ax.set(xlabel="window", ylabel="max / mean tokens per EP rank", title="expert load balance")
+    ax.legend(fontsize=8)
+    rep.save(fig, "eplb", "Busiest EP rank over the mean per window (worst MoE layer); dashed: the hot experts move.")
+
+
+PLOTS["eplb"] = plot_eplb

@@ -168,6 +168,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "long mixed load with cancellations and sessions: failures, latency per minute, RSS, KV after drain"),
     "handoff": ("bench.handoff", "the KV transfer layer: handoff bandwidth vs memcpy, prefill rate with exports, time to the 2nd token"),
     "spec": ("bench.spec", "speculative decoding (n-gram, draft model) on trained checkpoints: acceptance, tokens/s vs none"),
+    "eplb": ("bench.eplb", "expert load per EP rank under Zipf-skewed routing (with a drift), without and with rebalancing"),
     "compare": ("bench.compare", "two result files of one bench: every numeric figure that differs, with B/A (and --report plots)"),
 }
 

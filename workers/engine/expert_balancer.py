@@ -26,16 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from workers.models import LoadedModel
 from workers.models.eplb import Placement, rebalance_experts
+from workers.models.moe_parallel import moe_blocks
 
 from .config import EplbConfig
 
 log = logging.getLogger("moray.engine")
-
-
-def moe_blocks(weights) -> list:
-    """The MoE layers' expert blocks (layers.MoEWeights, gemma4.Gemma4Experts), in layer order."""
-    blocks = [getattr(lw, "experts", None) or getattr(lw, "mlp", None) for lw in weights.layers]
-    return [b for b in blocks if getattr(b, "router", None) is not None]
 
 
 class ExpertBalancer:

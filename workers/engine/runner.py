@@ -311,8 +311,11 @@ class ModelRunner:
         """Tokens routed to each (MoE layer, expert) since the runner started, padding excluded: int64 [MoE
         layers, experts]. Counted on the device every step; this is the only host read (call it every few
         hundred steps, not every step)."""
-        if self.expert_loads is None:
-            return np.zeros((sum(self.cfg.moe_layers), self.cfg.num_experts), np.int64)
+        if self.expert_loads is None:  # per physical slot: redundant experts make more slots than experts
+            from workers.models.moe_parallel import moe_blocks
+
+            blocks = moe_blocks(self.model.weights)
+            return np.zeros((len(blocks), blocks[0].gate_up.shape[0] if blocks else 0), np.int64)
         loads = self.expert_loads
         if not loads.is_fully_addressable:  # multi-host: replicated, any local shard is all of it
             loads = loads.addressable_shards[0].data

@@ -70,6 +70,8 @@ class MoEWeights:
     # map each logical expert to its replicas: [E, max replicas] slot ids (-1 padded) and [E] counts.
     log2phy: Array | None = None
     logcnt: Array | None = None
+    # Benchmarks only (`moray bench eplb`): added to the softmax router's logits to skew the expert loads.
+    routing_bias: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -311,16 +313,24 @@ def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callabl
     `experts` replaces `routed_experts` (same arguments), e.g. `moe_parallel.ExpertParallel` to run
     them over a mesh; routing and the shared expert stay per token, so they need no collective.
     """
-    route = lambda flat: route_softmax_topk(linear(flat, w.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+    def route(flat):
+        logits = linear(flat, w.router)
+        if w.routing_bias is not None:
+            logits = logits + w.routing_bias.astype(logits.dtype)
+        return route_softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
     return moe_block(x, w, route, experts)
 
 
 def physical_ids(ids: Array, log2phy: Array, logcnt: Array) -> Array:
-    """Logical expert ids [T, k] -> physical slots: the a-th assignment of the batch (token-major) goes to
-    replica a mod logcnt[e] of its expert e. The rule depends only on the batch, so every device splits a
-    replicated expert's tokens the same way and each assignment runs exactly once."""
-    a = jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape)
-    return log2phy[ids, a % logcnt[ids]]
+    """Logical expert ids [T, k] -> physical slots: token t's assignment to expert e goes to replica
+    t mod logcnt[e]. The rule depends only on the batch, so every device splits a replicated expert's tokens
+    the same way and each assignment runs exactly once. (By token, not by flat assignment index t * k + j:
+    a hot expert is mostly its tokens' first choice, j = 0, and with k a multiple of the replica count every
+    such assignment would land on replica 0.)"""
+    t = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
+    return log2phy[ids, t % logcnt[ids]]
 
 
 def moe_block(x: Array, w: MoEWeights, route: Callable[[Array], tuple[Array, Array]], experts: Callable | None = None) -> Array:

@@ -218,13 +218,18 @@ class ExpertParallel:
         return jnp.einsum("tkh,tk->th", per_assignment.reshape(n, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 
+def moe_blocks(weights) -> list:
+    """The MoE layers' expert blocks (layers.MoEWeights, gemma4.Gemma4Experts), in layer order."""
+    blocks = [getattr(lw, "experts", None) or getattr(lw, "mlp", None) for lw in weights.layers]
+    return [b for b in blocks if getattr(b, "router", None) is not None]
+
+
 def apply_placement(weights, placement, mesh: Mesh):
     """The model's weights with redundant experts: every MoE layer's experts rearranged into the placement's
     physical slots (`eplb.Placement`, one row per MoE layer in layer order; slot r lives on EP rank
     r // (R / ep)) and the replica maps set. Packed (quantised) experts move with their scales. The slots keep
     the experts' sharding, so R must divide over the EP ranks."""
-    blocks = [getattr(lw, "experts", None) or lw.mlp for lw in weights.layers]
-    blocks = [b for b in blocks if getattr(b, "router", None) is not None]
+    blocks = moe_blocks(weights)
     if len(blocks) != placement.phy2log.shape[0]:
         raise ValueError(f"the placement has {placement.phy2log.shape[0]} MoE layers, the model {len(blocks)}")
     replicated = NamedSharding(mesh, PartitionSpec())
