@@ -106,3 +106,19 @@ def test_rebalancing_in_the_middle_of_16_streams_changes_no_token(tiny):
 def test_eplb_settings_are_checked(tiny):
     with pytest.raises(ValueError, match="split evenly over the 8 expert-parallel ranks"):
         LLM(str(tiny), parallel={"mesh": "2x4"}, eplb={"num_redundant_experts": 4}, **ARGS)
+
+
+def test_bench_eplb_runs_and_balancing_helps(tmp_path, tiny):
+    """`moray bench eplb` end to end at a toy size: its JSON has both engines' windows, and after the first
+    rebalance the busiest rank carries less over the mean than without."""
+    import json
+
+    from cluster.cli import main as moray_main
+
+    out = tmp_path / "eplb.json"
+    args = ["bench", "eplb", "--model", str(tiny), "--window-steps", "8", "--windows", "2", "--drift-at", "0", "--batch", "8"]
+    assert moray_main([*args, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    without, with_ = data["without"]["windows"], data["with"]["windows"]
+    assert len(without) == len(with_) == 2 and data["with"]["ep_size"] == 8
+    assert with_[1]["rebalances_so_far"] >= 1 and with_[1]["rank_max_over_mean"] < without[1]["rank_max_over_mean"]
