@@ -49,6 +49,20 @@ def cluster_config(model_dir: Path, **overrides) -> dict:
     return cfg
 
 
+def openai_client(base: str):
+    """The openai client against a served app's base URL (no retries: a failure is the test's to see)."""
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def metric_total(base: str, name: str) -> float:
+    """The sum of a metric's samples over all its labels on the app's /metrics."""
+    status, text = http_json(base + "/metrics", key=None)
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
 def http_json(url: str, body: dict | None = None, key: str | None = API_KEY, timeout: float = 120, raw: bytes | None = None, headers=None):
     """(status, parsed JSON body) of a request; never raises on HTTP errors."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)

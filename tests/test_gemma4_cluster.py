@@ -6,7 +6,7 @@ reports cached tokens, and streaming works."""
 from __future__ import annotations
 
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, served_app, wait_until
+from cluster_harness import cluster_config, metric_total, openai_client, served_app, wait_until
 
 from workers.models.make_model import make_model
 
@@ -28,14 +28,11 @@ def cluster(model_dir, ray_serve):
 
 
 def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(cluster["base"])
 
 
 def handoff_bytes(cluster) -> float:
-    status, text = http_json(cluster["base"] + "/metrics", key=None)
-    assert status == 200
-    name = "moray_kv_handoff_bytes_total"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+    return metric_total(cluster["base"], "moray_kv_handoff_bytes_total")
 
 
 def test_served_text_equals_offline_past_the_window(cluster, model_dir):

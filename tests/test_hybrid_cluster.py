@@ -5,7 +5,7 @@ linear-attention state (both in /metrics), and later turns of a chat report cach
 from __future__ import annotations
 
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, served_app, wait_until
+from cluster_harness import cluster_config, metric_total, openai_client, served_app, wait_until
 
 from workers.models.make_model import make_model
 
@@ -27,13 +27,11 @@ def cluster(model_dir, ray_serve):
 
 
 def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(cluster["base"])
 
 
 def metric(cluster, name: str) -> float:
-    status, text = http_json(cluster["base"] + "/metrics", key=None)
-    assert status == 200
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+    return metric_total(cluster["base"], name)
 
 
 def test_served_text_equals_offline_and_handoff_carries_state(cluster, model_dir):
