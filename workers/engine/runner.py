@@ -130,7 +130,8 @@ class ModelRunner:
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
         self.expert_loads: jax.Array | None = None  # int32 [MoE layers, experts], summed on device (read_expert_loads)
-        self._load_snapshot: jax.Array | None = None  # expert_loads as of a recent step, copied to the host
+        self._load_snapshot: jax.Array | None = None  # expert_loads as of a recent step, on its way to the host
+        self._load_host: np.ndarray | None = None  # the last snapshot that arrived
         self._steps_run = 0
         # Input tokens are placed explicitly, merged with the device's sampled tokens or not, so that both
         # kinds of step reach the same compiled program (jit keys its cache on the arguments' placement).
@@ -298,14 +299,17 @@ class ModelRunner:
         return logits
 
     def expert_load_snapshot(self) -> np.ndarray | None:
-        """The counts as of the last snapshot (at most LOAD_SNAPSHOT_STEPS steps old; its host copy was started
-        then, so reading it does not wait for the steps since); None before the first step."""
-        if self._load_snapshot is None:
-            return None
-        loads = self._load_snapshot
-        if not loads.is_fully_addressable:
-            loads = loads.addressable_shards[0].data
-        return np.asarray(loads).astype(np.int64)
+        """The counts as of the last snapshot whose device copy is done (a few dozen steps old); None before
+        the first. Never waits on the device: the stats that call it run on other threads, and on a
+        multi-host engine a wait for a step's output there blocked the leader from sending that step to its
+        followers (deadlock)."""
+        snapshot = self._load_snapshot
+        if snapshot is not None:
+            local = snapshot if snapshot.is_fully_addressable else snapshot.addressable_shards[0].data
+            if local.is_ready():
+                self._load_host = np.asarray(local).astype(np.int64)
+                self._load_snapshot = None
+        return self._load_host
 
     def read_expert_loads(self) -> np.ndarray:
         """Tokens routed to each (MoE layer, expert) since the runner started, padding excluded: int64 [MoE
