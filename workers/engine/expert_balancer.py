@@ -20,13 +20,11 @@ import concurrent.futures
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from workers.models import LoadedModel
 from workers.models.eplb import Placement, rebalance_experts
-from workers.models.moe_parallel import moe_blocks
+from workers.models.moe_parallel import moe_blocks, place_experts
 
 from .config import EplbConfig
 
@@ -115,19 +113,10 @@ class ExpertBalancer:
     def _swap(self, placement: Placement) -> None:
         """Moves every MoE layer's experts from the current slots into the new ones (device gathers, in
         dispatch order before the next step) and installs the new replica maps."""
-        replicated = NamedSharding(self.model.mesh, PartitionSpec())
         for layer, block in enumerate(moe_blocks(self.model.weights)):
             # New slot r takes the expert phy2log[r] from its first current slot.
-            source = self.placement.log2phy[layer, placement.phy2log[layer], 0]
-            index = jnp.asarray(source, jnp.int32)
-            # Same partitioning as before (at start-up E rows become R rows, split the same way).
-            move = lambda leaf: jax.device_put(jnp.take(leaf, index, axis=0), leaf.sharding)  # noqa: E731
-            block.gate_up, block.down = jax.tree.map(move, block.gate_up), jax.tree.map(move, block.down)
-            maps = np.zeros((self.num_experts, self.max_replicas), np.int32)
-            width = min(self.max_replicas, placement.log2phy.shape[2])
-            maps[:, :width] = np.maximum(placement.log2phy[layer, :, :width], 0)
-            block.log2phy = jax.device_put(jnp.asarray(maps), replicated)
-            block.logcnt = jax.device_put(jnp.asarray(placement.logcnt[layer], jnp.int32), replicated)
+            rows = self.placement.log2phy[layer, placement.phy2log[layer], 0]
+            place_experts(block, rows, placement.log2phy[layer], placement.logcnt[layer], self.model.mesh, self.max_replicas)
         self.placement = placement
         self.num_rebalances += 1
         log.info("eplb: placement %d swapped in (%d slots, most replicas %d)", self.num_rebalances, self.num_slots, placement.logcnt.max())

@@ -224,19 +224,30 @@ def moe_blocks(weights) -> list:
     return [b for b in blocks if getattr(b, "router", None) is not None]
 
 
+def place_experts(block, rows, log2phy, logcnt, mesh: Mesh, width: int | None = None) -> None:
+    """Sets one MoE layer's expert slots: new slot r takes the expert in the block's current row rows[r]
+    (a device gather keeping the experts' sharding; packed experts move with their scales), and installs the
+    replica maps (log2phy [E, max replicas], -1 padding read as slot 0 and never chosen; zero-padded to
+    `width` columns so that later placements keep the step programs' shapes)."""
+    index = jnp.asarray(rows, jnp.int32)
+    move = lambda leaf: jax.device_put(jnp.take(leaf, index, axis=0), leaf.sharding)  # noqa: E731
+    block.gate_up, block.down = jax.tree.map(move, block.gate_up), jax.tree.map(move, block.down)
+    maps = np.maximum(np.asarray(log2phy), 0)
+    if width is not None:
+        maps = np.pad(maps[:, :width], ((0, 0), (0, width - min(width, maps.shape[1]))))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    block.log2phy = jax.device_put(jnp.asarray(maps, jnp.int32), replicated)
+    block.logcnt = jax.device_put(jnp.asarray(logcnt, jnp.int32), replicated)
+
+
 def apply_placement(weights, placement, mesh: Mesh):
-    """The model's weights with redundant experts: every MoE layer's experts rearranged into the placement's
-    physical slots (`eplb.Placement`, one row per MoE layer in layer order; slot r lives on EP rank
-    r // (R / ep)) and the replica maps set. Packed (quantised) experts move with their scales. The slots keep
-    the experts' sharding, so R must divide over the EP ranks."""
+    """The model's weights with redundant experts: every MoE layer's experts (loaded in logical order)
+    rearranged into the placement's physical slots (`eplb.Placement`, one row per MoE layer in layer order;
+    slot r lives on EP rank r // (R / ep)). The slots keep the experts' sharding, so R must divide over the EP
+    ranks."""
     blocks = moe_blocks(weights)
     if len(blocks) != placement.phy2log.shape[0]:
         raise ValueError(f"the placement has {placement.phy2log.shape[0]} MoE layers, the model {len(blocks)}")
-    replicated = NamedSharding(mesh, PartitionSpec())
     for block, phy2log, log2phy, logcnt in zip(blocks, placement.phy2log, placement.log2phy, placement.logcnt):
-        index = jnp.asarray(phy2log, jnp.int32)
-        move = lambda leaf: jax.device_put(jnp.take(leaf, index, axis=0), leaf.sharding)  # noqa: E731
-        block.gate_up, block.down = jax.tree.map(move, block.gate_up), jax.tree.map(move, block.down)
-        block.log2phy = jax.device_put(jnp.asarray(np.maximum(log2phy, 0), jnp.int32), replicated)
-        block.logcnt = jax.device_put(jnp.asarray(logcnt, jnp.int32), replicated)
+        place_experts(block, phy2log, log2phy, logcnt, mesh)
     return weights
