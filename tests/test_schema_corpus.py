@@ -210,6 +210,39 @@ def test_real_world_schemas_are_accepted_or_refused_naming_the_keyword(corpus, c
     assert len(kinds) >= 100
 
 
+def test_only_the_definitions_a_reference_reaches_are_rewritten_and_compiled(corpus, compiler):
+    """A schema's unused definitions are left out before the rewrites (a Kubernetes kind inlines all ~860
+    definitions for the few it uses: 0.41 s of host work per request before, 0.024 s after, on the first
+    ten kinds); references by
+    another base URI or spelling keep them all."""
+    schema = {
+        "$id": "https://example.com/root.json",
+        "type": "object",
+        "properties": {"n": {"$ref": "#/$defs/used"}, "p": {"$ref": "#/definitions/old"}, "s": {"$ref": "#/$defs/a~1b/properties/x"}},
+        "$defs": {
+            "used": {"$ref": "#/$defs/chain"},
+            "chain": {"type": "integer", "default": {"$ref": "#/$defs/in-a-value"}},
+            "a/b": {"type": "object", "properties": {"x": {"type": "string"}}},
+            "in-a-value": {"type": "null"},  # kept: an instance value that looks like a reference (harmless)
+            "unused": {"not": {"type": "string"}},  # `not` of a type: refused if it were compiled
+        },
+        "definitions": {"old": {"type": "boolean"}, "dead": {"type": "string"}},
+    }
+    out = enforceable(schema)
+    assert set(out["$defs"]) == {"used", "chain", "a/b", "in-a-value"} and set(out["definitions"]) == {"old"}
+    assert "unused" in schema["$defs"]  # the schema as sent is not changed
+    compiler.grammar(StructuredOutputs.from_fields(json_schema=schema))
+    for keep_all in (
+        {"$defs": {**schema["$defs"], "used": {"$id": "other.json", "$ref": "#/$defs/chain"}}},  # '#' is other.json
+        {"properties": {"n": {"$ref": "#/%24defs/used"}}},
+        {"properties": {"n": {"$ref": "other.json#/$defs/used"}}},
+    ):
+        assert set(enforceable({**schema, **keep_all})["$defs"]) == set(schema["$defs"])
+    kind = corpus["kubernetes/deployment-apps-v1"]
+    kept = enforceable(kind)["$defs"]
+    assert 10 < len(kept) < len(kind["$defs"]) / 4  # a Deployment reaches 120 of 862
+
+
 def test_coerce_one_of_is_opt_in_and_every_finished_output_is_checked(tiny):
     """A oneOf whose branches overlap at the root (nothing to prune) is refused by default; with
     structured_coerce_one_of it is enforced as anyOf, and each finished output is checked against the

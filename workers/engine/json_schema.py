@@ -45,10 +45,55 @@ def enforceable(schema: Any, prune_one_of: bool = False) -> Any:
     """A copy of `schema` with the sound rewrites above applied to every subschema. `prune_one_of`: also
     prune, like what is out of reach, every `oneOf` not proved disjoint here (for when the grammar engine
     cannot prove it either)."""
-    out = copy.deepcopy(schema)
+    out = copy.deepcopy(_without_unused_defs(schema))
     _walk(out)
     _walk_one_ofs(out, out)
     _Pruner(out, prune_one_of).fix(out)
+    return out
+
+
+_DEFS = ("$defs", "definitions")
+
+
+def _without_unused_defs(schema: Any) -> Any:
+    """`schema` without the root definitions no reference reaches (a shallow copy; the schema itself when
+    all are used or a reference cannot be followed here). Schemas often carry a whole library of
+    definitions (a Kubernetes kind inlines ~700 for the few dozen it uses): rewriting and compiling only
+    what is reachable keeps a request's host work proportional to its schema, not to the library."""
+    if not isinstance(schema, dict) or not any(isinstance(schema.get(k), dict) for k in _DEFS):
+        return schema
+    used: dict[str, set[str]] = {k: set() for k in _DEFS}
+    top = {k: v for k, v in schema.items() if k not in _DEFS and k != "$id"}  # the root's own $id is the base
+    pending: list = [top]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        named = {"$dynamicRef", "$recursiveRef", "$anchor", "$id"} & set(node) or isinstance(node.get("id"), str)  # draft 4: id
+        if named and node is not top:
+            return schema  # references by name or another base URI: not followed here, so nothing is left out
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+            return schema
+        parts = ref.split("/") if isinstance(ref, str) else []
+        if len(parts) >= 2 and parts[1] not in _DEFS and parts[1] not in top:
+            return schema  # a pointer spelled another way (percent-encoded, ...): not followed here
+        if len(parts) >= 3 and parts[1] in _DEFS:
+            name = parts[2].replace("~1", "/").replace("~0", "~")
+            target = (schema.get(parts[1]) or {}).get(name) if isinstance(schema.get(parts[1]), dict) else None
+            if target is None:
+                return schema  # a reference it cannot resolve: the compiler reports it, on the whole schema
+            if name not in used[parts[1]]:
+                used[parts[1]].add(name)
+                pending.append(target)
+        pending.extend(v for k, v in node.items() if k != "$ref")
+    out = dict(schema)
+    for key in _DEFS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: sub for name, sub in schema[key].items() if name in used[key]}
     return out
 
 
