@@ -145,8 +145,13 @@ class ModelRunner:
         self._compile_lock = threading.Lock()
         self._background: threading.Thread | None = None
         self._stop_compiling = threading.Event()
+        # Not across the processes of one multi-host engine: they compile each program together (its
+        # collectives need all of them), so one waiting for another's lock deadlocks both (seen where two
+        # of them share a machine: a Gloo context timed out at warmup).
         self.lock_dir = (
-            None if not config.compilation_cache_dir else os.path.join(os.path.expanduser(config.compilation_cache_dir), "moray-locks")
+            None
+            if not config.compilation_cache_dir or jax.process_count() > 1
+            else os.path.join(os.path.expanduser(config.compilation_cache_dir), "moray-locks")
         )
         self._model_key = f"{config.model}|{config.dtype}|{self.num_blocks}|{self.num_state_slots}|{self.max_num_seqs}"
         # Shapes and placements of the weights, KV pages and state pools, fixed for the runner's life (taken
