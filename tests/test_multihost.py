@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster_harness import cluster_config, http_json, served_app
+from cluster_harness import XLA_CACHE, cluster_config, http_json, served_app
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models.make_model import make_model
@@ -25,7 +25,7 @@ ENGINE = {
     "max_model_len": 128,
     "token_buckets": [8, 32],
     "page_buckets": [4, 16],
-    "compilation_cache_dir": None,
+    "compilation_cache_dir": XLA_CACHE,
 }
 PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 4, 90], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94, 100, 7]]
 
