@@ -123,7 +123,9 @@ class Frontend:
 
     # ------------------------------------------------------------------ HTTP
 
-    async def _parse(self, request: Request, model_cls):
+    async def _parse(self, request: Request, model_cls, empty_ok: bool = False):
+        """The request's body as `model_cls`, after the API key and size checks (`empty_ok`: no body at all
+        means every field's default)."""
         self.check_auth(request.headers.get("authorization"))
         self.pipeline.validator.check_content_length(request.headers.get("content-length"))
         chunks, size = [], 0
@@ -131,7 +133,8 @@ class Frontend:
             size += len(chunk)
             self.pipeline.validator.check_size(size)
             chunks.append(chunk)
-        return validation.parse_request(b"".join(chunks), model_cls)
+        raw = b"".join(chunks)
+        return model_cls() if empty_ok and not raw.strip() else validation.parse_request(raw, model_cls)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -448,6 +451,17 @@ class Frontend:
             return {"prompt": self.pipeline.validator.detokenize(body)}
         except oa.APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
+
+    @api.post("/admin/rebalance_experts")
+    async def rebalance_experts(self, request: Request):
+        """The manual trigger of expert load balancing (`engine.eplb`) on every live worker; like SGLang's
+        EPLB rebalance endpoint. `{"wait": true}` answers once every placement is swapped in. The answer
+        says per worker whether it started one (false: balancing off there, or one already under way)."""
+        try:
+            body = await self._parse(request, oa.RebalanceExpertsRequest, empty_ok=True)
+        except oa.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return {"workers": await self.pipeline.rebalance_experts(body.wait)}
 
     @api.get("/v1/models")
     async def models(self, request: Request):

@@ -74,6 +74,9 @@ class PrefillPool:
     async def release(self, worker: str, request_id: str) -> bool:
         return await self._handle.release.remote(request_id, **{TARGET_KWARG: worker})
 
+    async def rebalance_experts(self, worker: str, wait: bool) -> bool:
+        return await self._handle.rebalance_experts.remote(wait, **{TARGET_KWARG: worker})
+
 
 class DecodePool:
     def __init__(self, handle):
@@ -94,6 +97,9 @@ class DecodePool:
 
     async def _start_batch(self, worker: str, requests: list[DecodeRequest]) -> list[BaseException | None]:
         return await self._handle.start_batch.remote(requests, **{TARGET_KWARG: worker})
+
+    async def rebalance_experts(self, worker: str, wait: bool) -> bool:
+        return await self._handle.rebalance_experts.remote(wait, **{TARGET_KWARG: worker})
 
     async def abort(self, worker: str, request_id: str) -> None:
         batches = self._starts.get(worker)

@@ -118,6 +118,12 @@ _WORKER_COUNTERS = {
         "token-to-expert assignments a worker's MoE layers routed (padding excluded; a snapshot every few dozen steps)",
         None,
     ),
+    "engine.expert_rebalances": (
+        "expert_rebalances",
+        "moray_expert_rebalances",
+        "expert placements a worker's load balancer swapped in (engine.eplb)",
+        None,
+    ),
     "engine.spec_num_draft_tokens": ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", None),
     "engine.spec_num_accepted_tokens": (
         "spec_accepted_tokens",
@@ -337,7 +343,7 @@ class WorkerMetrics:
         )
         self.expert_imbalance = Gauge(
             "moray_expert_rank_imbalance_ratio",
-            "the worst MoE layer's busiest expert-parallel rank over the mean rank, by tokens routed since the worker started",
+            "the worst MoE layer's busiest expert-parallel rank over the mean rank, by tokens routed in the last ~256 steps",
             ["worker", "role"],
             registry=r,
         )

@@ -393,6 +393,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class RebalanceExpertsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    wait: bool = False
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

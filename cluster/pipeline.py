@@ -224,6 +224,16 @@ class RequestPipeline:
             self.router.metrics.worker_failures.inc()
             detached(lambda: self.registry.worker_failed(worker, at))
 
+    async def rebalance_experts(self, wait: bool) -> dict[str, bool | str]:
+        """Every live worker's expert rebalance (the manual trigger of `engine.eplb`): worker -> whether it
+        started one (False: balancing off there, or one under way), or the error that worker answered."""
+        await self.ensure_membership()
+        pools = [(w, self.orchestrator.decode) for w in self.membership.live("decode")]
+        if self.orchestrator.prefill is not None:
+            pools += [(w, self.orchestrator.prefill) for w in self.membership.live("prefill")]
+        results = await asyncio.gather(*(pool.rebalance_experts(w, wait) for w, pool in pools), return_exceptions=True)
+        return {w: r if isinstance(r, bool) else f"{type(r).__name__}: {r}" for (w, _), r in zip(pools, results)}
+
     def health(self) -> dict:
         decode = self.membership.live("decode")
         prefill = self.membership.live("prefill")

@@ -67,6 +67,14 @@ class _WorkerServer:
             raise WrongReplica(f"drain for {target_replica} reached {self.worker_id}")
         self.worker.drain()
 
+    async def rebalance_experts(self, wait: bool = False, target_replica: str | None = None) -> bool:
+        """The manual trigger of expert load balancing (`engine.eplb`): a placement from the loads since the
+        last one, swapped in between two steps (before returning with `wait`), on every host of a multi-host
+        replica at the same step. False when balancing is off or a placement is already being computed."""
+        if not self._arrived(target_replica):
+            raise WrongReplica(f"rebalance_experts for {target_replica} reached {self.worker_id}")
+        return await self.worker.engine.call(lambda core: core.rebalance_experts(wait))
+
     def _arrived(self, target_replica: str | None) -> bool:
         """Counts calls meant for another replica (Serve fell back: the target was gone or full)."""
         if target_replica and target_replica != self.worker_id:

@@ -1041,6 +1041,21 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(cluster):
         assert status == 400 and err["error"]["message"], err
 
 
+def test_rebalance_experts_trigger_answers_per_worker_and_refuses_bad_input(cluster):
+    """POST /admin/rebalance_experts reaches every live worker (balancing is off in this app: each says
+    false); it needs the API key, and a body it does not understand is a 400 naming the field."""
+    url = cluster["base"] + "/admin/rebalance_experts"
+    status, out = http_json(url, raw=b"")
+    assert status == 200 and out["workers"] and set(out["workers"].values()) == {False}, out
+    status, health = http_json(cluster["base"] + "/health", key=None)
+    assert len(out["workers"]) == health["decode_workers"] + health["prefill_workers"]
+    assert http_json(url, {"wait": True})[0] == 200
+    assert http_json(url, {}, key=None)[0] == 401
+    for bad in ({"wait": "yes"}, {"period": 3}):
+        status, err = http_json(url, bad)
+        assert status == 400 and list(bad)[0] in err["error"]["message"], err
+
+
 def test_grpc_returns_prompt_logprobs_and_logprobs_like_http(cluster):
     """SamplingOptions.prompt_logprobs: the first Generate message and the Complete response carry the
     prompt tokens' logprobs (from the second token), equal to the HTTP API's; Complete carries the output

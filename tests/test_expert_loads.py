@@ -86,6 +86,22 @@ def test_stats_and_metrics_carry_the_snapshot(tiny):
     assert 'moray_expert_rank_imbalance_ratio{role="decode",worker="w0"} 1.0' in text
 
 
+def test_the_reported_imbalance_is_over_the_last_snapshots_not_since_start_up():
+    """Traffic that was balanced for a long time turns skewed: the windowed imbalance shows the skew within
+    a window of snapshots (the cumulative one stays near 1); the same snapshot seen twice counts once."""
+    from workers.engine.runner import LOAD_WINDOW_SNAPSHOTS, LoadWindow, rank_imbalance
+
+    window, total = LoadWindow(), np.zeros((2, 8), np.int64)
+    balanced, skewed = np.full((2, 8), 100), np.array([[400, 400, 0, 0, 0, 0, 0, 0]] * 2)  # ranks {800, 0, 0, 0}
+    for step in range(100):
+        total = total + (balanced if step < 90 else skewed)
+        recent = window.recent(total)
+        assert window.recent(total) is recent or (window.recent(total) == recent).all()
+    assert rank_imbalance(total, 4) == 1.3  # since start-up: ranks {26000, 18000, 18000, 18000}
+    assert rank_imbalance(recent, 4) == 4.0  # the last 8 snapshots: all skewed
+    assert (recent == skewed * LOAD_WINDOW_SNAPSHOTS).all()
+
+
 def test_rebalancing_in_the_middle_of_16_streams_changes_no_token(tiny):
     """Redundant slots on the 2x4 EP mesh, re-placed every 4 steps from the counted loads while 16 streams
     decode: every stream's greedy tokens equal a run without balancing; the placements really moved experts
@@ -98,6 +114,7 @@ def test_rebalancing_in_the_middle_of_16_streams_changes_no_token(tiny):
     balanced = llm.generate(batch, greedy)
     balancer = llm.engine.balancer
     assert balancer.num_rebalances >= 2 and balancer.placement.logcnt.max() > 1
+    assert llm.engine.stats().expert_rebalances == balancer.num_rebalances
     assert [o.token_ids for o in balanced] == [o.token_ids for o in plain]
     assert llm.engine.rebalance_experts(wait=True) and balancer.num_rebalances >= 3
     assert [o.token_ids for o in llm.generate(batch[:4], greedy)] == [o.token_ids for o in plain[:4]]

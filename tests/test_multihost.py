@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster_harness import XLA_CACHE, cluster_config, http_json, served_app
+from cluster_harness import XLA_CACHE, cluster_config, http_json, served_app, wait_until
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models.make_model import make_model
@@ -83,7 +83,12 @@ def multihost_app(model_dir, ray_serve):
         model_dir,
         name="multihost",
         mode="colocated",
-        engine={**ENGINE, "parallel": {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}}},
+        # Expert load balancing on: a placement every 4 steps, swapped in on both hosts at the same step.
+        engine={
+            **ENGINE,
+            "parallel": {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}},
+            "eplb": {"num_redundant_experts": 8, "period_steps": 4},
+        },
         decode={
             "resources": {"cpus": 1},
             "hosts_per_replica": 2,
@@ -122,10 +127,13 @@ def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ra
 
 @pytest.mark.cluster
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
+    """Also while its experts are re-placed every few steps (and once on request): both hosts swap each
+    placement in at the same step, or their collectives would stop meeting."""
     from ray import serve
 
     # One engine over two processes: the replica (leader) and its follower actor, 4 devices each.
-    hb = serve.get_deployment_handle("DecodeServer", "multihost").heartbeat.remote().result(timeout_s=60)
+    decode = serve.get_deployment_handle("DecodeServer", "multihost")
+    hb = decode.heartbeat.remote().result(timeout_s=60)
     assert hb.num_processes == 2
     llm = LLM(str(model_dir), warmup=False, **ENGINE)
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -135,6 +143,16 @@ def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_d
         )
         assert status == 200, body
         assert body["choices"][0]["text"] == want.text
+    status, out = http_json(multihost_app + "/admin/rebalance_experts", {"wait": True})  # the operator's trigger
+    assert status == 200 and list(out["workers"].values()) == [True], out
+    status, body = http_json(
+        multihost_app + "/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    )
+    assert status == 200 and body["choices"][0]["text"] == expected[0].text, body
+    rebalances = wait_until(
+        lambda: decode.heartbeat.remote().result(timeout_s=60).engine.expert_rebalances, 30, what="a rebalance reported"
+    )
+    assert rebalances >= 3  # ~30 steps: a request every 4 to 8 (a placement goes in 4 steps after its request)
     status, health = http_json(multihost_app + "/health", key=None)
     assert status == 200 and health["decode_workers"] == 1
 

@@ -268,11 +268,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
-    # MoE models: token-to-expert assignments routed so far (padding excluded), and over those the worst MoE
-    # layer's busiest expert-parallel rank against the mean rank (1.0: balanced; with one rank, 1.0). From a
-    # device snapshot taken every few dozen steps.
+    # MoE models: token-to-expert assignments routed so far (padding excluded); the worst MoE layer's
+    # busiest expert-parallel rank against the mean rank over the last ~256 steps (1.0: balanced; with one
+    # rank, 1.0); placements swapped in by expert load balancing. From device snapshots every 32 steps.
     expert_routed_tokens: int = 0
     expert_rank_imbalance: float = 0.0
+    expert_rebalances: int = 0
 
     @property
     def host_kv_usage(self) -> float:

@@ -39,6 +39,7 @@ REPLICATED_METHODS = frozenset(
         "release_kv",
         "recompute_instead_of_import",
         "clear_prefix_cache",
+        "rebalance_experts",
     }
 )
 

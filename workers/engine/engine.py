@@ -29,7 +29,7 @@ from .kv_events import KVEventPublisher
 from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - RequestOutput: the offline result type
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
-from .runner import ModelRunner, kv_bytes_per_block, rank_imbalance, state_bytes_per_sequence
+from .runner import LoadWindow, ModelRunner, kv_bytes_per_block, rank_imbalance, state_bytes_per_sequence
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -111,6 +111,7 @@ class EngineCore:
         self.cfg = self.model.cfg
         # Redundant expert slots are placed before the runner compiles against the weights' shapes.
         self.balancer = ExpertBalancer(self.model, config.eplb) if config.eplb is not None else None
+        self._load_window = LoadWindow()  # the stats' imbalance: over the last few hundred steps
         self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(config.model)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.cfg.eos_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids, config.structured_coerce_one_of)
@@ -415,6 +416,8 @@ class EngineCore:
         before returning with `wait`); False when expert load balancing is off or one is under way."""
         if self.balancer is None:
             return False
+        if wait:
+            self.balancer.wait()  # a placement under way goes in first (an idle engine has no step to swap it at)
         started = self.balancer.request(self.runner.read_expert_loads())
         if started and wait:
             self.balancer.wait()
@@ -425,7 +428,11 @@ class EngineCore:
         if loads is None:
             return {}
         ep = getattr(self.model.experts, "ep_size", 1)
-        return {"expert_routed_tokens": int(loads.sum()), "expert_rank_imbalance": rank_imbalance(loads, ep)}
+        return {
+            "expert_routed_tokens": int(loads.sum()),
+            "expert_rank_imbalance": rank_imbalance(self._load_window.recent(loads), ep),
+            "expert_rebalances": self.balancer.num_rebalances if self.balancer is not None else 0,
+        }
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:

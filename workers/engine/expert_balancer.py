@@ -10,8 +10,11 @@ before the next step, which therefore reads the new weights) and the replica map
 flight keeps the arrays it was launched with, so no request waits more than the copies take, and a
 replicated expert computes the same numbers in any slot: streams are unchanged by a rebalance.
 
-One engine process only: an engine over several hosts would have to apply a placement on every host at
-the same step, which it does not do yet (refused at start).
+An engine over several hosts runs the same balancer on every host, fed the same calls (the period counts
+the replayed steps, a manual trigger is a replicated call, the loads are replicated on every host): each
+host computes the same placement, and swaps it in at the same step, `SWAP_AFTER_STEPS` steps after the
+request (waiting for the computation there if it is late), never at "whenever it is ready", which would
+differ between hosts and desynchronise their collectives.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from .config import EplbConfig
 
 log = logging.getLogger("moray.engine")
 
+# Multi-host: the step after whose end a requested placement is swapped in, counted from the request (a
+# placement takes milliseconds for hundreds of experts; the wait there is the rare late one).
+SWAP_AFTER_STEPS = 4
+
 
 class ExpertBalancer:
     def __init__(self, model: LoadedModel, config: EplbConfig):
         cfg = model.cfg
         if not any(cfg.moe_layers):
             raise ValueError("eplb: the model has no MoE layers")
-        if jax.process_count() > 1:
-            raise ValueError("eplb: an engine over several hosts cannot rebalance yet (every host must swap at the same step)")
         experts = model.experts
         self.ep_size = getattr(experts, "ep_size", 1)
         self.num_slots = cfg.num_experts + config.num_redundant_experts
@@ -58,6 +63,8 @@ class ExpertBalancer:
         self._steps = 0
         self._base: np.ndarray | None = None  # physical counts when the current window started
         self._pending: concurrent.futures.Future | None = None
+        self._swap_at: int | None = None  # multi-host: the step count at which the pending one is swapped in
+        self.lockstep = jax.process_count() > 1
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moray-eplb")
         # Start-up: every expert once, the spare slots to the first experts (no loads yet); loaded weights
         # are in logical order, so the identity map is the current placement.
@@ -71,9 +78,8 @@ class ExpertBalancer:
     def on_step(self, physical_counts) -> None:
         """At a step boundary: swap in a placement that is ready; start one every `period_steps`."""
         self._steps += 1
-        if self._pending is not None and self._pending.done():
-            placement, self._pending = self._pending.result(), None
-            self._swap(placement)
+        if self._pending is not None and (self._steps >= self._swap_at if self.lockstep else self._pending.done()):
+            self.wait()
         period = self.config.period_steps
         if period and self._steps % period == 0 and self._pending is None:
             self.request(physical_counts())
@@ -86,6 +92,7 @@ class ExpertBalancer:
         window = physical if self._base is None else physical - self._base
         self._base = physical
         self._pending = self._pool.submit(self._place, self.logical_loads(window))
+        self._swap_at = self._steps + SWAP_AFTER_STEPS
         return True
 
     def wait(self) -> None:

@@ -9,6 +9,7 @@ The KV pages are donated to each step, so XLA updates them in place.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
@@ -709,6 +710,24 @@ _merge_tokens_jit = jax.jit(_merge_tokens)
 _add_jit = jax.jit(jnp.add)
 # Steps between the expert-load snapshots the engine's stats read (a [MoE layers, experts] int32 copy).
 LOAD_SNAPSHOT_STEPS = 32
+# The engine stats' imbalance is over the last this many snapshots (256 steps: at batch 32 and top-8, ~65k
+# token-to-expert assignments, above the statistical floor of a small step).
+LOAD_WINDOW_SNAPSHOTS = 8
+
+
+class LoadWindow:
+    """The loads of the last `LOAD_WINDOW_SNAPSHOTS` cumulative snapshots. Since start-up, a rebalance or a
+    drift in the traffic would be averaged into the whole history; over a window it shows at once. Counts
+    per slot keep adding up across rebalances, so a difference is still each rank's load over the window."""
+
+    def __init__(self, snapshots: int = LOAD_WINDOW_SNAPSHOTS):
+        self._seen: collections.deque = collections.deque(maxlen=snapshots + 1)
+
+    def recent(self, cumulative: np.ndarray) -> np.ndarray:
+        """Adds `cumulative` (if it is a new snapshot); the counts routed since the oldest one kept."""
+        if not self._seen or self._seen[-1] is not cumulative:
+            self._seen.append(cumulative)
+        return self._seen[-1] - self._seen[0] if len(self._seen) > 1 else self._seen[-1]
 
 
 def rank_imbalance(loads: np.ndarray, ep_size: int) -> float:
