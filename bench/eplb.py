@@ -9,9 +9,12 @@ parallel over all 8) decode the same batch of streams step for step: one as load
 Per window of `--window-steps` steps: tokens per EP rank counted by the engines themselves (physical slots,
 `ModelRunner.read_expert_loads`), the worst layer's max/mean over the ranks, the routed tokens, and the
 median step time (reported only: 8 virtual devices on a few cores measure total work, not the busiest
-rank). Collective bytes per link level are not measured here (`moray bench collectives` has them per
-dispatch mode; a replica map does not change a mode's bytes). JSON to stdout / `--json`, plots with
-`--report`. No jax at import time (registered in `cluster.cli`).
+rank). Collective bytes per link level of one decode step: read from the compiled step program (its
+collectives, each device pair's bytes put on the slowest mesh axis they differ on, as `moray bench
+collectives` does); a replica map sends tokens to other slots, not more of them, so both engines' figures
+agree but for a few hundred bytes of routing metadata (measured: 705,536 vs 705,024 bytes over the host
+link at batch 8). JSON to stdout / `--json`, plots with `--report`. No jax at import time
+(registered in `cluster.cli`).
 """
 
 from __future__ import annotations
@@ -119,7 +122,20 @@ def run_engine(args, model_dir, eplb: dict | None, biases, prompts) -> dict:
         _log(f"{config.worker_id} window {w}: max/mean {windows[-1]['rank_max_over_mean']:.3f}, {windows[-1]['routed_tokens']} routed")
     if engine.balancer:
         engine.balancer.close()
-    return {"ep_size": ep, "windows": windows}
+    return {"ep_size": ep, "windows": windows, "link_bytes_per_step": decode_link_bytes(engine)}
+
+
+def decode_link_bytes(engine) -> dict:
+    """The collective bytes per mesh level (all devices together) of the step program the decode steps ran:
+    the largest decode-only one (or the largest, where decode steps share the general program)."""
+    from bench.collectives import bytes_by_level, collectives_from_hlo
+
+    shapes = engine.runner.compiled_shapes()
+    shape = max([s for s in shapes if s[2]] or shapes)
+    mesh = engine.model.mesh
+    names, dims = list(mesh.axis_names), list(mesh.devices.shape)
+    ops = collectives_from_hlo(engine.runner.program(shape).as_text(), names, dims)
+    return {"tokens": shape[0], "by_level": bytes_by_level(ops, names), "collectives": len(ops)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +167,6 @@ def run(args: argparse.Namespace) -> int:
         "period_steps": period,
         "drift_at_window": args.drift_at,
         "zipf": args.zipf,
-        "link_bytes": None,  # see the module docstring
     }
     result["without"] = run_engine(args, model_dir, None, biases, prompts)
     result["with"] = run_engine(args, model_dir, {"num_redundant_experts": args.redundant, "period_steps": period}, biases, prompts)

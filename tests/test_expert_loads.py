@@ -139,3 +139,9 @@ def test_bench_eplb_runs_and_balancing_helps(tmp_path, tiny):
     without, with_ = data["without"]["windows"], data["with"]["windows"]
     assert len(without) == len(with_) == 2 and data["with"]["ep_size"] == 8
     assert with_[1]["rebalances_so_far"] >= 1 and with_[1]["rank_max_over_mean"] < without[1]["rank_max_over_mean"]
+    # Bytes per link level of a decode step, read from the step program: tokens cross both mesh axes, and
+    # a replica map sends none more (a few hundred bytes of routing metadata aside).
+    links, plain = data["with"]["link_bytes_per_step"], data["without"]["link_bytes_per_step"]
+    assert links["collectives"] > 0 and all(b > 0 for b in links["by_level"].values()) and len(links["by_level"]) == 2
+    for level, moved in plain["by_level"].items():
+        assert moved <= links["by_level"][level] <= moved * 1.01

@@ -351,6 +351,10 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- step programs
 
+    def compiled_shapes(self) -> list[tuple[int, int, bool]]:
+        """The step programs' shapes (token bucket, page bucket, decode-only) compiled so far."""
+        return sorted(self._programs)
+
     def program(self, shape: tuple[int, int, bool]):
         """The compiled step program of `shape`: compiled now if nothing has compiled it yet, awaited if
         another thread is compiling it."""
