@@ -4,6 +4,7 @@ Markers (pyproject.toml): `cluster` tests deploy Serve apps on the session's loc
 `moray serve` processes); `slow` ones take more than about half a minute. `make test` runs everything;
 `pytest -m "not cluster and not slow"` is the quick loop."""
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,10 @@ def ray_serve():
     from ray import serve
 
     cluster = start_serve_cluster()
+    # ray.init put its own fatal-signal handler in this process; on an abort here (seen once in XLA's
+    # executable serialisation, late in a full run) it recursed inside itself and the suite hung until CI
+    # killed it. Python's handler prints every thread's stack and lets the process die: a failed run, at once.
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
     yield cluster
     serve.shutdown()
     ray.shutdown()
