@@ -224,6 +224,32 @@ def test_cpu_kernel_replaces_gather_for_float32_on_cpu(monkeypatch):
     assert cpu_ffi.MOE_TARGET not in _custom_calls(moe.routed_experts, x, ids, weights, gate_up, down)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: the kernel runs on the calling thread")
+def test_the_cpu_kernel_threads_are_started_once_and_kept():
+    """The expert kernel's worker threads are a pool started on its first call and reused by every later
+    one (a decode step calls it once per MoE layer; starting threads per call cost more than the work at
+    batch 1). In a fresh process: the first call adds the workers, later calls add and lose none."""
+    code = (
+        "import os, jax, jax.numpy as jnp\n"
+        "from kernels import cpu_ffi\n"
+        "assert cpu_ffi.available()\n"
+        "f = jax.jit(cpu_ffi.moe_experts)\n"
+        "args = (jnp.ones((2, 64)), jnp.array([[0, 1], [2, 3]], jnp.int32), jnp.full((2, 2), 0.5),\n"
+        "        jnp.full((4, 32, 64), 0.01), jnp.full((4, 64, 16), 0.01))\n"
+        "f.lower(*args).compile()\n"
+        "jax.jit(lambda a: a @ a.T)(jnp.ones((256, 256))).block_until_ready()  # XLA's own threads first\n"
+        "tasks = lambda: set(os.listdir('/proc/self/task'))\n"
+        "before = tasks(); f(*args).block_until_ready(); first = tasks()\n"
+        "for _ in range(5): f(*args).block_until_ready()\n"
+        "print(len(first - before), len(tasks() ^ first))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    started, changed = map(int, out.stdout.split()[-2:])
+    assert started >= len(os.sched_getaffinity(0)) - 1 and changed == 0, out.stdout
+
+
 def test_loading_the_cpu_kernels_keeps_subnormal_floats():
     """A library linked with -ffast-math sets flush-to-zero for the whole process when it loads."""
     code = (

@@ -12,15 +12,22 @@
 // gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; out [T, H] f32. All float32.
 //
 // Threads: one per CPU; each phase (gate/up, then down) splits the rows of all selected experts evenly, and
-// each thread sums into its own [T, H] accumulator; the accumulators are added at the end.
+// each thread sums into its own [T, H] accumulator; the accumulators are added at the end. The threads are a
+// persistent pool started on first use (a decode step calls this once per MoE layer: starting and joining
+// threads per call cost more than a small batch's work); between calls they spin briefly, then sleep in
+// the kernel, so they take no CPU from the process's other thread pools while XLA runs the rest of a step.
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -113,17 +120,89 @@ int NumCpus() {
   return n;
 }
 
-// fn(0) on the calling thread and fn(1..threads-1) on new ones. Plain threads rather than OpenMP: an
-// OpenMP team here made libgomp count more busy threads than CPUs and throttle the spinning of every
-// other OpenMP user in the process (llama.cpp's decode ran at half speed beside it).
-template <typename Fn>
-void RunOnThreads(int threads, Fn& fn) {
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int p = 1; p < threads; ++p) pool.emplace_back([&fn, p] { fn(p); });
-  fn(0);
-  for (auto& th : pool) th.join();
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
 }
+
+// Plain threads rather than OpenMP: an OpenMP team here made libgomp count more busy threads than CPUs
+// and throttle the spinning of every other OpenMP user in the process (llama.cpp's decode ran at half
+// speed beside it). Every worker takes part in every job (those past `threads` just check in), so a job
+// starts only once the last one is over everywhere: no worker can mistake one job's settings for another's.
+class WorkerPool {
+ public:
+  explicit WorkerPool(int workers) : workers_(workers) {
+    for (int p = 1; p <= workers; ++p) std::thread([this, p] { Loop(p); }).detach();
+  }
+
+  // The pool for one call, or an empty lock when another call holds it (XLA runs the devices of a mesh
+  // on threads of their own): that call then runs on its own thread.
+  std::unique_lock<std::mutex> TryAcquire() { return std::unique_lock<std::mutex>(busy_, std::try_to_lock); }
+
+  // fn(0) on the calling thread and fn(1..threads-1) on the workers (threads <= size()); the caller holds
+  // the pool (TryAcquire).
+  void Run(int threads, const std::function<void(int)>& fn) {
+    job_ = &fn;
+    active_ = std::min(threads, workers_ + 1);
+    remaining_.store(workers_, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+    generation_.notify_all();
+    fn(0);
+    for (int i = 0; i < kSpins && remaining_.load(std::memory_order_acquire) != 0; ++i) CpuRelax();
+    for (int r; (r = remaining_.load(std::memory_order_acquire)) != 0;) remaining_.wait(r, std::memory_order_acquire);
+  }
+
+  int size() const { return workers_ + 1; }
+
+ private:
+  // A few microseconds (a pause is tens of cycles): longer spins would take the CPU from the XLA threads
+  // running the rest of the step between two layers' calls.
+  static constexpr int kSpins = 1 << 8;
+
+  void Loop(int p) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g = generation_.load(std::memory_order_acquire);
+      for (int i = 0; i < kSpins && g == seen; ++i, g = generation_.load(std::memory_order_acquire)) CpuRelax();
+      while (g == seen) {
+        generation_.wait(seen, std::memory_order_acquire);
+        g = generation_.load(std::memory_order_acquire);
+      }
+      seen = g;
+      if (p < active_) (*job_)(p);
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
+    }
+  }
+
+  const int workers_;
+  std::mutex busy_;
+  const std::function<void(int)>* job_ = nullptr;
+  int active_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> remaining_{0};
+};
+
+// The process's pool, started on first use; a forked child starts its own (the parent's threads are not
+// in it). Never destroyed: its threads sleep until the process exits.
+std::atomic<WorkerPool*> g_pool{nullptr};
+std::mutex g_pool_init;
+
+WorkerPool& Pool() {
+  WorkerPool* pool = g_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return *pool;
+  std::lock_guard<std::mutex> lock(g_pool_init);
+  if ((pool = g_pool.load(std::memory_order_acquire)) == nullptr) {
+    static std::once_flag atfork;
+    std::call_once(atfork, [] { pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); }); });
+    pool = new WorkerPool(NumCpus() - 1);
+    g_pool.store(pool, std::memory_order_release);
+  }
+  return *pool;
+}
+
 
 // exp's argument is clamped: exp(-v) of a large v is subnormal, and subnormal arithmetic is ~100x slower
 // (a layer of large activations ran at a quarter of the speed). Past |v| = 80 the result is unchanged
@@ -199,7 +278,10 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
 
   // Both phases split the rows of all selected experts evenly between the threads, so every thread
   // streams the same amount of weights (splitting whole experts left threads idle at small batches).
-  const int threads = std::max(1, std::min<int>(NumCpus(), static_cast<int>((num_used * h + 63) / 64)));
+  WorkerPool& pool = Pool();
+  int threads = std::max(1, std::min<int>(pool.size(), static_cast<int>((num_used * h + 63) / 64)));
+  std::unique_lock<std::mutex> lease;
+  if (threads > 1 && !(lease = pool.TryAcquire()).owns_lock()) threads = 1;
   std::vector<float> partial(static_cast<size_t>(threads - 1) * t * h, 0.f);
   const float* gup = gate_up.typed_data();
   const float* dp = down.typed_data();
@@ -238,7 +320,8 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
       }
     });
   };
-  RunOnThreads(threads, work);
+  if (threads > 1) pool.Run(threads, work);
+  else work(0);
   for (int p = 0; p + 1 < threads; ++p) {
     const float* src = partial.data() + p * t * h;
     for (int64_t i = 0; i < t * h; ++i) result[i] += src[i];
