@@ -36,3 +36,46 @@ def ray_serve():
     yield cluster
     serve.shutdown()
     ray.shutdown()
+
+
+def _memory_line(module: str) -> str:
+    """One line of what this process holds after a module: its RSS, the engines still alive, JAX's live
+    device buffers (`MORAY_TEST_MEMLOG=FILE` writes one per module: a leak shows as a count that only grows)."""
+    import gc
+
+    gc.collect()
+    engines = sum(1 for o in gc.get_objects() if type(o).__name__ in ("EngineCore", "LLM"))
+    rss_mb = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                rss_mb = int(line.split()[1]) // 1024
+    with open("/proc/self/maps") as maps:
+        num_maps = sum(1 for _ in maps)  # against vm.max_map_count: JIT-compiled code is mapped per program
+    live_mb = 0
+    if "jax" in sys.modules:
+        live_mb = sum(a.nbytes for a in sys.modules["jax"].live_arrays()) // 2**20
+    return f"{module} rss_mb={rss_mb} maps={num_maps} engines={engines} live_arrays_mb={live_mb}\n"
+
+
+def pytest_runtest_setup(item):
+    """`MORAY_TEST_MEMLOG=FILE`: before each module's first test, the state the previous modules left."""
+    path = os.environ.get("MORAY_TEST_MEMLOG")
+    if path and getattr(pytest_runtest_setup, "module", None) is not item.module:
+        pytest_runtest_setup.module = item.module
+        with open(path, "a") as log:
+            log.write(_memory_line(f"before {item.module.__name__}"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each module (its fixtures torn down): JAX's compiled-program caches dropped. Every program XLA
+    compiles for the CPU maps its code into the process (about 3.5 mappings each) until its cache entry goes;
+    a whole run's programs in one process reached Linux's vm.max_map_count (65530), and the next mmap
+    failed inside XLA (an abort, late in the run, in whichever test compiled next)."""
+    yield
+    if (nextitem is None or nextitem.module is not item.module) and "jax" in sys.modules:
+        import gc
+
+        gc.collect()
+        sys.modules["jax"].clear_caches()
