@@ -212,6 +212,12 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(default=None, ge=2, description="overrides kv_cache_memory_bytes")
     kv_cache_memory_bytes: int = Field(default=256 << 20, gt=0)
     enable_prefix_caching: bool = True
+    sliding_window_group: bool = Field(
+        default=True,
+        description="sliding-window layers of a model that also has full-attention ones (Gemma 4) keep their KV in a "
+        "pool of their own and hold only their window's blocks per sequence; off: every layer in one pool, every "
+        "block kept (also the layout with host_kv or data-parallel attention, which do not support the group yet)",
+    )
     host_kv: HostKVConfig = Field(default_factory=lambda: HostKVConfig())
     session_idle_s: float = Field(
         default=600.0,

@@ -158,6 +158,9 @@ class DataParallelKVCacheManager:
             return None
         return [BlockCopy(c.src + offset, c.dst + offset) for c in copies]
 
+    def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
+        return self.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks)
+
     def plan_step(self, request: Request, start: int, num_new_tokens: int, num_spec: int = 0):
         """Rank-local directions (hybrid: rank-local state slots, as the runner lays each rank out)."""
         with self._on_rank(request) as (manager, _):
@@ -248,6 +251,7 @@ class DataParallelRunner(ModelRunner):
         num_seqs,
         logits_indices,
         states,
+        window=None,  # no sliding-window group with data-parallel attention (engine._window_group)
         decode_only=False,
     ):
         self.num_traces += 1

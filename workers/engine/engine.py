@@ -29,13 +29,14 @@ from .kv_events import KVEventPublisher
 from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - RequestOutput: the offline result type
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
-from .runner import LoadWindow, ModelRunner, kv_bytes_per_block, rank_imbalance, state_bytes_per_sequence
+from .runner import LoadWindow, ModelRunner, kv_bytes_per_block, rank_imbalance, state_bytes_per_sequence, window_layers
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .speculative import DraftModelProposer, Speculator, accepted_length
 from .state_cache import HybridCacheManager
 from .structured import GrammarCompiler, GrammarState, ids_bitmask
+from .window_cache import WindowedKVCacheManager, window_blocks_per_sequence
 
 log = logging.getLogger("moray.engine")
 
@@ -123,6 +124,9 @@ class EngineCore:
         self.max_snapshots = config.max_state_snapshots(self.state_bytes) if self.cfg.is_hybrid else 0
         kv_bytes = config.kv_pool_bytes(self.state_bytes, self.cfg.is_hybrid)
         num_blocks = config.num_kv_blocks or kv_bytes // kv_bytes_per_block(self.model, config.block_size)
+        window_group = self._window_group(config, kv_bytes)  # (window, full blocks, window blocks) or None
+        if window_group is not None:
+            num_blocks = window_group[1]
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
@@ -160,6 +164,19 @@ class EngineCore:
                 host_states,
                 config.session_idle_s,
                 config.keep_points(),
+            )
+        elif window_group is not None:
+            window, _, num_window_blocks = window_group
+            self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, num_window_blocks=num_window_blocks)
+            self.kv = WindowedKVCacheManager(
+                num_blocks,
+                num_window_blocks,
+                config.block_size,
+                window,
+                config.enable_prefix_caching,
+                config.model_name,
+                self.events,
+                config.session_idle_s,
             )
         else:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
@@ -275,7 +292,7 @@ class EngineCore:
         prefix = self.kv.cached_prefix(request)[: prompt_len // self.kv.block_size]
         request.num_computed_tokens = len(prefix) * self.kv.block_size
         request.num_cached_tokens = kv_import.num_cached_tokens
-        if self.kv.allocate(request, prompt_len - request.num_computed_tokens, prefix) is None:
+        if self.kv.allocate_import(request, prefix) is None:
             request.num_computed_tokens = 0  # no room now: recompute locally instead, losing nothing
             self.scheduler.add(request)
             return
@@ -307,7 +324,8 @@ class EngineCore:
         skip = max(0, request.kv_import_from_block - block_start)
         if skip < data.shape[0]:
             ids = request.block_ids[block_start + skip : block_end]
-            self.runner.scatter_blocks(ids, layer_start, data[skip:])
+            window_ids = request.window_block_ids[block_start + skip : block_end]
+            self.runner.scatter_blocks(ids, layer_start, data[skip:], window_ids)
         return True
 
     def import_state(self, request_id: str, packed: np.ndarray) -> bool:
@@ -345,7 +363,7 @@ class EngineCore:
         start = time.perf_counter()
         for request_id, request in list(self.scheduler.held.items()):
             num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
-            offset, part = self.runner.stage_export(request.block_ids[:num_blocks])
+            offset, part = self.runner.stage_export(request.block_ids[:num_blocks], request.window_block_ids[:num_blocks])
             local = 0 if part is None else max(0, min(part.shape[0], num_blocks - offset))
             staged = StagedKV(request_id, local, part, block_start=offset, staged_at=time.perf_counter())
             if self.cfg.is_hybrid:
@@ -403,7 +421,7 @@ class EngineCore:
             kv_event_epoch=self.events.epoch,
             kv_event_last_seq=self.events.last_seq,
             kv_bytes_per_token=self.runner.kv_bytes_per_block // self.config.block_size,
-            sparse_blocks=bool(self.cfg.is_hybrid),
+            sparse_blocks=bool(self.cfg.is_hybrid or self.runner.window_layers),
             state_snapshot_bytes=getattr(self.kv, "num_snapshots", 0) * self.state_bytes,
             state_snapshot_budget_bytes=self.max_snapshots * self.state_bytes * self.model.data_parallel_size,
             **self._host_stats(),
@@ -471,6 +489,39 @@ class EngineCore:
             return None
         log.info("host KV tier: %d blocks (%.2f GiB)", num_blocks, num_blocks * block_nbytes / (1 << 30))
         return HostKVTier(num_blocks, shape, dtype, self.events if events else None, SessionAwareLRU(config.session_idle_s))
+
+    def _window_group(self, config: EngineConfig, kv_bytes: int) -> tuple[int, int, int] | None:
+        """(window, full-group blocks, window-group blocks) when the sliding-window layers get a cache group of
+        their own (window_cache.py); None when the model has none or the configuration keeps one pool."""
+        layers = window_layers(self.cfg)
+        if not layers or not config.sliding_window_group or self.cfg.is_hybrid:
+            return None
+        if config.host_kv.enabled or self.model.data_parallel_size > 1:
+            log.info(
+                "sliding-window layers share the full layers' pool: host_kv and data-parallel attention do not support their own group yet"
+            )
+            return None
+        window = max(self.cfg.sliding_windows[self.cfg.kv_layer_ids[i]] for i in layers)
+        bs = config.block_size
+        # Every running sequence's window plus a step's new tokens, twice over: the other half keeps blocks
+        # that left a window cached for prefix hits (a branch point's window, a conversation's last turn).
+        running = config.max_num_seqs * (window_blocks_per_sequence(window, bs) + 1) + -(-config.max_num_batched_tokens // bs)
+        cap = 2 * running
+        full_bytes = kv_bytes_per_block(self.model, bs, [i for i in range(self.cfg.num_kv_layers) if i not in layers])
+        window_bytes = kv_bytes_per_block(self.model, bs, layers)
+        if config.num_kv_blocks:
+            full, win = config.num_kv_blocks, min(config.num_kv_blocks, cap)
+        else:
+            even = kv_bytes // (full_bytes + window_bytes)
+            full, win = (even, even) if even <= cap else ((kv_bytes - cap * window_bytes) // full_bytes, cap)
+        log.info(
+            "sliding-window cache group (window %d): %d full-attention blocks (%d without the group), %d window blocks",
+            window,
+            full,
+            config.num_kv_blocks or kv_bytes // (full_bytes + window_bytes),
+            win,
+        )
+        return window, full, win
 
     def _hybrid_host_tiers(self, config: EngineConfig, num_blocks: int) -> tuple[HostKVTier | None, HostKVTier | None]:
         """A hybrid model's host tiers: attention blocks (publishing nothing: the model's events are its

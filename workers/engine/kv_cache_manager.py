@@ -25,6 +25,7 @@ from .retention import SessionAwareLRU
 class BlockCopy:
     src: int
     dst: int
+    group: int = 0  # the cache group whose layers are copied (0: every layer of a one-group cache)
 
 
 class BlockPool:
@@ -116,7 +117,18 @@ class BlockPool:
                 else:
                     self._free_cached.add(b, session)
 
-    def cache_block(self, b: int, block_hash: int, parent: int) -> None:
+    def cache_block(self, b: int, block_hash: int, parent: int, take_over_idle: bool = False) -> None:
+        """`take_over_idle`: when an idle block holds the same content, `b` (just computed, in use) becomes
+        the cached copy and the idle one a plain free block: the copy kept is the one its users release last."""
+        other = self.cached.get(block_hash)
+        if take_over_idle and other is not None and other != b and self.ref_cnt[other] == 0 and self.hash_of[b] is None:
+            self._free_cached.discard(other)
+            self.hash_of[other] = self.parent_of[other] = None
+            self._free_uncached.append(other)
+            del self.cached[block_hash]
+            self.cached[block_hash] = b
+            self.hash_of[b], self.parent_of[b] = block_hash, parent
+            return  # the same content stays cached: nothing to publish
         if block_hash in self.cached or self.hash_of[b] is not None:
             return  # same content already cached by another block (computed concurrently)
         self.cached[block_hash] = b
@@ -135,6 +147,11 @@ class BlockPool:
 
 
 class KVCacheManager:
+    # Whether a block computed again while an idle block holds the same content becomes the cached copy: for
+    # caches whose hits can stop short of the cached run (window_cache.py), so that a recomputed run stays
+    # cached in the order its users release it.
+    take_over_idle = False
+
     def __init__(
         self,
         num_blocks: int,
@@ -231,6 +248,11 @@ class KVCacheManager:
             self.host_hit_tokens += len(host_slots) * self.block_size
         return copies
 
+    def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
+        """Blocks for an imported prompt's KV (after taking our own cached `prefix_blocks`): `allocate` for the
+        rest of the prompt."""
+        return self.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks)
+
     def take_pending_saves(self) -> list[tuple[int, int, int | None, str | None]]:
         saves, self.pending_saves = self.pending_saves, []
         return saves
@@ -283,7 +305,7 @@ class KVCacheManager:
         full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for i in range(done, full):
             parent = request.block_hashes[i - 1] if i else ROOT_PARENT
-            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], parent)
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], parent, self.take_over_idle)
         self._num_cached_blocks[request.request_id] = max(done, full)
 
     def trim(self, request: Request) -> None:

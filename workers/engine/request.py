@@ -35,6 +35,8 @@ class Request:
     # Prefix-cache hit at the first schedule; reported to the client.
     num_cached_tokens: int = -1
     block_ids: list[int] = field(default_factory=list)
+    # A sliding-window cache group's block table (window_cache.py): same length, -1 where a block was let go.
+    window_block_ids: list[int] = field(default_factory=list)
     # Hashes of the full blocks of all_token_ids, extended as blocks fill.
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0

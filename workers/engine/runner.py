@@ -36,6 +36,7 @@ from ..progress import Progress
 from .config import EngineConfig, powers_of_two_up_to
 from .kv_cache_manager import BlockCopy
 from .scheduler import SchedulerOutput
+from .window_cache import WINDOW_GROUP
 
 log = logging.getLogger("moray.engine")
 
@@ -83,6 +84,9 @@ class StepInputs:
     prev_tokens: jax.Array | None = None
     # The first logits row of each scheduled request (speculative decoding gives a request 1 + drafts rows).
     logits_rows: list[int] = field(default_factory=list)
+    # A sliding-window cache group (window_cache.py): its layers' slots and page table; None otherwise.
+    window_slot_mapping: np.ndarray | None = None  # i32[N]
+    window_page_indices: np.ndarray | None = None  # i32[S, P]
 
     def put_tokens(self, row: int, offset: int, request, start: int, k: int, prev_tokens: jax.Array | None) -> None:
         """Input tokens [start, start + k) of `request` at tokens[row, offset:]; a last one the host does
@@ -104,9 +108,24 @@ class StepInputs:
             return None
         return (self.state_slots, self.snap_slots, self.snap_lens)
 
+    def window(self) -> tuple | None:
+        if self.window_slot_mapping is None:
+            return None
+        return (self.window_slot_mapping, self.window_page_indices)
+
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int, num_state_slots: int = 0):
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
+        num_window_blocks: int = 0,
+    ):
+        """`num_window_blocks`: the sliding-window layers' own pool (a cache group with its own block tables,
+        window_cache.py); 0: every layer in one pool of `num_blocks`."""
         self.model = model
         self.cfg = model.cfg
         self.num_state_slots = num_state_slots if self.cfg.is_hybrid else 0
@@ -122,8 +141,13 @@ class ModelRunner:
             raise ValueError("the largest token bucket must be >= max_num_batched_tokens")
         if self.page_buckets[-1] < max_pages:
             raise ValueError(f"the largest page bucket must be >= max_model_len / block_size = {max_pages}")
+        self.num_window_blocks = num_window_blocks
+        self.window_layers = window_layers(self.cfg) if num_window_blocks else ()
         # Per cache layer (MLA: one latent row per token; Gemma 4: full and sliding layers differ).
-        page_shapes = [(num_blocks, config.block_size, *self.cfg.kv_layer_page_dims(i)) for i in range(self.cfg.num_kv_layers)]
+        page_shapes = [
+            (num_window_blocks if i in self.window_layers else num_blocks, config.block_size, *self.cfg.kv_layer_page_dims(i))
+            for i in range(self.cfg.num_kv_layers)
+        ]
         self.kv_pages = self._new_pages(page_shapes)
         # Blocks leave the device (handoff, host tier) in one layout for every layer: ModelConfig.kv_transport_dims.
         self.transport_width = None if self.cfg.uniform_kv_pages else self.cfg.kv_transport_dims[1]
@@ -196,10 +220,23 @@ class ModelRunner:
         num_seqs,
         logits_indices,
         states,
+        window=None,
         decode_only=False,
     ):
         self.num_traces += 1  # runs only while tracing: counts compilations
-        if state_pools is None:
+        if window is not None:
+            cache = PagedKVCache(
+                list(kv_pages),
+                slot_mapping,
+                kv_lens,
+                page_indices,
+                cu_q_lens,
+                num_seqs,
+                window_slot_mapping=window[0],
+                window_page_indices=window[1],
+                window_layers=self.window_layers,
+            )
+        elif state_pools is None:
             cache = PagedKVCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
         else:
             conv, rec = state_pools
@@ -267,7 +304,24 @@ class ModelRunner:
         cu[len(out.scheduled) + 1 :] = offset
         if self.num_state_slots:
             self._prepare_states(inputs, out)
+        if self.window_layers:
+            self._prepare_window(inputs, out)
         return inputs
+
+    def _prepare_window(self, inputs: StepInputs, out: SchedulerOutput) -> None:
+        """The window group's slots and page table (blocks let go read as page 0: out of every query's window)."""
+        self._empty_window(inputs)
+        bs, offset = self.block_size, 0
+        for i, item in enumerate(out.scheduled):
+            table, k, start = item.request.window_block_ids, item.num_new_tokens, item.start
+            pos = np.arange(start, start + k, dtype=np.int32)
+            inputs.window_slot_mapping[offset : offset + k] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
+            inputs.window_page_indices[i, : len(table)] = np.maximum(table, 0)
+            offset += k
+
+    def _empty_window(self, inputs: StepInputs) -> None:
+        inputs.window_slot_mapping = np.full(inputs.slot_mapping.shape, -1, np.int32)
+        inputs.window_page_indices = np.zeros(inputs.page_indices.shape, np.int32)
 
     def _prepare_states(self, inputs: StepInputs, out: SchedulerOutput) -> None:
         """Per sequence: its working slot, how it starts, and the snapshot the step writes."""
@@ -343,6 +397,7 @@ class ModelRunner:
             inputs.num_seqs,
             inputs.logits_indices,
             inputs.states(),
+            inputs.window(),
         )
 
     @staticmethod
@@ -473,10 +528,28 @@ class ModelRunner:
         return _merge_tokens_jit(inputs.tokens, inputs.prev_tokens, inputs.token_sources)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        if copies:
-            src = jnp.asarray([c.src for c in copies], jnp.int32)
-            dst = jnp.asarray([c.dst for c in copies], jnp.int32)
-            self.kv_pages = self._copy(self.kv_pages, src, dst)
+        """Copies blocks within each cache group's layers (one group: every layer)."""
+        for group in sorted({c.group for c in copies}):
+            src = jnp.asarray([c.src for c in copies if c.group == group], jnp.int32)
+            dst = jnp.asarray([c.dst for c in copies if c.group == group], jnp.int32)
+            layers = [
+                i for i in range(len(self.kv_pages)) if not self.window_layers or (i in self.window_layers) == (group == WINDOW_GROUP)
+            ]
+            copied = self._copy([self.kv_pages[i] for i in layers], src, dst)
+            for i, pages in zip(layers, copied):
+                self.kv_pages[i] = pages
+
+    def _layer_ids(self, block_ids: list[int], window_ids: list[int] | None, pad_value: int, window_pad: int):
+        """Block ids per cache layer: the full group's for its layers, the window group's (blocks let go:
+        `window_pad`) for the sliding ones; one array for every layer without a window group."""
+        ids = self._padded_ids(block_ids, pad_value)
+        if not self.window_layers:
+            return ids
+        win = np.full(ids.shape, window_pad, np.int32)
+        if window_ids:
+            table = np.asarray(window_ids, np.int32)
+            win[: len(table)] = np.where(table >= 0, table, window_pad)
+        return [win if i in self.window_layers else ids for i in range(len(self.kv_pages))]
 
     def _padded_ids(self, block_ids: list[int], pad_value: int) -> np.ndarray:
         n = pick_bucket(self.page_buckets, max(len(block_ids), 1))
@@ -494,7 +567,7 @@ class ModelRunner:
         host fetches the array when it needs it."""
         return _gather_jit(self.kv_pages[layer_start:layer_end], self._padded_ids(block_ids, 0), self.transport_width)
 
-    def stage_export(self, block_ids: list[int]) -> tuple[int, jax.Array | None]:
+    def stage_export(self, block_ids: list[int], window_ids: list[int] | None = None) -> tuple[int, jax.Array | None]:
         """Dispatches a copy of every layer's KV of `block_ids`, blocks first ([padded blocks, layers, page,
         2*Hkv, D]: a run of whole blocks is then a contiguous slice on the host), starts its transfer to
         the host and returns at once. Dispatch order makes it read the pages before any later step writes
@@ -502,9 +575,11 @@ class ModelRunner:
 
         Returns (the first block this process holds, this process's part). One engine over several hosts
         splits the copy by blocks across the hosts, so that each host exports the blocks it holds and no
-        host receives the whole KV; the part is None on a host that holds none of it."""
-        ids = self._padded_ids(block_ids, 0)
-        out = self._export_gather(len(ids))(self.kv_pages, ids, self.transport_width)
+        host receives the whole KV; the part is None on a host that holds none of it. `window_ids`: the window
+        group's table (its blocks let go are sent as page 0's contents, which the receiver drops)."""
+        ids = self._layer_ids(block_ids, window_ids, 0, 0)
+        padded = len(ids[0]) if self.window_layers else len(ids)
+        out = self._export_gather(padded)(self.kv_pages, ids, self.transport_width)
         offset, part = _local_part(out)
         if part is not None:
             part.copy_to_host_async()
@@ -537,11 +612,14 @@ class ModelRunner:
             return _gather_state_jit
         return jax.jit(_gather_state, out_shardings=NamedSharding(self.model.mesh, PartitionSpec()))
 
-    def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray) -> None:
+    def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray, window_ids: list[int] | None = None) -> None:
         """Writes host KV, blocks first ([blocks, layers, page, 2*Hkv, D], as chunks and the host tier hold
-        it), into `block_ids` for the layers from `layer_start`."""
+        it), into `block_ids` for the layers from `layer_start` (the sliding layers: into `window_ids`, blocks
+        let go dropped)."""
         ids, padded = self._padded_blocks(block_ids, data)
         end = layer_start + data.shape[1]
+        if self.window_layers:
+            ids = self._layer_ids(block_ids, window_ids, self.num_blocks, self.num_window_blocks)[layer_start:end]
         self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
 
     def _padded_blocks(self, block_ids: list[int], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -620,6 +698,8 @@ class ModelRunner:
         if self.num_state_slots:
             self._empty_states(inputs)
             inputs.decode_only = decode_only
+        if self.window_layers:
+            self._empty_window(inputs)
         return inputs
 
     def step_shapes(self) -> list[tuple[int, int, bool]]:
@@ -693,13 +773,18 @@ def _from_transport(data, page_shape):
     return data[..., : r * d].reshape(*data.shape[:2], r, d)
 
 
+def _ids_of(ids, layer: int):
+    """One array of block ids for every layer, or (cache groups) a list with one per layer."""
+    return ids[layer] if isinstance(ids, (list, tuple)) else ids
+
+
 def _gather_blocks(kv_pages, ids, width=None):
-    return jnp.stack([_to_transport(pages[ids], width) for pages in kv_pages])
+    return jnp.stack([_to_transport(pages[_ids_of(ids, i)], width) for i, pages in enumerate(kv_pages)])
 
 
 def _scatter_blocks(kv_pages, ids, data):
     # data blocks first: [blocks, layers, page, *transport dims]; ids past the pool (padding) are dropped
-    return [pages.at[ids].set(_from_transport(data[:, i], pages.shape), mode="drop") for i, pages in enumerate(kv_pages)]
+    return [pages.at[_ids_of(ids, i)].set(_from_transport(data[:, i], pages.shape), mode="drop") for i, pages in enumerate(kv_pages)]
 
 
 def _copy_pages(kv_pages, src, dst):
@@ -774,7 +859,7 @@ _gather_jit = jax.jit(_gather_blocks, static_argnums=2)
 
 
 def _gather_blocks_first(kv_pages, ids, width=None):
-    return jnp.stack([_to_transport(pages[ids], width) for pages in kv_pages], axis=1)
+    return jnp.stack([_to_transport(pages[_ids_of(ids, i)], width) for i, pages in enumerate(kv_pages)], axis=1)
 
 
 _gather_blocks_first_jit = jax.jit(_gather_blocks_first, static_argnums=2)
@@ -819,9 +904,20 @@ _init_slots_jit = jax.jit(init_slots, donate_argnums=(0,))
 _scatter_state_jit = jax.jit(_scatter_state, donate_argnums=(0,))
 
 
-def kv_bytes_per_block(model: LoadedModel, block_size: int) -> int:
+def kv_bytes_per_block(model: LoadedModel, block_size: int, layers=None) -> int:
+    """A block's bytes over every cache layer (or over `layers`, cache layer indices)."""
     cfg = model.cfg
-    return block_size * cfg.kv_elements_per_token * jnp.dtype(model.dtype).itemsize
+    layers = range(cfg.num_kv_layers) if layers is None else layers
+    return block_size * sum(math.prod(cfg.kv_layer_page_dims(i)) for i in layers) * jnp.dtype(model.dtype).itemsize
+
+
+def window_layers(cfg) -> tuple[int, ...]:
+    """The cache layers of a sliding-window group (window_cache.py): the sliding ones of a model that also has
+    full-attention layers; none otherwise (a model whose every layer slides keeps one group)."""
+    windows = [cfg.sliding_windows[layer] for layer in cfg.kv_layer_ids]
+    if all(w is None for w in windows) or all(w is not None for w in windows):
+        return ()
+    return tuple(i for i, w in enumerate(windows) if w is not None)
 
 
 def state_bytes_per_sequence(cfg) -> int:

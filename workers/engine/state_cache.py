@@ -318,6 +318,9 @@ class HybridCacheManager:
             del self._keep[request.request_id]  # all passed (each was a step's last boundary)
         return num_new_tokens
 
+    def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
+        return self.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks)
+
     def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=(), host_slots=()) -> list[BlockCopy] | None:
         rid = request.request_id
         needs_slot = rid not in self.slots.working

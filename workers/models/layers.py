@@ -165,6 +165,9 @@ class PagedKVCache:
 
     `pages[layer]` is [num_pages, page_size, 2 * Hkv, D] with K/V interleaved per head (the layout of
     JAX's TPU ragged paged attention kernel). The metadata describes this step's batch.
+
+    Cache groups: the cache layers in `window_layers` (sliding-window layers with a pool of their own) write
+    through `window_slot_mapping` and read through `window_page_indices`; the others through the main ones.
     """
 
     pages: list[Array]
@@ -173,11 +176,20 @@ class PagedKVCache:
     page_indices: Array  # i32[S, pages_per_seq]
     cu_q_lens: Array  # i32[S + 1]
     num_seqs: Array  # i32[1]
+    window_slot_mapping: Array | None = field(default=None, kw_only=True)
+    window_page_indices: Array | None = field(default=None, kw_only=True)
+    window_layers: tuple[int, ...] = field(default=(), kw_only=True, metadata=dict(static=True))
+
+    def _tables(self, layer) -> tuple[Array, Array]:
+        """(slot mapping, page table) of the cache group `layer` belongs to."""
+        if layer in self.window_layers:
+            return self.window_slot_mapping, self.window_page_indices
+        return self.slot_mapping, self.page_indices
 
     def update_and_attend(self, layer, q, k, v, positions, sliding_window, sm_scale=None):
         b, t = q.shape[:2]
         flat = lambda a: a.reshape(b * t, *a.shape[2:])
-        self.pages[layer] = write_kv(self.pages[layer], flat(k), flat(v), self.slot_mapping)
+        self.pages[layer] = write_kv(self.pages[layer], flat(k), flat(v), self._tables(layer)[0])
         return self.attend(layer, q, positions, sliding_window, sm_scale)
 
     def attend(self, layer, q, positions, sliding_window, sm_scale=None):
@@ -186,7 +198,7 @@ class PagedKVCache:
             q.reshape(b * t, *q.shape[2:]),
             self.pages[layer],
             self.kv_lens,
-            self.page_indices,
+            self._tables(layer)[1],
             self.cu_q_lens,
             self.num_seqs,
             sm_scale=q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
