@@ -216,7 +216,7 @@ class EngineConfig(BaseModel):
         default=True,
         description="sliding-window layers of a model that also has full-attention ones (Gemma 4) keep their KV in a "
         "pool of their own and hold only their window's blocks per sequence; off: every layer in one pool, every "
-        "block kept (also the layout with host_kv or data-parallel attention, which do not support the group yet)",
+        "block kept (also the layout with host_kv, which does not support the group yet)",
     )
     host_kv: HostKVConfig = Field(default_factory=lambda: HostKVConfig())
     session_idle_s: float = Field(

@@ -34,6 +34,7 @@ from .request import Request
 from .runner import KEEP, ModelRunner, RoutingCounter, StepInputs, pick_bucket
 from .scheduler import SchedulerOutput
 from .state_cache import HybridCacheManager, HybridPrefix, KeepPoints
+from .window_cache import NO_BLOCK, WindowedKVCacheManager
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,19 @@ class DataParallelKVCacheManager:
         slots_per_rank: int = 0,
         snapshots_per_rank: int = 0,
         keep_points: KeepPoints = KeepPoints(),
+        window: int | None = None,
+        window_blocks_per_rank: int = 0,
     ):
-        if slots_per_rank:
+        """`window`: the sliding-window layers' cache group (window_cache.py), `window_blocks_per_rank` blocks
+        per rank (rank r's: [r * that, (r + 1) * that) of its pages)."""
+        if window is not None:
+            self.ranks = [
+                WindowedKVCacheManager(
+                    blocks_per_rank, window_blocks_per_rank, block_size, window, enable_prefix_caching, extra_keys, events
+                )
+                for _ in range(dp)
+            ]
+        elif slots_per_rank:
             self.ranks = [
                 HybridCacheManager(
                     blocks_per_rank,
@@ -85,6 +97,7 @@ class DataParallelKVCacheManager:
             self.ranks = [KVCacheManager(blocks_per_rank, block_size, enable_prefix_caching, extra_keys, events) for _ in range(dp)]
         self.slots_per_rank = slots_per_rank
         self.blocks_per_rank = blocks_per_rank
+        self.window_blocks_per_rank = window_blocks_per_rank
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._rank_of: dict[str, int] = {}
@@ -128,12 +141,14 @@ class DataParallelKVCacheManager:
     def _on_rank(self, request: Request):
         """The request's manager, with its block ids rank-local for the duration (global outside)."""
         r = self.rank(request)
-        offset = r * self.blocks_per_rank
+        offset, window_offset = r * self.blocks_per_rank, r * self.window_blocks_per_rank
         request.block_ids = [b - offset for b in request.block_ids]
+        request.window_block_ids = [b if b == NO_BLOCK else b - window_offset for b in request.window_block_ids]
         try:
             yield self.ranks[r], offset
         finally:
             request.block_ids = [b + offset for b in request.block_ids]
+            request.window_block_ids = [b if b == NO_BLOCK else b + window_offset for b in request.window_block_ids]
 
     # ---------------------------------------------------------------- the KVCacheManager interface
 
@@ -154,12 +169,21 @@ class DataParallelKVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=()) -> list[BlockCopy] | None:
         with self._on_rank(request) as (manager, offset):
             copies = manager.allocate(request, num_new_tokens, _shifted(prefix_blocks, -offset))
+        return self._global_copies(request, copies, offset)
+
+    def _global_copies(self, request: Request, copies: list[BlockCopy] | None, offset: int) -> list[BlockCopy] | None:
         if copies is None:
             return None
-        return [BlockCopy(c.src + offset, c.dst + offset) for c in copies]
+        window_offset = self.rank(request) * self.window_blocks_per_rank
+        return [
+            BlockCopy(c.src + (window_offset if c.group else offset), c.dst + (window_offset if c.group else offset), c.group)
+            for c in copies
+        ]
 
     def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
-        return self.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks)
+        with self._on_rank(request) as (manager, offset):
+            copies = manager.allocate_import(request, _shifted(prefix_blocks, -offset))
+        return self._global_copies(request, copies, offset)
 
     def plan_step(self, request: Request, start: int, num_new_tokens: int, num_spec: int = 0):
         """Rank-local directions (hybrid: rank-local state slots, as the runner lays each rank out)."""
@@ -208,12 +232,28 @@ class DataParallelKVCacheManager:
 
 
 class DataParallelRunner(ModelRunner):
-    def __init__(self, model: LoadedModel, config: EngineConfig, blocks_per_rank: int, max_model_len: int, slots_per_rank: int = 0):
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        blocks_per_rank: int,
+        max_model_len: int,
+        slots_per_rank: int = 0,
+        window_blocks_per_rank: int = 0,
+    ):
         self.dp = model.data_parallel_size
         self.blocks_per_rank = blocks_per_rank
         self.slots_per_rank = slots_per_rank
+        self.window_blocks_per_rank = window_blocks_per_rank
         self.rank_sharding = NamedSharding(model.mesh, PartitionSpec(model.data_axes))
-        super().__init__(model, config, blocks_per_rank * self.dp, max_model_len, slots_per_rank * self.dp)
+        super().__init__(
+            model,
+            config,
+            blocks_per_rank * self.dp,
+            max_model_len,
+            slots_per_rank * self.dp,
+            num_window_blocks=window_blocks_per_rank * self.dp,
+        )
         self.token_sharding = self.rank_sharding
         replicated = NamedSharding(model.mesh, PartitionSpec())
         pages = [self.rank_sharding] * self.cfg.num_kv_layers
@@ -256,7 +296,11 @@ class DataParallelRunner(ModelRunner):
     ):
         self.num_traces += 1
         meta = (list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, self.model.mesh, self.model.data_axes)
-        if state_pools is None:
+        if window is not None:
+            cache = DataParallelPagedKVCache(
+                *meta, window_slot_mapping=window[0], window_page_indices=window[1], window_layers=self.window_layers
+            )
+        elif state_pools is None:
             cache = DataParallelPagedKVCache(*meta)
         else:
             conv, rec = state_pools
@@ -294,6 +338,11 @@ class DataParallelRunner(ModelRunner):
             inputs.slot_mapping[r, o : o + k] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             inputs.kv_lens[r, i] = start + k
             inputs.page_indices[r, i, : len(blocks)] = blocks
+            if self.window_layers:  # rank-local window blocks; those let go read as page 0 (never seen)
+                table = np.asarray(req.window_block_ids, np.int32) - r * self.window_blocks_per_rank
+                table = np.where(np.asarray(req.window_block_ids) == NO_BLOCK, 0, table)
+                inputs.window_slot_mapping[r, o : o + k] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+                inputs.window_page_indices[r, i, : len(table)] = table
             inputs.cu_q_lens[r, i + 1 :] = o + k
             # Rows of the flattened [dp * n] batch: the last token's, and each draft's before it.
             inputs.logits_rows.append(row)
@@ -332,6 +381,8 @@ class DataParallelRunner(ModelRunner):
             inputs.snap_slots = np.full((dp, s), -1, np.int32)
             inputs.snap_lens = np.zeros((dp, s), np.int32)
             inputs.decode_only = decode_only
+        if self.window_layers:
+            self._empty_window(inputs)
         return inputs
 
     def _step_args(self, inputs: StepInputs) -> tuple:
@@ -339,6 +390,8 @@ class DataParallelRunner(ModelRunner):
         per_rank = ["positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
         if self.num_state_slots:
             per_rank += ["state_slots", "snap_slots", "snap_lens"]
+        if self.window_layers:
+            per_rank += ["window_slot_mapping", "window_page_indices"]
         placed = {name: jax.device_put(getattr(inputs, name), self.rank_sharding) for name in per_rank}
         placed["tokens"] = self.input_tokens(inputs)  # placed by the base (token_sharding)
         return super()._step_args(StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only))

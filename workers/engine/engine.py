@@ -147,8 +147,11 @@ class EngineCore:
                 slots_per_rank=slots,
                 snapshots_per_rank=self.max_snapshots,
                 keep_points=config.keep_points(),
+                window=window_group and window_group[0],
+                window_blocks_per_rank=window_group[2] if window_group else 0,
             )
-            self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots)
+            window_blocks = window_group[2] if window_group else 0
+            self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots, window_blocks)
         elif self.cfg.is_hybrid:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)
             host, host_states = self._hybrid_host_tiers(config, num_blocks)
@@ -496,10 +499,8 @@ class EngineCore:
         layers = window_layers(self.cfg)
         if not layers or not config.sliding_window_group or self.cfg.is_hybrid:
             return None
-        if config.host_kv.enabled or self.model.data_parallel_size > 1:
-            log.info(
-                "sliding-window layers share the full layers' pool: host_kv and data-parallel attention do not support their own group yet"
-            )
+        if config.host_kv.enabled:
+            log.info("sliding-window layers share the full layers' pool: host_kv does not support their own group yet")
             return None
         window = max(self.cfg.sliding_windows[self.cfg.kv_layer_ids[i]] for i in layers)
         bs = config.block_size

@@ -314,8 +314,11 @@ class ModelRunner:
         bs, offset = self.block_size, 0
         for i, item in enumerate(out.scheduled):
             table, k, start = item.request.window_block_ids, item.num_new_tokens, item.start
-            pos = np.arange(start, start + k, dtype=np.int32)
-            inputs.window_slot_mapping[offset : offset + k] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
+            if k == 1:  # decode: a scalar write
+                inputs.window_slot_mapping[offset] = table[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + k, dtype=np.int32)
+                inputs.window_slot_mapping[offset : offset + k] = np.asarray(table, np.int32)[pos // bs] * bs + pos % bs
             inputs.window_page_indices[i, : len(table)] = np.maximum(table, 0)
             offset += k
 

@@ -34,6 +34,15 @@ class DataParallelPagedKVCache:
     num_seqs: Array  # i32[dp, 1]
     mesh: Mesh = field(metadata=dict(static=True))
     axes: tuple[str, ...] = field(metadata=dict(static=True))  # the data-parallel mesh axes
+    # A sliding-window cache group (as `layers.PagedKVCache`): its layers' rank-local slots and page tables.
+    window_slot_mapping: Array | None = field(default=None, kw_only=True)  # i32[dp, N]
+    window_page_indices: Array | None = field(default=None, kw_only=True)  # i32[dp, S, pages_per_seq]
+    window_layers: tuple[int, ...] = field(default=(), kw_only=True, metadata=dict(static=True))
+
+    def _tables(self, layer) -> tuple[Array, Array]:
+        if layer in self.window_layers:
+            return self.window_slot_mapping, self.window_page_indices
+        return self.slot_mapping, self.page_indices
 
     def update_and_attend(self, layer, q, k, v, positions, sliding_window, sm_scale=None):
         """q [dp, N, Hq, D], k/v [dp, N, Hkv, D] -> [dp, N, Hq, D]; writes this step's K/V first."""
@@ -50,9 +59,8 @@ class DataParallelPagedKVCache:
         # No collective inside; check_vma=False lets kernels whose loop carries start from constants
         # (the portable attention) run per rank unchanged.
         attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 9, out_specs=(rank, rank), check_vma=False)
-        out, self.pages[layer] = attend(
-            self.pages[layer], q, k, v, self.slot_mapping, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs
-        )
+        slots, page_indices = self._tables(layer)
+        out, self.pages[layer] = attend(self.pages[layer], q, k, v, slots, self.kv_lens, page_indices, self.cu_q_lens, self.num_seqs)
         return out
 
     def attend(self, layer, q, positions, sliding_window, sm_scale=None):
@@ -67,7 +75,7 @@ class DataParallelPagedKVCache:
             return out[None]
 
         attend = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(rank,) * 6, out_specs=rank, check_vma=False)
-        return attend(self.pages[layer], q, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs)
+        return attend(self.pages[layer], q, self.kv_lens, self._tables(layer)[1], self.cu_q_lens, self.num_seqs)
 
     def update_and_attend_latent(self, layer, q, row, positions, sm_scale, v_dim):
         """MLA: q [dp, N, Hq, Dk] (absorbed), row [dp, N, Dk] -> [dp, N, Hq, v_dim]; each rank writes and
