@@ -203,7 +203,9 @@ def test_data_parallel_engine_gives_the_single_device_tokens(moe, uncached):
     their rank's pages) with the experts split over the mesh."""
     batch = [list(range(1, 30)), [8, 2, 77, 45, 1, 90, 33], list(range(40, 52))]
     single = uncached.generate(batch, SHORT)
-    parallel = LLM(str(moe), parallel={"mesh": "1x8"}, **ARGS).generate(batch, SHORT)
+    llm = LLM(str(moe), parallel={"mesh": "1x8"}, **ARGS)
+    assert llm.engine.runner.window_layers  # each rank's sliding layers in a cache group of their own
+    parallel = llm.generate(batch, SHORT)
     assert [o.token_ids for o in parallel] == [o.token_ids for o in single]
 
 
