@@ -224,34 +224,13 @@ class ModelRunner:
         decode_only=False,
     ):
         self.num_traces += 1  # runs only while tracing: counts compilations
-        if window is not None:
-            cache = PagedKVCache(
-                list(kv_pages),
-                slot_mapping,
-                kv_lens,
-                page_indices,
-                cu_q_lens,
-                num_seqs,
-                window_slot_mapping=window[0],
-                window_page_indices=window[1],
-                window_layers=self.window_layers,
-            )
-        elif state_pools is None:
-            cache = PagedKVCache(list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+        meta = (list(kv_pages), slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+        if state_pools is None:
+            groups = {} if window is None else {"window_slot_mapping": window[0], "window_page_indices": window[1]}
+            cache = PagedKVCache(*meta, **groups, window_layers=self.window_layers if groups else ())
         else:
             conv, rec = state_pools
-            cache = PagedHybridCache(
-                list(kv_pages),
-                slot_mapping,
-                kv_lens,
-                page_indices,
-                cu_q_lens,
-                num_seqs,
-                list(conv),
-                list(rec),
-                *states,
-                decode_only=decode_only,
-            )
+            cache = PagedHybridCache(*meta, list(conv), list(rec), *states, decode_only=decode_only)
         counter = RoutingCounter(self.model.experts, slot_mapping >= 0, self.cfg.num_experts)
         logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
         pools = None if state_pools is None else (cache.conv, cache.recurrent)
