@@ -62,7 +62,8 @@ def kv_handoff(prefill, decode, rid, prompt, params, chunk_bytes=1, reverse=Fals
 
     prefill.add_request(rid, prompt, params.model_copy(update={"max_tokens": 1}), hold_kv=True)
     first = run_to_end(prefill, rid)
-    decode.add_request(rid, prompt, params, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens))
+    window_start = prefill.staged[rid].window_start_block  # as the prefill worker's handoff carries it
+    decode.add_request(rid, prompt, params, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens, window_start))
     move_kv(prefill, decode, rid, chunk_bytes, reverse)
     rest = run_to_end(decode, rid)  # the decode side's deltas: everything after the first token
     whole = replace(rest, token_ids=first.token_ids + rest.token_ids, text=first.text + rest.text)

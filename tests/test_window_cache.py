@@ -247,7 +247,7 @@ def test_prefix_hits_across_the_window_give_the_uncached_tokens(windowed, one_po
 
 @pytest.mark.parametrize("direction", ["windowed-to-one-pool", "one-pool-to-windowed"])
 def test_a_handoff_between_the_layouts(gemma, one_pool, direction):
-    from engine_harness import kv_handoff
+    from engine_harness import kv_handoff, run_to_end
 
     from workers.engine import EngineConfig, EngineCore
 
@@ -261,3 +261,9 @@ def test_a_handoff_between_the_layouts(gemma, one_pool, direction):
     assert outs[-1].token_ids == one_pool.generate([prompt], SHORT)[0].token_ids
     if groups[1]:  # the importing side allocated window blocks only for what its decode reads
         assert decode.kv.window_pool.num_free == decode.kv.window_pool.num_blocks
+    # A prompt branching off early: the sender had let go of the sliding KV its window needs (filler came in
+    # its place), so neither layout may resume from the imported blocks there.
+    branch = prompt[:16] + [50, 51, 52, 53]
+    decode.add_request("b", branch, SHORT)
+    out = run_to_end(decode, "b")
+    assert out.num_cached_tokens == 0 and out.token_ids == one_pool.generate([branch], SHORT)[0].token_ids

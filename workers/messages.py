@@ -122,6 +122,9 @@ class PrefillHandoff:
     transport: str = ""
     prefill_time_s: float = 0.0
     export_time_s: float = 0.0  # from the engine's dispatch of the copy to the chunks being published
+    # The first block whose sliding-window layers' KV the chunks hold (a sender with a sliding-window cache
+    # group let go of earlier ones: they come as filler, out of every query's window; window_cache.py).
+    window_start_block: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -232,7 +232,18 @@ class PrefillWorker(EngineWorker):
         else:
             asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire_hold, rid)
         export_s = time.perf_counter() - start - prefill_s
-        return PrefillHandoff(rid, self.worker_id, first, len(request.prompt), headers, sources, self.transport.name, prefill_s, export_s)
+        return PrefillHandoff(
+            rid,
+            self.worker_id,
+            first,
+            len(request.prompt),
+            headers,
+            sources,
+            self.transport.name,
+            prefill_s,
+            export_s,
+            staged.window_start_block,
+        )
 
     async def _publish(self, staged: StagedKV) -> tuple[KVExport, tuple, tuple]:
         """Publishes this host's part of the KV (waiting for its host copy off the event loop), and the
@@ -392,7 +403,9 @@ class DecodeWorker(EngineWorker):
 
         run = self._running[rid] = _Running(sink, outbox, release=release, on_end=on_end, on_import=on_import)
         handoff = request.handoff
-        kv_import = KVImport(handoff.first.token_ids[0], handoff.first.num_cached_tokens) if handoff is not None else None
+        kv_import = None
+        if handoff is not None:
+            kv_import = KVImport(handoff.first.token_ids[0], handoff.first.num_cached_tokens, handoff.window_start_block)
         try:
             await self._add(
                 rid, request.prompt, request.params, sink, kv_import=kv_import, session_id=request.session_id, resume=request.resume

@@ -180,6 +180,10 @@ class DataParallelKVCacheManager:
             for c in copies
         ]
 
+    def import_lacks_window(self, request: Request, window_start_block: int) -> None:
+        with self._on_rank(request) as (manager, _):
+            manager.import_lacks_window(request, window_start_block)
+
     def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
         with self._on_rank(request) as (manager, offset):
             copies = manager.allocate_import(request, _shifted(prefix_blocks, -offset))

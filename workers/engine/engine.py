@@ -36,7 +36,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .speculative import DraftModelProposer, Speculator, accepted_length
 from .state_cache import HybridCacheManager
 from .structured import GrammarCompiler, GrammarState, ids_bitmask
-from .window_cache import WindowedKVCacheManager, window_blocks_per_sequence
+from .window_cache import NO_BLOCK, WindowedKVCacheManager, window_blocks_per_sequence
 
 log = logging.getLogger("moray.engine")
 
@@ -51,6 +51,8 @@ class KVImport:
 
     first_token: int
     num_cached_tokens: int = 0
+    # The first block whose sliding-window layers the handoff holds (`PrefillHandoff.window_start_block`).
+    window_start_block: int = 0
 
 
 @dataclass(slots=True)
@@ -70,6 +72,7 @@ class StagedKV:
     state: object = None
     pack_state: object = None
     staged_at: float = 0.0
+    window_start_block: int = 0  # the first block whose sliding-window layers are held (window_cache.py)
 
 
 @dataclass
@@ -301,6 +304,8 @@ class EngineCore:
             return
         if getattr(self.kv, "host", None) is not None:
             self._dispatch_host_saves()  # the imported KV is written at once, into blocks this may have evicted
+        if kv_import.window_start_block > len(prefix):
+            self.kv.import_lacks_window(request, kv_import.window_start_block)
         request.kv_import_from_block = len(prefix)
         self.scheduler.add_importing(request)
 
@@ -369,6 +374,7 @@ class EngineCore:
             offset, part = self.runner.stage_export(request.block_ids[:num_blocks], request.window_block_ids[:num_blocks])
             local = 0 if part is None else max(0, min(part.shape[0], num_blocks - offset))
             staged = StagedKV(request_id, local, part, block_start=offset, staged_at=time.perf_counter())
+            staged.window_start_block = next((i for i, b in enumerate(request.window_block_ids[:num_blocks]) if b != NO_BLOCK), 0)
             if self.cfg.is_hybrid:
                 staged.state = self.runner.stage_state_export(self.kv.working_slot(request_id))
                 staged.pack_state = self.runner.pack_state

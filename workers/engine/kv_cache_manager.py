@@ -253,6 +253,12 @@ class KVCacheManager:
         rest of the prompt."""
         return self.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks)
 
+    def import_lacks_window(self, request: Request, window_start_block: int) -> None:
+        """An imported prompt's sliding-window layers came only from `window_start_block` on (the sender let go of
+        the earlier blocks'): one pool caches a block for every layer at once, so none of this request's
+        blocks enter the prefix cache (a hit ending among them would read the missing window)."""
+        self._num_cached_blocks[request.request_id] = 1 << 62
+
     def take_pending_saves(self) -> list[tuple[int, int, int | None, str | None]]:
         saves, self.pending_saves = self.pending_saves, []
         return saves

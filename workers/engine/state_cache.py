@@ -318,6 +318,9 @@ class HybridCacheManager:
             del self._keep[request.request_id]  # all passed (each was a step's last boundary)
         return num_new_tokens
 
+    def import_lacks_window(self, request: Request, window_start_block: int) -> None:
+        """Hybrid models have no sliding-window layers."""
+
     def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
         return self.allocate(request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks)
 

@@ -156,6 +156,10 @@ class WindowedKVCacheManager(KVCacheManager):
         self._let_go(request, first_needed)  # a hit reaching back past what is read from now on
         return copies
 
+    def import_lacks_window(self, request: Request, window_start_block: int) -> None:
+        """Nothing to do: the window table gets blocks only from where the decode reads (`allocate_import`),
+        never before the sender's first sliding block; those blocks' windows are never cached."""
+
     def allocate_import(self, request: Request, prefix_blocks: list[int]) -> list[BlockCopy] | None:
         return self.allocate(
             request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks, reads_from=request.num_prompt_tokens
