@@ -249,6 +249,19 @@ def test_chunks_are_powers_of_two_of_whole_blocks_and_cover_every_block_and_laye
     assert plan_chunks(19, 2, 1000, 7000)[0][:2] == (0, 2)  # 3 blocks fit: 2 taken
 
 
+def test_a_senders_let_go_sliding_layers_are_not_sent():
+    """Blocks whose sliding-window layers the sender let go of go as runs of the other layers only."""
+    from workers.kv_transfer import plan_chunks
+
+    window = (0, 1, 3, 4)  # layers 2 and 5 are full-attention layers
+    for blocks, per_layer, chunk, skip in [(19, 1000, 7000, 11), (5, 4096, 1 << 20, 5), (3, 1000, 1500, 1), (4, 10, 1, 9)]:
+        plan = plan_chunks(blocks, 6, per_layer, chunk, window, skip)
+        covered = sorted((b, l) for b0, b1, l0, l1 in plan for b in range(b0, b1) for l in range(l0, l1))
+        want = [(b, l) for b in range(blocks) for l in range(6) if b >= skip or l not in window]
+        assert covered == want
+        assert all((b1 - b0) * (l1 - l0) * per_layer <= max(chunk, per_layer) for b0, b1, l0, l1 in plan)
+
+
 def test_the_parts_of_several_hosts_become_one_numbered_chunk_list():
     import numpy as np
 

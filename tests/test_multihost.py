@@ -193,6 +193,27 @@ def multihost_prefill_app(request, tmp_path_factory, ray_serve):
         yield arch, model_dir, app
 
 
+def _num_kv_layers(model_dir) -> int:
+    from workers.models import load_model
+
+    return load_model(model_dir, load_format="dummy", show_progress=False).cfg.num_kv_layers
+
+
+def _layer_blocks_sent(model_dir, prompt_len: int) -> int:
+    """(block, cache layer) pairs a handoff of a prompt sends, prefilled in chunks of the step budget."""
+    from workers.engine.runner import window_layers
+    from workers.models import load_model
+
+    cfg = load_model(model_dir, load_format="dummy", show_progress=False).cfg
+    blocks, sliding = -(-prompt_len // ENGINE["block_size"]), window_layers(cfg)
+    if not sliding:
+        return blocks * cfg.num_kv_layers
+    window = cfg.sliding_windows[cfg.kv_layer_ids[sliding[0]]]
+    last_chunk = (prompt_len - 1) // EXPORT_ENGINE["max_num_batched_tokens"] * EXPORT_ENGINE["max_num_batched_tokens"]
+    let_go = max(0, last_chunk - window + 1) // ENGINE["block_size"]
+    return blocks * cfg.num_kv_layers - let_go * len(sliding)
+
+
 @pytest.mark.cluster
 def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_prefill_app):
     """Each host exports the blocks it holds, the decode replica writes them into its own layout: greedy
@@ -216,8 +237,10 @@ def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_
     assert after.handoff.handoffs - before.handoff.handoffs == len(EXPORT_PROMPTS)
     assert after.handoff.import_failures == before.handoff.import_failures  # no local re-prefill
     block = ENGINE["block_size"]
-    blocks = sum(-(-len(p) // block) for p in EXPORT_PROMPTS)
-    assert moved == blocks * block * after.engine.kv_bytes_per_token  # every block, from both hosts
+    # Every block from both hosts; with a sliding-window group, not the sliding layers of the blocks the
+    # prefill side let go of before its last chunk (out of the window of every query after it).
+    layer_blocks = sum(_layer_blocks_sent(model_dir, len(p)) for p in EXPORT_PROMPTS)
+    assert moved == layer_blocks * block * after.engine.kv_bytes_per_token // _num_kv_layers(model_dir)
     if arch == "qwen3_5_moe":
         assert after.handoff.state_bytes > before.handoff.state_bytes
     exports = prefill.heartbeat.remote().result(timeout_s=60).handoff

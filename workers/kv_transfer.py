@@ -45,10 +45,41 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 VERIFY_INLINE_BYTES = 256 << 10  # chunks smaller than this are checked on the event loop (a thread hop costs more)
 
 
-def plan_chunks(num_blocks: int, num_layers: int, block_layer_nbytes: int, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
+def plan_chunks(
+    num_blocks: int,
+    num_layers: int,
+    block_layer_nbytes: int,
+    chunk_bytes: int,
+    skip_layers: tuple[int, ...] = (),
+    skip_blocks: int = 0,
+) -> list[tuple[int, int, int, int]]:
     """(block_start, block_end, layer_start, layer_end) of each chunk: runs of whole blocks (every layer)
     up to `chunk_bytes`, a power of two of them (the decode engine's page buckets: it writes such a chunk
-    as it comes, without a padded copy); a block larger than that is split by layers."""
+    as it comes, without a padded copy); a block larger than that is split by layers.
+
+    `skip_layers` of the first `skip_blocks` blocks are not sent: a sender's sliding-window layers of blocks it
+    let go of (window_cache.py), which no query of the request reads; those blocks go as runs of the other
+    layers."""
+    skip_blocks = min(skip_blocks, num_blocks) if skip_layers else 0
+    chunks = []
+    if skip_blocks:
+        runs: list[tuple[int, int]] = []  # the other layers, as runs of adjacent ones
+        for layer in range(num_layers):
+            if layer in skip_layers:
+                continue
+            if runs and runs[-1][1] == layer:
+                runs[-1] = (runs[-1][0], layer + 1)
+            else:
+                runs.append((layer, layer + 1))
+        for l0, l1 in runs:
+            chunks += [
+                (b0, b1, l0 + m0, l0 + m1) for b0, b1, m0, m1 in _whole_block_runs(skip_blocks, l1 - l0, block_layer_nbytes, chunk_bytes)
+            ]
+    rest = _whole_block_runs(num_blocks - skip_blocks, num_layers, block_layer_nbytes, chunk_bytes)
+    return chunks + [(b0 + skip_blocks, b1 + skip_blocks, l0, l1) for b0, b1, l0, l1 in rest]
+
+
+def _whole_block_runs(num_blocks: int, num_layers: int, block_layer_nbytes: int, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
     per_block = num_layers * block_layer_nbytes
     if per_block <= chunk_bytes:
         step = 1 << (max(1, chunk_bytes // per_block).bit_length() - 1)
@@ -83,7 +114,8 @@ class KVExport:
             host = np.asarray(staged.blocks)[:n]  # waits for the device->host copy
             num_layers = host.shape[1]
             block_layer_nbytes = host[0, 0].nbytes
-            for b0, b1, l0, l1 in plan_chunks(n, num_layers, block_layer_nbytes, chunk_bytes):
+            skip = max(0, staged.window_start_block - b)  # this part's blocks whose sliding layers were let go of
+            for b0, b1, l0, l1 in plan_chunks(n, num_layers, block_layer_nbytes, chunk_bytes, staged.window_layers, skip):
                 data = host[b0:b1] if (l0, l1) == (0, num_layers) else np.ascontiguousarray(host[b0:b1, l0:l1])
                 chunks.append(KVChunk.of(rid, len(chunks), "kv", b + b0, b + b1, l0, l1, data))
         if staged.state is not None:

@@ -73,6 +73,7 @@ class StagedKV:
     pack_state: object = None
     staged_at: float = 0.0
     window_start_block: int = 0  # the first block whose sliding-window layers are held (window_cache.py)
+    window_layers: tuple[int, ...] = ()  # those layers (cache layer indices)
 
 
 @dataclass
@@ -375,6 +376,7 @@ class EngineCore:
             local = 0 if part is None else max(0, min(part.shape[0], num_blocks - offset))
             staged = StagedKV(request_id, local, part, block_start=offset, staged_at=time.perf_counter())
             staged.window_start_block = next((i for i, b in enumerate(request.window_block_ids[:num_blocks]) if b != NO_BLOCK), 0)
+            staged.window_layers = self.runner.window_layers
             if self.cfg.is_hybrid:
                 staged.state = self.runner.stage_state_export(self.kv.working_slot(request_id))
                 staged.pack_state = self.runner.pack_state
