@@ -295,7 +295,7 @@ class DataParallelRunner(ModelRunner):
         num_seqs,
         logits_indices,
         states,
-        window=None,  # no sliding-window group with data-parallel attention (engine._window_group)
+        window=None,
         decode_only=False,
     ):
         self.num_traces += 1
@@ -343,8 +343,8 @@ class DataParallelRunner(ModelRunner):
             inputs.kv_lens[r, i] = start + k
             inputs.page_indices[r, i, : len(blocks)] = blocks
             if self.window_layers:  # rank-local window blocks; those let go read as page 0 (never seen)
-                table = np.asarray(req.window_block_ids, np.int32) - r * self.window_blocks_per_rank
-                table = np.where(np.asarray(req.window_block_ids) == NO_BLOCK, 0, table)
+                ids = np.asarray(req.window_block_ids, np.int32)
+                table = np.where(ids == NO_BLOCK, 0, ids - r * self.window_blocks_per_rank)
                 inputs.window_slot_mapping[r, o : o + k] = table[pos // self.block_size] * self.block_size + pos % self.block_size
                 inputs.window_page_indices[r, i, : len(table)] = table
             inputs.cu_q_lens[r, i + 1 :] = o + k

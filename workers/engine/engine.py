@@ -141,6 +141,7 @@ class EngineCore:
         slots = config.state_slots(self.state_bytes) if self.cfg.is_hybrid else 0
         if self.model.data_parallel_size > 1:  # each rank its own sequences, blocks and state slots
             dp = self.model.data_parallel_size
+            window_blocks = window_group[2] if window_group else 0
             self.kv = DataParallelKVCacheManager(
                 dp,
                 num_blocks,
@@ -152,9 +153,8 @@ class EngineCore:
                 snapshots_per_rank=self.max_snapshots,
                 keep_points=config.keep_points(),
                 window=window_group and window_group[0],
-                window_blocks_per_rank=window_group[2] if window_group else 0,
+                window_blocks_per_rank=window_blocks,
             )
-            window_blocks = window_group[2] if window_group else 0
             self.runner = DataParallelRunner(self.model, config, num_blocks, self.max_model_len, slots, window_blocks)
         elif self.cfg.is_hybrid:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, slots)

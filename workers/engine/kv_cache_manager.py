@@ -125,7 +125,6 @@ class BlockPool:
             self._free_cached.discard(other)
             self.hash_of[other] = self.parent_of[other] = None
             self._free_uncached.append(other)
-            del self.cached[block_hash]
             self.cached[block_hash] = b
             self.hash_of[b], self.parent_of[b] = block_hash, parent
             return  # the same content stays cached: nothing to publish
