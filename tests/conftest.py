@@ -7,6 +7,7 @@ Markers (pyproject.toml): `cluster` tests deploy Serve apps on the session's loc
 import faulthandler
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -38,9 +39,13 @@ def ray_serve():
     ray.shutdown()
 
 
+_SESSION_START = time.monotonic()
+
+
 def _memory_line(module: str) -> str:
-    """One line of what this process holds after a module: its RSS, the engines still alive, JAX's live
-    device buffers (`MORAY_TEST_MEMLOG=FILE` writes one per module: a leak shows as a count that only grows)."""
+    """One line of what this process holds after a module: the session's seconds so far (a module's time is
+    the difference to the next line), its RSS, the engines still alive, JAX's live device buffers
+    (`MORAY_TEST_MEMLOG=FILE` writes one per module: a leak shows as a count that only grows)."""
     import gc
 
     gc.collect()
@@ -55,7 +60,7 @@ def _memory_line(module: str) -> str:
     live_mb = 0
     if "jax" in sys.modules:
         live_mb = sum(a.nbytes for a in sys.modules["jax"].live_arrays()) // 2**20
-    return f"{module} rss_mb={rss_mb} maps={num_maps} engines={engines} live_arrays_mb={live_mb}\n"
+    return f"{module} t={time.monotonic() - _SESSION_START:.0f}s rss_mb={rss_mb} maps={num_maps} engines={engines} live_arrays_mb={live_mb}\n"
 
 
 def pytest_runtest_setup(item):
@@ -65,6 +70,13 @@ def pytest_runtest_setup(item):
         pytest_runtest_setup.module = item.module
         with open(path, "a") as log:
             log.write(_memory_line(f"before {item.module.__name__}"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("MORAY_TEST_MEMLOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(_memory_line("end"))
 
 
 @pytest.hookimpl(hookwrapper=True)

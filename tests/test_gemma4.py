@@ -117,7 +117,11 @@ def test_host_tier_reloads_layers_of_different_shapes(tiered, uncached):
         tiered.generate([[(seed * 7 + i) % 90 + 3 for i in range(72)]], SHORT)
     turn2 = first + [7, 8, 9]
     again = tiered.generate([turn2], SHORT)[0]
-    assert tiered.engine.kv.host.stats.blocks_loaded >= 9 and again.num_cached_tokens >= 72
+    kv = tiered.engine.kv
+    assert kv.host.stats.blocks_loaded >= 9 and again.num_cached_tokens >= 72
+    # The sliding layers' window came back from their own tier (the window group: host_kv keeps it).
+    assert tiered.engine.runner.window_layers and kv.host_window.stats.blocks_loaded >= 1
+    assert kv.host_window.data.shape[1] == len(tiered.engine.runner.window_layers)
     assert again.token_ids == uncached.generate([turn2], SHORT)[0].token_ids
 
 

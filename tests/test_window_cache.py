@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 import tempfile
 
+import numpy as np
 import pytest
 
+from workers.engine.host_tier import HOST_TIER, HostKVTier
 from workers.engine.kv_events import KVEventKind, KVEventPublisher
 from workers.engine.request import Request
 from workers.engine.sampling_params import SamplingParams
@@ -20,18 +22,37 @@ BS, WINDOW = 4, 10  # a query sees its 10 latest positions: at most 3 blocks bac
 PARAMS = SamplingParams(max_tokens=1000)
 
 
-def manager(full=64, window=16, prefix=True, events=None) -> WindowedKVCacheManager:
-    return WindowedKVCacheManager(full, window, BS, WINDOW, prefix, "", events)
+def manager(full=64, window=16, prefix=True, events=None, host=None) -> WindowedKVCacheManager:
+    """`host`: (full-group, window-group) host tier sizes in blocks."""
+    tiers = (None, None)
+    if host is not None:
+        tiers = tuple(HostKVTier(n, (1,), np.float32, block_size=BS) for n in host)
+    return WindowedKVCacheManager(full, window, BS, WINDOW, prefix, "", events, 600.0, *tiers)
 
 
-def run(kv: WindowedKVCacheManager, request: Request, chunk: int = 8, decode: int = 0, check=None) -> None:
-    """Prefills `request` in chunks (after its prefix hit) and decodes `decode` tokens, as the scheduler does."""
+def carry_host_copies(kv: WindowedKVCacheManager) -> list[tuple[int, str, list[int], np.ndarray]]:
+    """What the engine does with the host tiers around a step: evicted blocks stored (their "pages" are their
+    hash), queued loads taken; returns the loads as (group, request, device blocks, host pages)."""
+    loads = []
+    for channel in kv.host_channels():
+        for _, h, parent, session in channel.take_pending_saves():
+            channel.tier.put(h, parent, np.array([h % 1000], np.float32), session)
+        loads += [(channel.group, *load) for load in channel.take_pending_loads()]
+    return loads
+
+
+def run(kv: WindowedKVCacheManager, request: Request, chunk: int = 8, decode: int = 0, check=None) -> int:
+    """Prefills `request` in chunks (after its prefix hit) and decodes `decode` tokens, as the scheduler does;
+    returns how many blocks of the hit came back from the host tiers."""
     hit = kv.cached_prefix(request)
-    request.num_computed_tokens = min(len(hit) * BS, request.num_tokens - 1)
-    first = True
+    host = kv.host_prefix(request, len(hit))
+    request.num_computed_tokens = min((len(hit) + len(host)) * BS, request.num_tokens - 1)
+    first, loaded = True, 0
     while request.num_computed_tokens < request.num_tokens:
         n = min(chunk, request.num_tokens - request.num_computed_tokens)
-        assert kv.allocate(request, n, hit if first else ()) is not None
+        assert kv.allocate(request, n, hit if first else (), host if first else ()) is not None
+        if first:
+            loaded = sum(len(blocks) for *_, blocks, _ in carry_host_copies(kv))
         first = False
         request.num_computed_tokens += n
         kv.cache_full_blocks(request)
@@ -40,6 +61,8 @@ def run(kv: WindowedKVCacheManager, request: Request, chunk: int = 8, decode: in
         if request.num_computed_tokens == request.num_tokens and decode:
             request.output_token_ids.append(7 + decode % 50)
             decode -= 1
+        carry_host_copies(kv)
+    return loaded
 
 
 def test_a_long_sequence_holds_only_its_windows_blocks():
@@ -135,6 +158,71 @@ def test_events_publish_exactly_what_a_hit_reuses(seed):
             probe = Request(f"probe{i}", p + [1], PARAMS)
             hit = kv.cached_prefix(probe)
             assert len(hit) == _deepest_published(published, probe.block_hashes), (n, i)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_tiers_events_publish_exactly_what_a_hit_reuses(seed):
+    """As above with host tiers behind both groups (small enough to drop blocks too): the deepest published block
+    (either tier) equals the engine's hit, published on the device tier exactly when the hit needs no host
+    block, and a hit that loads from the host gets the blocks it names (their pages are their hashes)."""
+    rng = random.Random(100 + seed)
+    events = KVEventPublisher("w")
+    sub = events.subscribe()
+    kv = manager(full=30, window=12, events=events, host=(40, 14))
+    published: dict[int, set[str]] = {}
+    stems = [[rng.randrange(1000) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    prompts, loaded = [], 0
+    for n in range(50):
+        prompt = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 24))]
+        if prompts and rng.random() < 0.4:
+            prompt = rng.choice(prompts) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+        prompt = prompt[:60]
+        request = Request(f"r{n}", prompt, PARAMS)
+        loaded += run(kv, request, chunk=rng.choice([4, 8, 12]))
+        kv.free(request)
+        carry_host_copies(kv)
+        prompts.append(prompt)
+        for e in sub.drain():
+            tiers = published.setdefault(e.block_hash, set())
+            if e.kind is KVEventKind.STORED:
+                assert e.tier not in tiers
+                tiers.add(e.tier)
+            elif e.kind is KVEventKind.REMOVED:
+                tiers.remove(e.tier)
+            assert len(tiers) <= 1 or e.kind is KVEventKind.STORED  # moving: STORED in the new tier first
+        held = {h: t for h, ts in published.items() for t in ts}
+        for i, p in enumerate(prompts):
+            probe = Request(f"probe{i}", p + [1], PARAMS)
+            hit = kv.cached_prefix(probe)
+            host = kv.host_prefix(probe, len(hit))
+            deepest = _deepest_published(set(held), probe.block_hashes)
+            assert len(hit) + len(host) == deepest, (n, i)
+            if deepest:
+                from_host = bool(host) or any(s != NO_BLOCK for s in hit.window_host)
+                assert (held[probe.block_hashes[deepest - 1]] == HOST_TIER) == from_host, (n, i)
+    assert loaded > 0 and kv.host.stats.blocks_evicted > 0 and kv.host_window.stats.blocks_evicted > 0
+
+
+def test_a_hit_loads_window_blocks_from_the_host_into_fresh_blocks():
+    kv = manager(full=64, window=8, host=(16, 16))
+    prompt = list(range(300, 348))  # 12 blocks: its window blocks go to the host as other prompts pass
+    run(kv, a := Request("a", prompt, PARAMS))
+    kv.free(a)
+    run(kv, c := Request("c", list(range(500, 532)), PARAMS))
+    kv.free(c)
+    carry_host_copies(kv)
+    assert all(h in kv.host_window for h in a.block_hashes[9:12]) and a.block_hashes[11] not in kv.window_pool.cached
+    b = Request("b", prompt + [5, 6, 7], PARAMS)
+    hit = kv.cached_prefix(b)
+    assert len(hit) == 12 and kv.host_prefix(b, 12) == [] and hit.window_start == 9
+    b.num_computed_tokens = 48
+    assert kv.allocate(b, 3, hit) is not None
+    ((group, rid, blocks, pages),) = [
+        load for channel in kv.host_channels() for load in ((channel.group, *x) for x in channel.take_pending_loads())
+    ]
+    assert (group, rid) == (1, "b") and blocks == b.window_block_ids[9:12]
+    assert [int(p[0]) for p in pages] == [h % 1000 for h in a.block_hashes[9:12]]
+    assert kv.host_window.stats.blocks_loaded == 3
 
 
 def test_speculative_trim_gives_back_blocks_of_both_groups():
@@ -267,3 +355,32 @@ def test_a_handoff_between_the_layouts(gemma, one_pool, direction):
     decode.add_request("b", branch, SHORT)
     out = run_to_end(decode, "b")
     assert out.num_cached_tokens == 0 and out.token_ids == one_pool.generate([branch], SHORT)[0].token_ids
+
+
+def test_host_tiers_behind_both_groups_give_the_uncached_tokens(gemma, one_pool):
+    """Small device pools with host tiers behind both groups: conversations come back for a second turn after
+    others pushed their blocks off the device; both groups' blocks come back from the host, and every answer
+    equals the uncached one-pool engine's. The KV events then describe the hits exactly (tier included)."""
+    from workers.engine import LLM
+
+    llm = LLM(str(gemma), **engine_args(num_kv_blocks=16, host_kv={"blocks": 48}))
+    kv = llm.engine.kv
+    assert kv.window_pool.num_blocks == 16 and kv.host_window.num_blocks == 48  # the device pools' proportion
+    sub = llm.engine.events.subscribe()
+    firsts = [[(7 * c + i) % 97 + 3 for i in range(40)] for c in range(8)]
+    outs = llm.generate(firsts, SHORT)
+    turn2 = [p + o.token_ids + [11, 12] for p, o in zip(firsts, outs)]
+    again = [llm.generate([p], SHORT)[0] for p in turn2]  # one at a time: each pushes the next one's blocks out
+    assert all(a.num_cached_tokens >= 40 for a in again), [a.num_cached_tokens for a in again]
+    assert kv.host.stats.blocks_loaded > 0 and kv.host_window.stats.blocks_loaded > 0
+    assert [a.token_ids for a in again] == [o.token_ids for o in one_pool.generate(turn2, SHORT)]
+    held: dict[int, str] = {}
+    for e in sub.drain():
+        if e.kind is KVEventKind.STORED:
+            held[e.block_hash] = e.tier
+        elif e.kind is KVEventKind.REMOVED and held.get(e.block_hash) == e.tier:
+            del held[e.block_hash]
+    for p, o in zip(turn2, again):
+        probe = Request("probe", p + o.token_ids + [1], PARAMS)
+        hit = kv.cached_prefix(probe)
+        assert len(hit) + len(kv.host_prefix(probe, len(hit))) == _deepest_published(set(held), probe.block_hashes)

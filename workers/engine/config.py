@@ -91,7 +91,12 @@ class HostKVConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(default=False, description="keep evicted prefix-cache blocks in host memory")
-    blocks: int | None = Field(default=None, ge=0, description="size in KV blocks (wins over memory_gib); 0: off")
+    blocks: int | None = Field(
+        default=None,
+        ge=0,
+        description="size in KV blocks (wins over memory_gib; with a sliding-window cache group, the full layers' blocks, "
+        "the window group's tier getting the device pools' proportion); 0: off",
+    )
     memory_gib: float | None = Field(default=None, ge=0, description="size in GiB of host memory; 0: off")
     memory_fraction: float = Field(
         default=0.2, gt=0, le=0.9, description="size when neither blocks nor memory_gib is set: this share of the host's available memory"
@@ -216,7 +221,7 @@ class EngineConfig(BaseModel):
         default=True,
         description="sliding-window layers of a model that also has full-attention ones (Gemma 4) keep their KV in a "
         "pool of their own and hold only their window's blocks per sequence; off: every layer in one pool, every "
-        "block kept (also the layout with host_kv, which does not support the group yet)",
+        "block kept",
     )
     host_kv: HostKVConfig = Field(default_factory=lambda: HostKVConfig())
     session_idle_s: float = Field(

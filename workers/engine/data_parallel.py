@@ -133,6 +133,10 @@ class DataParallelKVCacheManager:
         manager = self.ranks[i]
         return manager.num_free_blocks + len(manager.cached_prefix(request))
 
+    def host_channels(self) -> list:
+        """None: the host KV tier is not supported with data-parallel attention (the engine refuses it)."""
+        return []
+
     def shares_pool(self, a: Request, b: Request) -> bool:
         """Whether freeing `a`'s blocks can make room for `b` (the scheduler's preemption choice)."""
         return self.rank(a) == self.rank(b)
@@ -162,9 +166,9 @@ class DataParallelKVCacheManager:
         """No host tier under data-parallel attention yet."""
         return []
 
-    def cached_prefix(self, request: Request) -> list[int]:
+    def cached_prefix(self, request: Request, max_blocks: int | None = None) -> list[int]:
         with self._on_rank(request) as (manager, offset):
-            return _shifted(manager.cached_prefix(request), offset)
+            return _shifted(manager.cached_prefix(request, max_blocks), offset)
 
     def allocate(self, request: Request, num_new_tokens: int, prefix_blocks=()) -> list[BlockCopy] | None:
         with self._on_rank(request) as (manager, offset):

@@ -7,6 +7,7 @@ background thread for the Serve workers, and `LLM` (llm.py) for offline batches.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -184,6 +185,7 @@ class EngineCore:
                 config.model_name,
                 self.events,
                 config.session_idle_s,
+                *self._window_host_tiers(config, num_blocks, num_window_blocks),
             )
         else:
             self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
@@ -296,14 +298,14 @@ class EngineCore:
         request.output_token_ids = [int(kv_import.first_token)]
         self.outputs.continue_from(request, [int(kv_import.first_token)])  # already streamed by the prefill side
         prompt_len = request.num_prompt_tokens
-        prefix = self.kv.cached_prefix(request)[: prompt_len // self.kv.block_size]
+        prefix = self.kv.cached_prefix(request, prompt_len // self.kv.block_size)
         request.num_computed_tokens = len(prefix) * self.kv.block_size
         request.num_cached_tokens = kv_import.num_cached_tokens
         if self.kv.allocate_import(request, prefix) is None:
             request.num_computed_tokens = 0  # no room now: recompute locally instead, losing nothing
             self.scheduler.add(request)
             return
-        if getattr(self.kv, "host", None) is not None:
+        if self.kv.host_channels():
             self._dispatch_host_saves()  # the imported KV is written at once, into blocks this may have evicted
         if kv_import.window_start_block > len(prefix):
             self.kv.import_lacks_window(request, kv_import.window_start_block)
@@ -475,40 +477,65 @@ class EngineCore:
         }
 
     def _host_stats(self) -> dict:
-        host = getattr(self.kv, "host", None)
-        if host is None:
+        tiers = [channel.tier for channel in self.kv.host_channels()]  # one per cache group
+        if not tiers:
             return {}
         return {
             "host_hit_tokens": self.kv.host_hit_tokens,
-            "host_blocks_used": host.num_used,
-            "host_blocks_total": host.num_blocks,
-            "host_blocks_saved": host.stats.blocks_saved,
-            "host_blocks_loaded": host.stats.blocks_loaded,
-            "host_blocks_evicted": host.stats.blocks_evicted,
+            "host_blocks_used": sum(t.num_used for t in tiers),
+            "host_blocks_total": sum(t.num_blocks for t in tiers),
+            "host_blocks_saved": sum(t.stats.blocks_saved for t in tiers),
+            "host_blocks_loaded": sum(t.stats.blocks_loaded for t in tiers),
+            "host_blocks_evicted": sum(t.stats.blocks_evicted for t in tiers),
             "host_copy_seconds": self.host_copy_seconds,
-            "evicted_live_session_blocks": self.kv.pool.evicted_live_session + host.order.evicted_live_session,
+            "evicted_live_session_blocks": self.kv.pool.evicted_live_session + sum(t.order.evicted_live_session for t in tiers),
         }
 
-    def _host_tier(self, config: EngineConfig, extra_bytes_per_block: float = 0.0, events=True) -> HostKVTier | None:
+    def _host_tier(
+        self, config: EngineConfig, extra_bytes_per_block: float = 0.0, events=True, layers: int | None = None
+    ) -> HostKVTier | None:
         """The host tier of attention KV blocks (None when off); `extra_bytes_per_block`: what else the
-        tier's memory budget pays per block (a hybrid model's state snapshots)."""
-        shape = (self.cfg.num_kv_layers, config.block_size, *self.cfg.kv_transport_dims)
-        dtype = np.dtype(self.runner.kv_pages[0].dtype)
-        block_nbytes = int(np.prod(shape)) * dtype.itemsize
-        num_blocks = config.host_kv.num_blocks(int(block_nbytes + extra_bytes_per_block))
+        tier's memory budget pays per block (a hybrid model's state snapshots, the window group's blocks);
+        `layers`: the cache layers a block holds (default: all)."""
+        num_blocks = config.host_kv.num_blocks(int(self._host_block_nbytes(config, layers) + extra_bytes_per_block))
         if not num_blocks:
             return None
-        log.info("host KV tier: %d blocks (%.2f GiB)", num_blocks, num_blocks * block_nbytes / (1 << 30))
+        return self._host_tier_of(config, num_blocks, layers, events)
+
+    def _host_tier_of(self, config: EngineConfig, num_blocks: int, layers: int | None, events: bool) -> HostKVTier:
+        shape = (self.cfg.num_kv_layers if layers is None else layers, config.block_size, *self.cfg.kv_transport_dims)
+        dtype = np.dtype(self.runner.kv_pages[0].dtype)
+        log.info(
+            "host KV tier: %d blocks of %d layers (%.2f GiB)",
+            num_blocks,
+            shape[0],
+            num_blocks * self._host_block_nbytes(config, shape[0]) / (1 << 30),
+        )
         return HostKVTier(num_blocks, shape, dtype, self.events if events else None, SessionAwareLRU(config.session_idle_s))
+
+    def _host_block_nbytes(self, config: EngineConfig, layers: int | None = None) -> int:
+        """A host-tier block's bytes: `layers` cache layers (default: all) in the transport layout."""
+        layers = self.cfg.num_kv_layers if layers is None else layers
+        return layers * config.block_size * math.prod(self.cfg.kv_transport_dims) * np.dtype(self.runner.kv_pages[0].dtype).itemsize
+
+    def _window_host_tiers(
+        self, config: EngineConfig, num_blocks: int, num_window_blocks: int
+    ) -> tuple[HostKVTier | None, HostKVTier | None]:
+        """The host tiers of a sliding-window cache group's model, one per group, in the device pools' proportion
+        from one budget (`host_kv.blocks` counts the full group's); each holds its group's layers. They publish
+        nothing: the manager publishes what a hit can reuse from both."""
+        windowed = len(self.runner.window_layers)
+        ratio = num_window_blocks / num_blocks
+        full = self._host_tier(config, ratio * self._host_block_nbytes(config, windowed), False, self.cfg.num_kv_layers - windowed)
+        if full is None:
+            return None, None
+        return full, self._host_tier_of(config, max(1, math.ceil(full.num_blocks * ratio)), windowed, False)
 
     def _window_group(self, config: EngineConfig, kv_bytes: int) -> tuple[int, int, int] | None:
         """(window, full-group blocks, window-group blocks) when the sliding-window layers get a cache group of
         their own (window_cache.py); None when the model has none or the configuration keeps one pool."""
         layers = window_layers(self.cfg)
         if not layers or not config.sliding_window_group or self.cfg.is_hybrid:
-            return None
-        if config.host_kv.enabled:
-            log.info("sliding-window layers share the full layers' pool: host_kv does not support their own group yet")
             return None
         window = max(self.cfg.sliding_windows[self.cfg.kv_layer_ids[i]] for i in layers)
         bs = config.block_size
@@ -550,13 +577,15 @@ class EngineCore:
     def _finish_host_saves(self) -> None:
         """Stores the evicted blocks whose copies the previous step dispatched (done by now: that step's
         results were read after them), so this step's lookups find them."""
-        if getattr(self.kv, "host", None) is None:
+        channels = self.kv.host_channels()
+        if not channels:
             return
         start = time.perf_counter()
-        for part, data in self.kv.take_inflight_saves():
-            data = np.asarray(data)  # [layers, padded n, ...]
-            for j, (_, h, parent, session) in enumerate(part):
-                self.kv.host.put(h, parent, data[:, j], session)
+        for channel in channels:
+            for part, data in channel.take_inflight_saves():
+                data = np.asarray(data)  # [layers, padded n, ...]
+                for j, (_, h, parent, session) in enumerate(part):
+                    channel.tier.put(h, parent, data[:, j], session)
         if getattr(self.kv, "host_states", None) is not None:
             for (h, parent, session), state in self.kv.take_inflight_state_saves():
                 self.kv.host_states.put(h, parent, self.runner.pack_state(state), session)
@@ -566,16 +595,18 @@ class EngineCore:
         """The host tier's copies for this step, in dispatch order: evicted blocks out (read before their new
         owners write them; fetched by the next step's `_finish_host_saves`), then reused host blocks in
         (written before the step reads them)."""
-        if getattr(self.kv, "host", None) is None:
+        channels = self.kv.host_channels()
+        if not channels:
             return
         start = time.perf_counter()
         self._dispatch_host_saves()
-        for request_id, block_ids, data in self.kv.take_pending_loads():
-            staged = self.runner.stage_blocks(block_ids, data)
-            if request_id in self.scheduler.loading:
-                self._staged_loads[request_id] = staged
-            else:  # scheduled in this very step (nothing else to run): written before the step reads it
-                self.runner.write_staged(staged)
+        for channel in channels:
+            for request_id, block_ids, data in channel.take_pending_loads():
+                staged = self.runner.stage_blocks(block_ids, data, channel.group)
+                if request_id in self.scheduler.loading:
+                    self._staged_loads.setdefault(request_id, []).extend(staged)
+                else:  # scheduled in this very step (nothing else to run): written before the step reads it
+                    self.runner.write_staged(staged)
         if getattr(self.kv, "host_states", None) is not None:
             loads, copies = self.kv.take_pending_state_loads()
             for slot, state in loads:  # into working slots nothing else uses: ahead of the step that reads them
@@ -586,11 +617,12 @@ class EngineCore:
 
     def _dispatch_host_saves(self) -> None:
         """Starts copying the blocks evicted since the last call: before anything writes them again."""
-        saves = self.kv.take_pending_saves()
         chunk = self.runner.page_buckets[-1]
-        for i in range(0, len(saves), chunk):
-            part = saves[i : i + chunk]
-            self.kv.inflight_saves.append((part, self.runner.gather_blocks_async([b for b, *_ in part], 0, self.cfg.num_kv_layers)))
+        for channel in self.kv.host_channels():
+            saves = channel.take_pending_saves()
+            for i in range(0, len(saves), chunk):
+                part = saves[i : i + chunk]
+                channel.inflight_saves.append((part, self.runner.gather_group_async([b for b, *_ in part], channel.group)))
         if getattr(self.kv, "host_states", None) is not None:
             for slot, h, parent, session in self.kv.take_pending_state_saves():
                 self.kv.inflight_state_saves.append(((h, parent, session), self.runner.gather_state_async(slot)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .block_hash import ROOT_PARENT, block_hashes
-from .host_tier import HostKVTier
+from .host_tier import HostChannel, HostKVTier
 from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
 from .retention import SessionAwareLRU
@@ -166,16 +166,13 @@ class KVCacheManager:
         self.extra_keys = extra_keys
         self.pool = BlockPool(num_blocks, block_size, events, SessionAwareLRU(session_idle_s))
         self._num_cached_blocks: dict[str, int] = {}
-        # The host tier: evicted cached blocks wait in `pending_saves` (block, hash, parent, session) and host
-        # blocks a request reuses in `pending_loads` (device blocks, host pages) until the engine copies
-        # them at the start of the step.
+        # The host tier: evicted cached blocks are saved to it and blocks a request reuses loaded from it, both
+        # through its channel, which the engine empties around each step.
         self.host = host
-        self.pending_saves: list[tuple[int, int, int | None, str | None]] = []
-        self.pending_loads: list[tuple[str, list[int], object]] = []  # (request, device blocks, host pages)
-        self.inflight_saves: list[tuple[list, object]] = []  # (saves, device copy) dispatched, not yet stored
+        self.host_channel = HostChannel(host) if host is not None else None
         self.host_hit_tokens = 0
-        if self.host is not None:
-            self.pool.on_evict = lambda b, h, parent, session: self.pending_saves.append((b, h, parent, session))
+        if self.host_channel is not None:
+            self.pool.on_evict = self.host_channel.save
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,13 +193,14 @@ class KVCacheManager:
             parent = request.block_hashes[-1] if have else ROOT_PARENT
             request.block_hashes += block_hashes(tokens, self.block_size, self.extra_keys, have, parent)
 
-    def cached_prefix(self, request: Request) -> list[int]:
-        """Blocks of the longest cached prefix of the request's tokens (none without prefix caching)."""
+    def cached_prefix(self, request: Request, max_blocks: int | None = None) -> list[int]:
+        """Blocks of the longest cached prefix of the request's tokens (none without prefix caching), of at
+        most `max_blocks` (an import reuses only prompt blocks)."""
         if not self.enable_prefix_caching:
             return []
         self.pool.touch_session(request.session_id)
         self.update_hashes(request)
-        return self.pool.longest_cached_prefix(request.block_hashes)
+        return self.pool.longest_cached_prefix(request.block_hashes[:max_blocks])
 
     def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
         """Host-tier slots of the blocks that continue the request's device-cached prefix."""
@@ -241,9 +239,7 @@ class KVCacheManager:
         if prefix_blocks:
             self._num_cached_blocks[request.request_id] = len(prefix_blocks) - cow
         if host_slots:
-            # Read now: saves of this very step may reuse those host slots before the copy runs.
-            self.pending_loads.append((request.request_id, new[: len(host_slots)], self.host.read(list(host_slots))))
-            self.host.stats.blocks_loaded += len(host_slots)
+            self.host_channel.load(request.request_id, new[: len(host_slots)], host_slots)
             self.host_hit_tokens += len(host_slots) * self.block_size
         return copies
 
@@ -258,17 +254,9 @@ class KVCacheManager:
         blocks enter the prefix cache (a hit ending among them would read the missing window)."""
         self._num_cached_blocks[request.request_id] = 1 << 62
 
-    def take_pending_saves(self) -> list[tuple[int, int, int | None, str | None]]:
-        saves, self.pending_saves = self.pending_saves, []
-        return saves
-
-    def take_inflight_saves(self) -> list[tuple[list, object]]:
-        saves, self.inflight_saves = self.inflight_saves, []
-        return saves
-
-    def take_pending_loads(self) -> list[tuple[str, list[int], object]]:
-        loads, self.pending_loads = self.pending_loads, []
-        return loads
+    def host_channels(self) -> list[HostChannel]:
+        """Each cache group's traffic with its host tier (none without a tier)."""
+        return [self.host_channel] if self.host_channel is not None else []
 
     def shares_pool(self, a: Request, b: Request) -> bool:
         """Whether freeing `a`'s cache can make room for `b`: always, with one pool (the data-parallel
@@ -328,6 +316,5 @@ class KVCacheManager:
 
     def clear_prefix_cache(self) -> None:
         self.pool.clear_cache()
-        self.pending_saves, self.inflight_saves = [], []
-        if self.host is not None:
-            self.host.clear()
+        for channel in self.host_channels():
+            channel.clear()

@@ -514,9 +514,7 @@ class ModelRunner:
         for group in sorted({c.group for c in copies}):
             src = jnp.asarray([c.src for c in copies if c.group == group], jnp.int32)
             dst = jnp.asarray([c.dst for c in copies if c.group == group], jnp.int32)
-            layers = [
-                i for i in range(len(self.kv_pages)) if not self.window_layers or (i in self.window_layers) == (group == WINDOW_GROUP)
-            ]
+            layers = self.group_layers(group)
             copied = self._copy([self.kv_pages[i] for i in layers], src, dst)
             for i, pages in zip(layers, copied):
                 self.kv_pages[i] = pages
@@ -548,6 +546,18 @@ class ModelRunner:
         at once: the copy reads the pages before any later step writes them (dispatch order), and the
         host fetches the array when it needs it."""
         return _gather_jit(self.kv_pages[layer_start:layer_end], self._padded_ids(block_ids, 0), self.transport_width)
+
+    def group_layers(self, group: int) -> list[int]:
+        """The cache layers of a cache group (`BlockCopy.group`, `HostChannel.group`): every layer of one pool;
+        with a sliding-window group, the full layers (0) or the sliding ones (1)."""
+        if not self.window_layers:
+            return list(range(len(self.kv_pages)))
+        return [i for i in range(len(self.kv_pages)) if (i in self.window_layers) == (group == WINDOW_GROUP)]
+
+    def gather_group_async(self, block_ids: list[int], group: int) -> jax.Array:
+        """`gather_blocks_async` over one cache group's layers ([layers, padded blocks, ...])."""
+        pages = [self.kv_pages[i] for i in self.group_layers(group)]
+        return _gather_jit(pages, self._padded_ids(block_ids, 0), self.transport_width)
 
     def stage_export(self, block_ids: list[int], window_ids: list[int] | None = None) -> tuple[int, jax.Array | None]:
         """Dispatches a copy of every layer's KV of `block_ids`, blocks first ([padded blocks, layers, page,
@@ -608,27 +618,30 @@ class ModelRunner:
         """Block ids padded to a page bucket (padding ids point past the pool: dropped) and the data to
         match; the data is copied only when its block count is not a bucket already (a transfer's chunks
         are whole buckets but the last)."""
-        ids = self._padded_ids(block_ids, self.num_blocks)
+        ids = self._padded_ids(block_ids, max(self.num_blocks, self.num_window_blocks))  # past either group's pool
         if len(ids) == data.shape[0]:
             return ids, data
         padded = np.zeros((len(ids), *data.shape[1:]), data.dtype)
         padded[: len(block_ids)] = data
         return ids, padded
 
-    def stage_blocks(self, block_ids: list[int], data: np.ndarray) -> list[tuple[np.ndarray, jax.Array]]:
-        """Starts the host->device copy of every layer's KV of `block_ids` (host [blocks, layers, ...]) into
-        staging arrays, in page-bucket chunks, without touching the cache pages (a step may run meanwhile);
-        `write_staged` later moves them into place on the device."""
+    def stage_blocks(self, block_ids: list[int], data: np.ndarray, group: int = 0) -> list[tuple[np.ndarray, jax.Array, int]]:
+        """Starts the host->device copy of a cache group's KV of `block_ids` (host [blocks, the group's layers,
+        ...]) into staging arrays, in page-bucket chunks, without touching the cache pages (a step may run
+        meanwhile); `write_staged` later moves them into place on the device."""
         chunk = self.page_buckets[-1]
         staged = []
         for i in range(0, len(block_ids), chunk):
             ids, padded = self._padded_blocks(block_ids[i : i + chunk], data[i : i + chunk])
-            staged.append((ids, jax.device_put(padded)))
+            staged.append((ids, jax.device_put(padded), group))
         return staged
 
-    def write_staged(self, staged: list[tuple[np.ndarray, jax.Array]]) -> None:
-        for ids, data in staged:
-            self.kv_pages[:] = _scatter_jit(self.kv_pages, ids, data)
+    def write_staged(self, staged: list[tuple[np.ndarray, jax.Array, int]]) -> None:
+        for ids, data, group in staged:
+            layers = self.group_layers(group)
+            written = _scatter_jit([self.kv_pages[i] for i in layers], ids, data)
+            for i, pages in zip(layers, written):
+                self.kv_pages[i] = pages
 
     def init_state_slots(self, inits: list[tuple[int, int]]) -> None:
         """Zeroes or copies into the working slots of sequences that start now ((slot, source) pairs with

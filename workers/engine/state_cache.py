@@ -211,18 +211,8 @@ class HybridCacheManager:
     def host_hit_tokens(self) -> int:
         return self.attn.host_hit_tokens
 
-    @property
-    def inflight_saves(self) -> list:
-        return self.attn.inflight_saves
-
-    def take_pending_saves(self) -> list:
-        return self.attn.take_pending_saves()
-
-    def take_inflight_saves(self) -> list:
-        return self.attn.take_inflight_saves()
-
-    def take_pending_loads(self) -> list:
-        return self.attn.take_pending_loads()
+    def host_channels(self) -> list:
+        return self.attn.host_channels()
 
     def take_pending_state_saves(self) -> list[tuple[int, int, int | None, str | None]]:
         saves, self.pending_state_saves = self.pending_state_saves, []
@@ -254,14 +244,16 @@ class HybridCacheManager:
         for them a step)."""
         return self._host_plan.pop(request.request_id, [])
 
-    def cached_prefix(self, request: Request) -> HybridPrefix:
+    def cached_prefix(self, request: Request, max_blocks: int | None = None) -> HybridPrefix:
         """The deepest reusable boundary: within the cached attention blocks (device, then host), with a
-        snapshot (device or host), and before the last token (which is always computed)."""
+        snapshot (device or host), and before the last token (which is always computed); at most `max_blocks`."""
         prefix = HybridPrefix()
         self._host_plan.pop(request.request_id, None)
-        blocks = self.attn.cached_prefix(request)
+        blocks = self.attn.cached_prefix(request, max_blocks)
         host_slots = self.attn.host_prefix(request, len(blocks)) if self.host_states is not None else []
         limit = min(len(blocks) + len(host_slots), (request.num_tokens - 1) // self.block_size)
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
         for i in range(limit, 0, -1):
             h = request.block_hashes[i - 1]
             slot = self.slots.snapshots.get(h)
@@ -488,7 +480,7 @@ class HybridCacheManager:
         """The KV of the block ending at a snapshot is gone from the device: that prefix is no longer
         reusable there (with a host tier, block and snapshot both go to the host)."""
         if self.attn.host is not None:
-            self.attn.pending_saves.append((block, h, parent, session))
+            self.attn.host_channel.save(block, h, parent, session)
         if h in self.slots.snapshots:
             self._evict_snapshot(h, session)
 

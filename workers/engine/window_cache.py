@@ -21,6 +21,13 @@ or one of its window's blocks). The router's match, the deepest published block 
 equals the engine's hit; holdings have gaps (a window block evicted under a deeper live boundary), as a
 hybrid model's do (`sparse_blocks`).
 
+Host tier (`host_tier.py`): each group saves the cached blocks it evicts to a host tier of its own (its layers
+only) and a hit continues there: the full group's device run, then its host run (as one pool's), each window
+block from either tier; host blocks come back into fresh device blocks before the request reads them. A
+boundary reusable only with host blocks is published with `tier="host"`, one reusable from the device alone
+with the device tier; it moves between the two (STORED in the new tier before REMOVED in the old) as its
+blocks move.
+
 Speculative decoding: rejected drafts' blocks go back in both groups (`trim`); drafts never move the point
 blocks are let go from (the step's first position, which verification never rolls back past).
 """
@@ -28,13 +35,15 @@ blocks are let go from (the step's first position, which verification never roll
 from __future__ import annotations
 
 from .block_hash import ROOT_PARENT
+from .host_tier import HOST_TIER, HostChannel, HostKVTier
 from .kv_cache_manager import BlockCopy, BlockPool, KVCacheManager
 from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
 from .retention import SessionAwareLRU
 
 NO_BLOCK = -1  # a window-table entry whose block was let go (never read: out of every query's window)
-FULL_GROUP, WINDOW_GROUP = 0, 1  # BlockCopy.group
+FULL_GROUP, WINDOW_GROUP = 0, 1  # BlockCopy.group, HostChannel.group
+DEVICE_TIER = "device"
 
 
 def window_blocks_per_sequence(window: int, block_size: int) -> int:
@@ -44,11 +53,14 @@ def window_blocks_per_sequence(window: int, block_size: int) -> int:
 
 
 class WindowPrefix(list):
-    """A prefix hit (the full group's blocks, the list the scheduler sees) plus the window group's cached
-    blocks for it: `window_blocks` cover blocks [window_start, len(self))."""
+    """A prefix hit (the full group's device blocks, the list the scheduler sees; the hit may continue in the
+    full group's host tier, `host_prefix`) plus the window group's blocks for it, covering blocks
+    [window_start, end of the hit): `window_blocks` (a device block, or NO_BLOCK where `window_host` has the
+    host slot to load)."""
 
     window_start: int = 0
     window_blocks: tuple[int, ...] = ()
+    window_host: tuple[int, ...] = ()
 
 
 class WindowedKVCacheManager(KVCacheManager):
@@ -64,8 +76,12 @@ class WindowedKVCacheManager(KVCacheManager):
         extra_keys: str = "",
         events: KVEventPublisher | None = None,
         session_idle_s: float = 600.0,
+        host: HostKVTier | None = None,
+        host_window: HostKVTier | None = None,
     ):
-        super().__init__(num_blocks, block_size, enable_prefix_caching, extra_keys, None, None, session_idle_s)
+        if (host is None) != (host_window is None):
+            raise ValueError("a host tier for one cache group needs one for the other")
+        super().__init__(num_blocks, block_size, enable_prefix_caching, extra_keys, None, host, session_idle_s)
         if window < 1:
             raise ValueError(f"the sliding window must be positive, got {window}")
         self.window = window
@@ -73,14 +89,24 @@ class WindowedKVCacheManager(KVCacheManager):
         self.window_pool = BlockPool(num_window_blocks, block_size, None, SessionAwareLRU(session_idle_s))
         self.pool.on_evict = self._full_block_evicted
         self.window_pool.on_evict = self._window_block_evicted
+        self.host_window = host_window
+        self.window_channel = HostChannel(host_window, WINDOW_GROUP) if host_window is not None else None
+        if host is not None:
+            host.on_change = self._full_host_changed
+            host_window.on_change = self._window_host_changed
         self._num_cached_window: dict[str, int] = {}
-        self._published: set[int] = set()
-        # window block hash -> published blocks whose hit needs it (REMOVED when it is evicted)
-        self._dependents: dict[int, list[int]] = {}
-        # The full group's cached chains, both ways: a window block cached again (recomputed by a request
-        # whose prompt ends there) can make deeper boundaries reusable that no running request passes.
-        self._depth: dict[int, int] = {}  # full-cached block hash -> its index in the chain
-        self._children: dict[int, set[int]] = {}  # block hash -> full-cached blocks whose parent it is
+        self._host_plan: dict[str, list[int]] = {}  # request -> full-group host slots its hit continues into
+        self._published: dict[int, tuple[str, int | None]] = {}  # boundary hash -> (tier, parent)
+        # The full group's known chains (blocks on the device or the host), both ways: a boundary's window is
+        # found by walking parents, and a window block that comes or goes changes the boundaries below it.
+        self._chain: dict[int, tuple[int, int | None]] = {}  # block hash -> (its index in the chain, parent)
+        self._children: dict[int, set[int]] = {}  # block hash -> known blocks whose parent it is
+        # Full-group blocks evicted from the device, on their way to the host: kept in the chains meanwhile
+        # (their host copy may be dropped before the new one is stored).
+        self._saving: dict[int, tuple[int, int | None]] = {}  # block hash -> (index, parent)
+
+    def host_channels(self) -> list[HostChannel]:
+        return [self.host_channel, self.window_channel] if self.host_channel is not None else []
 
     # ---------------------------------------------------------------- where the window starts
 
@@ -102,23 +128,58 @@ class WindowedKVCacheManager(KVCacheManager):
 
     # ---------------------------------------------------------------- prefix hits
 
-    def cached_prefix(self, request: Request) -> list[int]:
-        full = super().cached_prefix(request)
-        if not full:
+    def cached_prefix(self, request: Request, max_blocks: int | None = None) -> list[int]:
+        self._host_plan.pop(request.request_id, None)
+        full = super().cached_prefix(request, max_blocks)
+        if not self.enable_prefix_caching:
             return full
-        cached = self.window_pool.cached
-        hashes = request.block_hashes
-        run = 0  # window blocks cached consecutively through block i
+        hashes = request.block_hashes[:max_blocks]
+        host_full = []  # the full group's host run after its device run
+        if self.host is not None:
+            for h in hashes[len(full) :]:
+                slot = self.host.find(h)
+                if slot is None:
+                    break
+                host_full.append(slot)
+        run = 0  # window blocks available (either tier) consecutively through block i
         best = -1
-        for i in range(len(full)):
-            run = run + 1 if hashes[i] in cached else 0
+        for i in range(len(full) + len(host_full)):
+            run = run + 1 if self._window_available(hashes[i]) else 0
             if run >= i - self._hit_window_start(i) + 1:
                 best = i
         hit = WindowPrefix(full[: best + 1])
-        if best >= 0:
-            hit.window_start = self._hit_window_start(best)
-            hit.window_blocks = tuple(cached[h] for h in hashes[hit.window_start : best + 1])
+        if best < 0:
+            return hit
+        hit.window_start = self._hit_window_start(best)
+        hit.window_blocks, hit.window_host = self._window_sources(hashes[hit.window_start : best + 1])
+        if best >= len(full):
+            self._host_plan[request.request_id] = host_full[: best + 1 - len(full)]
+            self.host.touch(self._host_plan[request.request_id], request.session_id)
+        if self.host_window is not None:
+            self.host_window.touch([s for s in hit.window_host if s != NO_BLOCK], request.session_id)
         return hit
+
+    def host_prefix(self, request: Request, num_device_blocks: int) -> list[int]:
+        """The full group's host slots the last `cached_prefix` hit continues into."""
+        return self._host_plan.pop(request.request_id, [])
+
+    def _window_available(self, h: int) -> bool:
+        return h in self.window_pool.cached or (self.host_window is not None and h in self.host_window)
+
+    def _full_available(self, h: int) -> bool:
+        return h in self.pool.cached or (self.host is not None and h in self.host)
+
+    def _window_sources(self, hashes: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where each window block of a hit comes from: (device blocks, host slots), NO_BLOCK where not that tier."""
+        device, host = [], []
+        for h in hashes:
+            b = self.window_pool.cached.get(h, NO_BLOCK)
+            slot = self.host_window.find(h) if b == NO_BLOCK and self.host_window is not None else None
+            if b == NO_BLOCK and slot is None:
+                raise RuntimeError("a prefix hit without its window blocks cached")
+            device.append(b)
+            host.append(NO_BLOCK if slot is None else slot)
+        return tuple(device), tuple(host)
 
     # ---------------------------------------------------------------- allocation
 
@@ -130,29 +191,32 @@ class WindowedKVCacheManager(KVCacheManager):
         host_slots: list[int] = (),
         reads_from: int | None = None,
     ) -> list[BlockCopy] | None:
-        """`KVCacheManager.allocate` for both groups. `reads_from`: the first position a query will be computed
-        at (default: the step's first); an imported prompt's is its end, so the window group gets only the
-        blocks its decode reads."""
-        if host_slots:
-            raise ValueError("the host KV tier is not supported with a sliding-window cache group")
+        """`KVCacheManager.allocate` for both groups (window blocks of the hit that are on the host come back into
+        fresh blocks). `reads_from`: the first position a query will be computed at (default: the step's first);
+        an imported prompt's is its end, so the window group gets only the blocks its decode reads."""
         start = request.num_computed_tokens
         first_needed = self.first_needed(start if reads_from is None else reads_from)
         self._let_go(request, first_needed)
-        first, window_hit = self._window_prefix(request, prefix_blocks)
-        table_len = len(request.window_block_ids) + len(prefix_blocks)
+        hit_len = len(prefix_blocks) + len(host_slots)
+        first, window_hit, window_host = self._window_prefix(request, prefix_blocks, hit_len)
+        table_len = len(request.window_block_ids) + hit_len
         skipped = max(0, first_needed - table_len)  # new blocks no query will read: never allocated
         needed = max(0, self.blocks_needed(start + num_new_tokens) - table_len - skipped)
-        cow = bool(prefix_blocks) and start < len(prefix_blocks) * self.block_size
+        # A hit on a whole prompt recomputes its last token into the hit's last block: a private copy of it.
+        cow = bool(window_hit) and window_hit[-1] != NO_BLOCK and start < hit_len * self.block_size
+        loads = sum(1 for s in window_host if s != NO_BLOCK)
+        taken = [b for b in window_hit if b != NO_BLOCK]
         # Both groups must have room before either changes: the scheduler preempts when one is short.
-        if needed + cow > self.window_pool.num_free - self.window_pool.num_free_among(list(window_hit)):
+        if needed + cow + loads > self.window_pool.num_free - self.window_pool.num_free_among(taken):
             return None
-        copies = super().allocate(request, num_new_tokens, prefix_blocks)
+        copies = super().allocate(request, num_new_tokens, prefix_blocks, host_slots)
         if copies is None:
             return None
-        table = self._take_window_prefix(first, window_hit, cow, copies)
+        table = self._take_window_prefix(request, first, window_hit, window_host, cow, copies)
         request.window_block_ids += table + [NO_BLOCK] * skipped + self.window_pool.allocate(needed)
-        if prefix_blocks:
-            self._num_cached_window[request.request_id] = len(prefix_blocks) - cow
+        if hit_len:
+            # Blocks loaded from the host enter the cache once they are computed (`cache_full_blocks`).
+            self._num_cached_window[request.request_id] = first if loads else len(prefix_blocks) - cow
         self._let_go(request, first_needed)  # a hit reaching back past what is read from now on
         return copies
 
@@ -165,30 +229,38 @@ class WindowedKVCacheManager(KVCacheManager):
             request, request.num_prompt_tokens - request.num_computed_tokens, prefix_blocks, reads_from=request.num_prompt_tokens
         )
 
-    def _window_prefix(self, request: Request, prefix_blocks: list[int]) -> tuple[int, tuple[int, ...]]:
-        """(first block, window blocks) of a prefix hit: from the hit itself, or looked up again when the
-        caller passed a copy of the list (the blocks are the same: nothing was evicted in between)."""
-        if not prefix_blocks:
-            return 0, ()
-        if isinstance(prefix_blocks, WindowPrefix):
-            return prefix_blocks.window_start, prefix_blocks.window_blocks
-        last = len(prefix_blocks) - 1
-        first = self._hit_window_start(last)
-        blocks = tuple(self.window_pool.cached.get(h, NO_BLOCK) for h in request.block_hashes[first : last + 1])
-        if NO_BLOCK in blocks:
-            raise RuntimeError(f"prefix hit of {len(prefix_blocks)} blocks without its window blocks cached")
-        return first, blocks
+    def _window_prefix(self, request: Request, prefix_blocks: list[int], hit_len: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(first block, device blocks, host slots) of a hit's window: from the hit itself, or looked up again
+        when the caller passed a copy of the list (nothing was evicted in between)."""
+        if not hit_len:
+            return 0, (), ()
+        if isinstance(prefix_blocks, WindowPrefix) and len(prefix_blocks.window_blocks) == hit_len - prefix_blocks.window_start:
+            return (
+                prefix_blocks.window_start,
+                prefix_blocks.window_blocks,
+                prefix_blocks.window_host or (NO_BLOCK,) * len(prefix_blocks.window_blocks),
+            )
+        first = self._hit_window_start(hit_len - 1)
+        return first, *self._window_sources(request.block_hashes[first:hit_len])
 
-    def _take_window_prefix(self, first: int, blocks: tuple[int, ...], cow: bool, copies: list[BlockCopy]) -> list[int]:
+    def _take_window_prefix(
+        self, request: Request, first: int, blocks: tuple[int, ...], host: tuple[int, ...], cow: bool, copies: list[BlockCopy]
+    ) -> list[int]:
         if not blocks:
             return []
         blocks = list(blocks)
-        self.window_pool.take(blocks)
-        if cow:  # the last token of a whole-prompt hit is recomputed into the last block: a private copy
+        self.window_pool.take([b for b in blocks if b != NO_BLOCK])
+        if cow:
             (private,) = self.window_pool.allocate(1)
             self.window_pool.release([blocks[-1]])
             copies.append(BlockCopy(blocks[-1], private, WINDOW_GROUP))
             blocks[-1] = private
+        at = [i for i, s in enumerate(host) if s != NO_BLOCK]
+        if at:
+            fresh = self.window_pool.allocate(len(at))
+            for i, b in zip(at, fresh):
+                blocks[i] = b
+            self.window_channel.load(request.request_id, fresh, [host[i] for i in at])
         return [NO_BLOCK] * first + blocks
 
     def _let_go(self, request: Request, first_needed: int) -> None:
@@ -210,10 +282,8 @@ class WindowedKVCacheManager(KVCacheManager):
         full = self._num_cached_blocks.get(rid, 0)
         hashes, table = request.block_hashes, request.window_block_ids
         for i in range(done, full):
-            parent = hashes[i - 1] if i else ROOT_PARENT
-            if hashes[i] not in self._depth and hashes[i] in self.pool.cached:
-                self._depth[hashes[i]] = i
-                self._children.setdefault(parent, set()).add(hashes[i])
+            if hashes[i] in self.pool.cached:
+                self._remember(hashes[i], hashes[i - 1] if i else ROOT_PARENT, i)
         recached = []  # window blocks cached anew: boundaries past this request's may become reusable
         for i in range(self._num_cached_window.get(rid, 0), full):
             if table[i] != NO_BLOCK:
@@ -222,66 +292,119 @@ class WindowedKVCacheManager(KVCacheManager):
                 if not known:
                     recached.append(hashes[i])
         self._num_cached_window[rid] = max(full, self._num_cached_window.get(rid, 0))
-        for h in self._boundaries_after(hashes[done:full], recached):
-            self._publish_if_reusable(h)
+        for h in dict.fromkeys(self._within_reach([*hashes[done:full], *recached])):
+            self._evaluate(h)
 
-    def _boundaries_after(self, new: list[int], recached: list[int]) -> list[int]:
-        """The request's newly full blocks, then the cached descendants of each window block cached anew
-        within a window's reach (a boundary that far below needs it), each once."""
-        out = list(new)
-        frontier = list(recached)
+    def _within_reach(self, hashes: list[int]) -> list[int]:
+        """The known boundaries whose hit needs one of these blocks (of either group: a hit needs the window's
+        blocks of both): each block itself, then its descendants a window's reach below."""
+        out = list(hashes)
+        frontier = list(hashes)
         for _ in range(window_blocks_per_sequence(self.window, self.block_size)):
             frontier = [c for h in frontier for c in self._children.get(h, ())]
             out += frontier
-        return list(dict.fromkeys(out))
+        return out
+
+    def _remember(self, h: int, parent: int | None, depth: int | None = None) -> None:
+        """Records a full-group block on the device or the host in the known chains (its depth from its parent's
+        when not given; unknown parents leave it out: no hit can reach it)."""
+        if h in self._chain:
+            return
+        if depth is None:
+            if parent == ROOT_PARENT:
+                depth = 0
+            elif parent in self._chain:
+                depth = self._chain[parent][0] + 1
+            else:
+                return
+        self._chain[h] = (depth, parent)
+        self._children.setdefault(parent, set()).add(h)
+
+    def _forget(self, h: int) -> None:
+        """A full-group block gone from both tiers: out of the chains (the boundaries below it lose their walk)."""
+        info = self._chain.pop(h, None)
+        if info is None:
+            return
+        siblings = self._children.get(info[1])
+        if siblings is not None:
+            siblings.discard(h)
+            if not siblings:
+                del self._children[info[1]]
 
     def _window_hashes(self, h: int) -> list[int] | None:
-        """The window block hashes a hit through cached block `h` needs (walking its parents), None if the
-        full group's chain is not known that far."""
-        depth = self._depth.get(h)
-        if depth is None:
+        """The window block hashes a hit through block `h` needs (walking its parents), None if the full
+        group's chain is not known that far."""
+        info = self._chain.get(h)
+        if info is None:
             return None
+        depth = info[0]
         chain = [h]
         for _ in range(depth - self._hit_window_start(depth)):
-            b = self.pool.cached.get(chain[-1])
-            if b is None:
+            info = self._chain.get(chain[-1])
+            if info is None:
                 return None
-            chain.append(self.pool.parent_of[b])
+            chain.append(info[1])
         return chain
 
-    def _publish_if_reusable(self, h: int) -> None:
-        if h in self._published or h not in self.pool.cached:
-            return
+    def _tier_of(self, h: int) -> str | None:
+        """Where a hit through block `h` can come from: the device alone, with the host's help, or nowhere.
+        The device needs the window's full blocks there too (its run cannot resume from the host's)."""
         window = self._window_hashes(h)
-        if window is None or not all(w in self.window_pool.cached for w in window):
-            return
-        self._published.add(h)
-        for w in window:
-            self._dependents.setdefault(w, []).append(h)
-        self._emit(KVEventKind.STORED, h, self.pool.parent_of[self.pool.cached[h]])
+        if window is None:
+            return None
+        if all(w in self.pool.cached and w in self.window_pool.cached for w in window):
+            return DEVICE_TIER
+        if self.host is not None and all(self._full_available(w) and self._window_available(w) for w in window):
+            return HOST_TIER
+        return None
 
-    def _unpublish(self, h: int, parent: int | None) -> None:
-        if h in self._published:
-            self._published.discard(h)
-            self._emit(KVEventKind.REMOVED, h, parent)
+    def _evaluate(self, h: int) -> None:
+        """Publishes the boundary's change of tier: STORED in the new one before REMOVED from the old."""
+        tier = self._tier_of(h)
+        old = self._published.get(h)
+        if tier == (old and old[0]):
+            return
+        if tier is not None:
+            parent = self._chain[h][1]
+            self._published[h] = (tier, parent)
+            self._emit(KVEventKind.STORED, h, parent, tier)
+        else:
+            del self._published[h]
+        if old is not None:
+            self._emit(KVEventKind.REMOVED, h, old[1], old[0])
 
     def _full_block_evicted(self, block: int, h: int, parent: int | None, session: str | None) -> None:
-        self._unpublish(h, parent)
-        if self._depth.pop(h, None) is not None:
-            siblings = self._children.get(parent)
-            if siblings is not None:
-                siblings.discard(h)
-                if not siblings:
-                    del self._children[parent]
+        if self.host_channel is not None:
+            self.host_channel.save(block, h, parent, session)  # stays in the chains: on its way to the host
+            if h in self._chain:
+                self._saving[h] = self._chain[h]
+        else:
+            self._forget(h)
+        for d in self._within_reach([h]):
+            self._evaluate(d)
+
+    def _full_host_changed(self, h: int, held: bool) -> None:
+        if held:
+            depth, parent = self._saving.pop(h, (None, self.host.parent_of[self.host.slot_of[h]]))
+            self._remember(h, parent, depth)
+        elif h not in self.pool.cached and h not in self._saving:
+            self._forget(h)
+        for d in self._within_reach([h]):
+            self._evaluate(d)
 
     def _window_block_evicted(self, block: int, h: int, parent: int | None, session: str | None) -> None:
-        for dependent in self._dependents.pop(h, ()):
-            b = self.pool.cached.get(dependent)
-            self._unpublish(dependent, None if b is None else self.pool.parent_of[b])
+        if self.window_channel is not None:
+            self.window_channel.save(block, h, parent, session)
+        for d in self._within_reach([h]):
+            self._evaluate(d)
 
-    def _emit(self, kind: KVEventKind, h: int | None = None, parent: int | None = None) -> None:
+    def _window_host_changed(self, h: int, held: bool) -> None:
+        for d in self._within_reach([h]):
+            self._evaluate(d)
+
+    def _emit(self, kind: KVEventKind, h: int | None = None, parent: int | None = None, tier: str = DEVICE_TIER) -> None:
         if self.events is not None:
-            self.events.emit(kind, h, parent, self.block_size if h is not None else 0)
+            self.events.emit(kind, h, parent, self.block_size if h is not None else 0, tier=tier)
 
     # ---------------------------------------------------------------- giving blocks back
 
@@ -299,13 +422,15 @@ class WindowedKVCacheManager(KVCacheManager):
         self.window_pool.release([b for b in reversed(request.window_block_ids) if b != NO_BLOCK], request.session_id)
         request.window_block_ids = []
         self._num_cached_window.pop(request.request_id, None)
+        self._host_plan.pop(request.request_id, None)
         super().free(request)
 
     def clear_prefix_cache(self) -> None:
         self.window_pool.clear_cache()
         super().clear_prefix_cache()
         self._published.clear()
-        self._dependents.clear()
-        self._depth.clear()
+        self._chain.clear()
         self._children.clear()
+        self._saving.clear()
+        self._host_plan.clear()
         self._emit(KVEventKind.CLEARED)
