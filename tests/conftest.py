@@ -60,7 +60,9 @@ def _memory_line(module: str) -> str:
     live_mb = 0
     if "jax" in sys.modules:
         live_mb = sum(a.nbytes for a in sys.modules["jax"].live_arrays()) // 2**20
-    return f"{module} t={time.monotonic() - _SESSION_START:.0f}s rss_mb={rss_mb} maps={num_maps} engines={engines} live_arrays_mb={live_mb}\n"
+    return (
+        f"{module} t={time.monotonic() - _SESSION_START:.0f}s rss_mb={rss_mb} maps={num_maps} engines={engines} live_arrays_mb={live_mb}\n"
+    )
 
 
 def pytest_runtest_setup(item):
