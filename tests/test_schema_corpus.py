@@ -70,6 +70,53 @@ REWRITES = {
         {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}}, "not": {"required": ["a"]}},
         [{"a": True}],
     ),
+    # `required` passes every non-object, so its negation refuses them (the rewrite once let them through).
+    "not required, untyped": (
+        {"properties": {"a": {"type": "boolean"}}, "not": {"properties": {"a": True}, "required": ["a"]}},
+        [{"a": True}, "x", 3],
+    ),
+    "not anyOf required": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}, "c": {"type": "boolean"}},
+            "not": {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        },
+        [{"a": True}, {"b": False, "c": True}],
+    ),
+    "oneOf told apart by a discriminator": (
+        {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"kind": {"const": "a"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["kind", "n"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {"kind": {"enum": ["b", "c"]}, "s": {"type": "string", "maxLength": 3}},
+                    "required": ["kind"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        [{"kind": "a"}, {"kind": "d"}, {"kind": "b", "n": 1}],
+    ),
+    "oneOf told apart by a property one forbids": (
+        {
+            "$defs": {
+                "job": {
+                    "type": "object",
+                    "properties": {"run": {"type": "string", "maxLength": 3}},
+                    "required": ["run"],
+                    "additionalProperties": False,
+                },
+                "call": {"type": "object", "properties": {"uses": {"type": "string", "maxLength": 3}}, "required": ["uses"]},
+            },
+            "oneOf": [{"$ref": "#/$defs/job"}, {"$ref": "#/$defs/call"}],
+        },
+        [{}, {"run": 5}],
+    ),
     "nullable oneOf": ({"oneOf": [{"type": ["string", "null"], "maxLength": 4}, {"type": ["integer", "null"]}]}, [None]),
     "optional property out of reach": (
         {
@@ -106,6 +153,26 @@ REWRITES = {
         [],
     ),
 }
+
+
+def test_one_of_stays_where_an_instance_could_match_two_branches():
+    """Only provably disjoint branches make a oneOf an anyOf: overlapping discriminator values (1 and 1.0 are
+    equal in JSON Schema), a property required by one branch that the other merely does not list, types in
+    common beyond objects."""
+
+    def kind(values, **extra):
+        return {"type": "object", "properties": {"kind": {"enum": values}}, "required": ["kind"]} | extra
+
+    overlapping = [
+        [kind(["a", "b"]), kind(["b", "c"])],
+        [kind([1]), kind([1.0])],
+        [kind(["a"]), {"type": "object", "properties": {"x": {"type": "integer"}}}],  # x-only objects may hold `kind`
+        [kind(["a"], type=["object", "string"], maxLength=3), kind(["b"], type=["object", "string"], minLength=1)],  # "ab": both
+    ]
+    for branches in overlapping:
+        assert "oneOf" in enforceable({"oneOf": branches}), branches
+    closed = {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}
+    assert "anyOf" in enforceable({"oneOf": [kind(["a"]), closed]})  # `kind` is not listed there: forbidden
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +255,9 @@ def corpus():
 
 
 def test_real_world_schemas_are_accepted_or_refused_naming_the_keyword(corpus, compiler):
-    """Measured: 222 of 236 (all 209 Kubernetes kinds, 13 of 27 SchemaStore CI configurations); before the
-    rewrites 154 (Kubernetes' int-or-string is a oneOf of two nullable types). Refusals name what they
-    cannot enforce."""
+    """Measured: 225 of 236 = 95.3% (all 209 Kubernetes kinds, 16 of 27 SchemaStore CI configurations); before
+    the rewrites 154 (Kubernetes' int-or-string is a oneOf of two nullable types), 222 before oneOfs told apart
+    by properties and `not` of several properties. Refusals name what they cannot enforce."""
     assert len(corpus) >= 100
     refused = Counter()
     accepted = 0
@@ -204,7 +271,7 @@ def test_real_world_schemas_are_accepted_or_refused_naming_the_keyword(corpus, c
             reason = named or ("too large" if "too large" in message else "remote $ref" if "registry" in message else message[:80])
             refused[f"{name.split('/')[0]}: {reason}"] += 1
     print(f"\naccepted {accepted} of {len(corpus)}; refused by keyword: {dict(refused)}")
-    assert accepted / len(corpus) >= 0.9, refused
+    assert accepted / len(corpus) >= 0.95, refused
     kinds = [n for n in corpus if n.startswith("kubernetes/")]
     assert not [k for k in refused if k.startswith("kubernetes")], refused
     assert len(kinds) >= 100

@@ -15,21 +15,25 @@ rewrite soundly is left for the engine to refuse, by keyword:
 - `propertyNames`: only the listed properties whose names satisfy it, nothing else;
 - `patternProperties` that may overlap: only the listed properties, each also satisfying the patterns
   its name matches;
-- `not: {"required": [...]}`: those properties left out; other `not`s are refused.
+- `not: {"required": [p]}`, `not: {"anyOf": [{"required": [p]}, ...]}`: an object without those properties;
+  other `not`s are refused.
 
 - what is still out of reach (`not` of a pattern, `contains`, `unevaluatedProperties`, ...) is pruned
   where the schema lets it go: an optional property whose schema uses it is left out, an `anyOf` branch
   dropped, an array's items forbidden when it may be empty, a pattern or additional property forbidden
   (only where it is required, or the whole document, is the schema refused).
 
-Each rewrite narrows what the model may write, never widens it. `oneOf` stays `oneOf` (the engine
-refuses branches it cannot prove disjoint): treating it as `anyOf` would let through outputs valid for
-two branches, which the schema forbids.
+Each rewrite narrows what the model may write, never widens it. `oneOf` becomes `anyOf` only where no
+instance can match two branches (disjoint types; objects told apart by a property one branch requires and
+another forbids, or by a required property's disjoint `const`/`enum` values); elsewhere it stays `oneOf`
+(the engine refuses branches it cannot prove disjoint): treating it as `anyOf` would let through outputs
+valid for two branches, which the schema forbids.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 # The formats llguidance knows (others fail to compile).
@@ -185,8 +189,10 @@ _ANNOTATIONS = {
 
 def _not(s: dict) -> None:
     """The `not`s that have an exact positive form: not {} (nothing), not {type: T} (the other types),
-    not {required: [...]} (those left out); other forms stay for the engine to refuse."""
-    neg = s["not"]
+    not {required: [p]} and not {anyOf: [{required: [p]}, ...]} (an object without those properties; properties
+    whose schema is `true` say nothing there); other forms stay for the engine to refuse."""
+    neg = _constraints(s["not"])
+    absent = _absent_properties(neg)
     if not neg:
         del s["not"]
         s["enum"] = []  # `{}` accepts everything, so its negation nothing
@@ -194,13 +200,52 @@ def _not(s: dict) -> None:
         banned = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
         if "number" in banned:
             banned.add("integer")
-        allowed = s.get("type", list(_TYPES))
-        allowed = [allowed] if isinstance(allowed, str) else list(allowed)
         del s["not"]
-        s["type"] = [t for t in allowed if t not in banned]
-    elif set(neg) == {"required"} and isinstance(neg["required"], list) and len(neg["required"]) == 1:
+        s["type"] = [t for t in _allowed_types(s) if t not in banned]
+    elif absent is not None:
+        # `required` passes every non-object, so its negation accepts objects only.
         del s["not"]
-        _leave_out(s, neg["required"][0], "not")
+        s["type"] = ["object"] if "object" in _allowed_types(s) else []
+        for name in absent:
+            _leave_out(s, name, "not")
+
+
+def _constraints(schema: Any) -> Any:
+    """A schema without its annotations, and without `properties` entries that accept anything (`true`, `{}`:
+    they constrain nothing), for recognising the forms of a `not`."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in _ANNOTATIONS}
+    if isinstance(out.get("properties"), dict):
+        props = {k: v for k, v in out["properties"].items() if v is not True and v != {}}
+        if props:
+            out["properties"] = props
+        else:
+            del out["properties"]
+    return out
+
+
+def _absent_properties(neg: Any) -> list[str] | None:
+    """The properties whose presence a `not` forbids when it is {required: [p]} or {anyOf: [{required: [p]}, ...]}
+    (each with one name); None for any other form."""
+    if not isinstance(neg, dict):
+        return None
+    branches = [neg] if set(neg) == {"required"} else neg.get("anyOf") if set(neg) == {"anyOf"} else None
+    if not isinstance(branches, list) or not branches:
+        return None
+    names = []
+    for branch in map(_constraints, branches):
+        if not isinstance(branch, dict) or set(branch) != {"required"} or not isinstance(branch["required"], list):
+            return None
+        if len(branch["required"]) != 1 or not isinstance(branch["required"][0], str):
+            return None
+        names.append(branch["required"][0])
+    return names
+
+
+def _allowed_types(s: dict) -> list[str]:
+    allowed = s.get("type", list(_TYPES))
+    return [allowed] if isinstance(allowed, str) else list(allowed)
 
 
 def _types_unconstrained(branch: dict) -> set[str] | None:
@@ -324,12 +369,13 @@ def refused_keyword(error: str) -> str | None:
 
 
 def _walk_one_ofs(node: Any, root: Any) -> None:
-    """Every `oneOf` whose branches accept instances of disjoint JSON types becomes `anyOf`: no instance
-    can match two branches, so the two mean the same (llguidance proves this itself only for plain types,
-    not through `$ref`s, enums or allOf)."""
+    """Every `oneOf` whose branches no instance can match two of becomes `anyOf` (the two then mean the same):
+    branches of disjoint JSON types, or objects told apart by a property one requires and another forbids, or
+    that both require with disjoint `const`/`enum` values (a discriminator). llguidance proves this itself only
+    for plain types, not through `$ref`s, enums, allOf or properties."""
     if isinstance(node, dict):
         branches = node.get("oneOf")
-        if isinstance(branches, list) and branches and _disjoint([_possible_types(b, root, 0) for b in branches]):
+        if isinstance(branches, list) and branches and _pairwise_disjoint([_Shape.of(b, root) for b in branches]):
             node["anyOf"] = node.pop("oneOf") if "anyOf" not in node else node["anyOf"]
         for value in node.values():
             _walk_one_ofs(value, root)
@@ -397,12 +443,90 @@ def _resolve(root: Any, ref: str) -> Any:
     return node
 
 
-def _disjoint(type_sets: list[frozenset[str]]) -> bool:
-    seen: set[str] = set()
-    for types in type_sets:
-        if seen & types:
-            return False
-        seen |= types
+class _Shape:
+    """What every instance a schema accepts is known to satisfy (facts that hold; never more): its possible
+    JSON types and, for objects, the properties it requires, those it forbids and the values it allows for a
+    property (`const`/`enum`)."""
+
+    def __init__(self, types: frozenset[str]):
+        self.types = types
+        self.required: set[str] = set()
+        self.forbidden: set[str] = set()
+        self.values: dict[str, set[str]] = {}  # property -> its allowed values (JSON-encoded)
+        # A part with `additionalProperties: false` forbids what it does not list; the names listed by any part
+        # are kept out of that (fewer facts, never a wrong one).
+        self.closed = False
+        self.listed: set[str] = set()
+
+    @classmethod
+    def of(cls, node: Any, root: Any) -> _Shape:
+        shape = cls(_possible_types(node, root, 0))
+        shape._add_object_facts(node, root, 0)
+        return shape
+
+    def _add_object_facts(self, node: Any, root: Any, depth: int) -> None:
+        """From the node, its `$ref` and its `allOf` parts (each holds of every instance)."""
+        if not isinstance(node, dict) or depth > 32:
+            return
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        self.required |= {p for p in node.get("required") or [] if isinstance(p, str)}
+        self.forbidden |= {p for p, sub in props.items() if sub is False}
+        self.listed |= set(props)
+        if node.get("additionalProperties") is False and not node.get("patternProperties"):
+            self.closed = True
+        for p, sub in props.items():
+            values = _allowed_values(sub, root)
+            if values is not None:
+                self.values[p] = values if p not in self.values else self.values[p] & values
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            self._add_object_facts(_resolve(root, ref), root, depth + 1)
+        for part in node.get("allOf") or []:
+            self._add_object_facts(part, root, depth + 1)
+
+    def forbids(self, name: str) -> bool:
+        return name in self.forbidden or (self.closed and name not in self.listed)
+
+    def disjoint_objects(self, other: _Shape) -> bool:
+        """No object satisfies both."""
+        if any(other.forbids(p) for p in self.required) or any(self.forbids(p) for p in other.required):
+            return True
+        both = self.required & other.required
+        return any(p in self.values and p in other.values and not self.values[p] & other.values[p] for p in both)
+
+
+def _allowed_values(node: Any, root: Any, depth: int = 0) -> set[str] | None:
+    """The values a schema allows when it lists them (`const`, `enum`, through a `$ref`), JSON-encoded; None
+    when it does not."""
+    if not isinstance(node, dict) or depth > 32:
+        return None
+    if "const" in node:
+        return {json.dumps(_same_number(node["const"]), sort_keys=True)}
+    if isinstance(node.get("enum"), list):
+        return {json.dumps(_same_number(v), sort_keys=True) for v in node["enum"]}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        return _allowed_values(_resolve(root, ref), root, depth + 1)
+    return None
+
+
+def _same_number(value: Any) -> Any:
+    """The value with integral floats as integers, everywhere in it: JSON Schema compares 1.0 equal to 1."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_same_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _same_number(v) for k, v in value.items()}
+    return value
+
+
+def _pairwise_disjoint(shapes: list[_Shape]) -> bool:
+    for i, a in enumerate(shapes):
+        for b in shapes[i + 1 :]:
+            common = a.types & b.types
+            if common - {"object"} or ("object" in common and not a.disjoint_objects(b)):
+                return False
     return True
 
 
