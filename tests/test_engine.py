@@ -80,6 +80,37 @@ def test_prompt_logprobs_equal_transformers_log_softmax(family, tmp_path):
             assert top[0][1].rank == 1 and abs(top[0][1].logprob - float(ref[i - 1].max())) < 1e-4
 
 
+def test_prompt_logprobs_come_from_the_batched_prefill_steps(tmp_path, monkeypatch):
+    """A prompt's logprobs are computed by the steps that prefill it, beside other requests: no forward of
+    their own (it would fail here), chunked prefill (a 99-token prompt over 64-token steps), a prefix-cached
+    prompt computed again (its cached positions have no logits otherwise); transformers' log-softmax to 1e-4,
+    and the request without them gets its tokens as if alone."""
+    import workers.models
+
+    d = save_hf_checkpoint(tmp_path / "q", "qwen3_moe", **FAMILIES["qwen3_moe"])
+    llm = LLM(str(d), **ENGINE_ARGS)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    free = [9, 8, 7, 6, 5, 4, 3]
+    alone = llm.generate([free], GREEDY)[0].token_ids
+
+    def no_separate_forward(*args, **kwargs):
+        raise AssertionError("prompt logprobs took a forward of their own")
+
+    monkeypatch.setattr(workers.models, "prompt_logits", no_separate_forward)
+    long, short = [(7 * i) % 90 + 2 for i in range(99)], [3, 17, 42, 5, 88]
+    wants = SamplingParams(max_tokens=2, prompt_logprobs=1, temperature=0.0)
+    outs = llm.generate([long, free, short], [wants, GREEDY, wants])
+    again = llm.generate([long], wants)[0]  # its blocks are cached now: computed again all the same
+    assert outs[1].token_ids == alone and outs[1].prompt_logprobs is None
+    for prompt, out in [(long, outs[0]), (short, outs[2]), (long, again)]:
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i, t in enumerate(prompt[1:], start=1):
+            assert abs(out.prompt_logprobs[i][t].logprob - float(ref[i - 1, t])) < 1e-4, (len(prompt), i, t)
+        assert out.token_ids[0] == int(ref[-1].argmax())
+
+
 def test_sliding_window_generation_matches_transformers_forward(tmp_path):
     """With a sliding window, transformers' own `generate` drifts from its full forward once the
     sequence is past the window (its sliding cache); the model definition is the full forward, so the
@@ -215,7 +246,7 @@ def test_background_compilation_serves_first_and_ends_with_every_program(tiny):
     """Only the smallest program is compiled before serving; steps needing others compile them (or wait
     for the background thread's); once it is done nothing compiles again, and the tokens are the same."""
     engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=True, **ENGINE_ARGS), show_progress=False)
-    assert (8, 4, False) in engine.runner._programs  # the smallest, compiled before the constructor returned
+    assert (8, 4, False, engine.runner.logits_rows_for(8)) in engine.runner._programs  # the smallest, compiled first
     first = _mixed_run(engine)
     assert engine.runner.wait_compiled(timeout=600)
     assert engine.runner.num_traces == 4
@@ -251,7 +282,8 @@ def test_a_shape_locked_by_another_engine_is_left_for_later(tiny, tmp_path):
     engine = EngineCore(
         EngineConfig(model=str(tiny), **{**ENGINE_ARGS, "warmup": False, "compilation_cache_dir": str(tmp_path)}), show_progress=False
     )
-    runner, shape = engine.runner, (64, 16, False)
+    runner = engine.runner
+    shape = (64, 16, False, runner.logits_rows_for(64))
     key = hashlib.sha256(f"{runner._model_key}|{shape}".encode()).hexdigest()[:24]
     (tmp_path / "moray-locks").mkdir(exist_ok=True)
     fd = os.open(tmp_path / "moray-locks" / key, os.O_CREAT | os.O_RDWR)

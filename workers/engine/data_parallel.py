@@ -240,6 +240,8 @@ class DataParallelKVCacheManager:
 
 
 class DataParallelRunner(ModelRunner):
+    prompt_rows_in_step = False  # a prompt's logprobs come from a forward of their own (ranks lay rows out apart)
+
     def __init__(
         self,
         model: LoadedModel,
@@ -372,7 +374,7 @@ class DataParallelRunner(ModelRunner):
         inputs.decode_only = bool(self.num_state_slots) and all(item.num_new_tokens == 1 for item in out.scheduled)
         return inputs
 
-    def dummy_inputs(self, n: int, p: int, decode_only: bool = False) -> StepInputs:
+    def dummy_inputs(self, n: int, p: int, decode_only: bool = False, rows: int | None = None) -> StepInputs:
         s, dp = self.seqs_for(n), self.dp
         inputs = StepInputs(
             tokens=np.zeros((dp, n), np.int32),
@@ -382,7 +384,7 @@ class DataParallelRunner(ModelRunner):
             page_indices=np.zeros((dp, s, p), np.int32),
             cu_q_lens=np.zeros((dp, s + 1), np.int32),
             num_seqs=np.zeros((dp, 1), np.int32),
-            logits_indices=np.zeros((dp * self.logits_rows_for(n),), np.int32),
+            logits_indices=np.zeros((dp * self.logits_rows_for(n) if rows is None else rows,), np.int32),
         )
         if self.num_state_slots:
             inputs.state_slots = np.zeros((dp, s), np.int32)

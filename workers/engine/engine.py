@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -31,7 +31,7 @@ from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - Req
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
 from .runner import LoadWindow, ModelRunner, kv_bytes_per_block, rank_imbalance, state_bytes_per_sequence, window_layers
-from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
+from .sampler import SamplerOutput, build_sampling_batch, prompt_logprob_entries, prompt_logprobs, prompt_row_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .speculative import DraftModelProposer, Speculator, accepted_length
@@ -86,6 +86,8 @@ class _InFlight:
     sampled: dict
     rows: list[int]
     drafts: list[list[int]]
+    # Prompt logprobs the step computed: (request, first position predicted, its tokens, device arrays).
+    prompt: list[tuple[Request, int, list[int], object]] = field(default_factory=list)
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -270,7 +272,13 @@ class EngineCore:
         # Sent with the first delta already: by the engine the request was migrated from, or by the prefill
         # worker whose KV it imports.
         wants_prompt_logprobs = params.prompt_logprobs is not None and not resumed and kv_import is None
-        prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs) if wants_prompt_logprobs else None
+        prompt_logprobs = None
+        if wants_prompt_logprobs and self.runner.prompt_rows_in_step:
+            # From the steps that prefill it (batched with the others), filled in as they run.
+            request.prompt_logprobs = params.prompt_logprobs
+            prompt_logprobs = [None] * len(prompt)
+        elif wants_prompt_logprobs:
+            prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
         self.outputs.add(request_id, params, prompt_logprobs)
         if resumed:
             request.output_token_ids = resumed
@@ -723,10 +731,13 @@ class EngineCore:
         prev = self._inflight.sampled.get("token_ids") if self._inflight is not None else None
         inputs = self.runner.prepare(sched, prev)
         logits = self.runner.run(inputs)
+        prompt = self._prompt_row_logprobs(sched, inputs, logits)
         items = [(inputs.logits_rows[i], item) for i, item in enumerate(sched.scheduled) if item.completes_known_tokens]
         requests = [item.request for _, item in items]
         drafts = [item.drafts for _, item in items]
         logit_rows = [row + i for row, item in items for i in range(item.num_spec + 1)]
+        if inputs.prompt_rows and items:  # a row per token this step: the sampler gets its usual rows
+            logits, logit_rows = self._sampling_rows(logits, logit_rows, inputs.tokens.shape[-1])
         sampled = self._sample(logits, requests, drafts, logit_rows) if items else {}
         for item in sched.scheduled:
             self.scheduler.advance(item)
@@ -737,11 +748,32 @@ class EngineCore:
             rows.append(j)
             j += len(d) + 1
         self._step_counter += 1
-        return _InFlight(requests, sampled, rows, drafts)
+        return _InFlight(requests, sampled, rows, drafts, prompt)
+
+    def _prompt_row_logprobs(self, sched: SchedulerOutput, inputs, logits) -> list:
+        """Dispatches the logprobs of the prompt positions this step computed for requests that want them."""
+        out = []
+        for i, first_row, count in inputs.prompt_rows:
+            item = sched.scheduled[i]
+            request = item.request
+            next_ids = request.prompt_token_ids[item.start + 1 : item.start + 1 + count]
+            out.append((request, item.start + 1, next_ids, prompt_row_logprobs(logits, first_row, next_ids, request.prompt_logprobs)))
+        return out
+
+    def _sampling_rows(self, logits, logit_rows: list[int], num_tokens: int):
+        """The rows to sample from a step with a logits row per token, gathered into the usual row bucket."""
+        rows = np.zeros((max(self.runner.logits_rows_for(num_tokens), len(logit_rows)),), np.int32)
+        rows[: len(logit_rows)] = logit_rows
+        return _take_rows_jit(logits, rows), list(range(len(logit_rows)))
 
     def _process(self, inflight: _InFlight) -> list[TokenDelta]:
         """The step's sampled tokens on the host, appended to their requests (skipping requests that ended
         meanwhile: aborted, or stopped by the token before, whose step ran ahead of knowing it)."""
+        for request, first, next_ids, arrays in inflight.prompt:  # before the first token's delta, which carries them
+            if not request.status.finished:
+                self.outputs.fill_prompt_logprobs(
+                    request.request_id, first, prompt_logprob_entries(arrays, next_ids, request.prompt_logprobs)
+                )
         if not inflight.requests:
             return []
         sampled = jax.device_get(inflight.sampled)
@@ -914,6 +946,9 @@ class EngineCore:
                 sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32))
 
         return self.runner.warmup(sample_variants, show_progress, background=self.config.background_compile and self.single_process)
+
+
+_take_rows_jit = jax.jit(lambda logits, rows: logits[rows])
 
 
 def _merged(deltas: list[TokenDelta]) -> TokenDelta:

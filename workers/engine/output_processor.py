@@ -54,6 +54,14 @@ class OutputProcessor:
             bad_words=self._bad_word_ids(params.bad_words),
         )
 
+    def fill_prompt_logprobs(self, request_id: str, first: int, entries: list) -> None:
+        """Prompt logprobs computed by a step: positions [first, first + len(entries)) of the request's list
+        (made with `add`; None at position 0). Once its first delta took the list, later fills (a preempted
+        request computing its prompt again) change nothing."""
+        state = self._states.get(request_id)
+        if state is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs[first : first + len(entries)] = entries
+
     def continue_from(self, request: Request, tokens: list[int]) -> None:
         """A request whose first output `tokens` were sampled (and streamed) elsewhere under the same
         parameters: the prefill side of a handoff (its first token), or a decode replica that died mid-stream

@@ -58,6 +58,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float = 1.0  # recent share of its drafts accepted (an exponential average)
     spec_draft_len: int = 0  # a draft model's KV holds this many of its first tokens (speculative.DraftModelProposer)
+    # Top-k of each prompt position's logprobs, computed from the steps that prefill it (None: not wanted).
+    prompt_logprobs: int | None = None
     _all_tokens: list[int] = field(default_factory=list, repr=False)
 
     @property

@@ -84,6 +84,10 @@ class StepInputs:
     prev_tokens: jax.Array | None = None
     # The first logits row of each scheduled request (speculative decoding gives a request 1 + drafts rows).
     logits_rows: list[int] = field(default_factory=list)
+    # Requests that want their prompt's logprobs (`Request.prompt_logprobs`): (scheduled index, first row,
+    # rows) of the prompt positions this step computes, each row predicting the next prompt token. Such a
+    # step has a logits row per token (row = token index).
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     # A sliding-window cache group (window_cache.py): its layers' slots and page table; None otherwise.
     window_slot_mapping: np.ndarray | None = None  # i32[N]
     window_page_indices: np.ndarray | None = None  # i32[S, P]
@@ -115,6 +119,9 @@ class StepInputs:
 
 
 class ModelRunner:
+    # A prompt's logprobs come from the steps that prefill it (`StepInputs.prompt_rows`), batched with the rest.
+    prompt_rows_in_step = True
+
     def __init__(
         self,
         model: LoadedModel,
@@ -163,7 +170,7 @@ class ModelRunner:
         self.token_sharding = NamedSharding(self.model.mesh, PartitionSpec())
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnames=("decode_only",))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
-        # Step programs compiled ahead of time, by shape (token bucket, page bucket, decode-only); a shape
+        # Step programs compiled ahead of time, by shape (token bucket, page bucket, decode-only, logits rows); a shape
         # missing when a step needs it is compiled then, by whichever thread gets to it first.
         self._programs: dict[tuple[int, int, bool], object] = {}
         self._compiling: dict[tuple[int, int, bool], concurrent.futures.Future] = {}
@@ -257,7 +264,8 @@ class ModelRunner:
         kv_lens = np.zeros((s,), np.int32)
         pages = np.zeros((s, p), np.int32)
         cu = np.zeros((s + 1,), np.int32)
-        logits_idx = np.zeros((self.logits_rows_for(n),), np.int32)
+        every_row = any(_prompt_positions(item) for item in out.scheduled)
+        logits_idx = np.arange(n, dtype=np.int32) if every_row else np.zeros((self.logits_rows_for(n),), np.int32)
         offset = row = 0
         inputs = StepInputs(tokens, positions, slots, kv_lens, pages, cu, np.array([len(out.scheduled)], np.int32), logits_idx)
         bs = self.block_size
@@ -275,11 +283,17 @@ class ModelRunner:
                 slots[offset : offset + k] = np.asarray(req.block_ids, np.int32)[pos // bs] * bs + pos % bs
             kv_lens[i] = start + k
             pages[i, : len(req.block_ids)] = req.block_ids
-            offset += k
+            if every_row:
+                if _prompt_positions(item):
+                    inputs.prompt_rows.append((i, offset, _prompt_positions(item)))
+                offset += k
+                inputs.logits_rows.append(offset - item.num_spec - 1)
+            else:
+                offset += k
+                inputs.logits_rows.append(row)
+                logits_idx[row : row + item.num_spec + 1] = np.arange(offset - item.num_spec - 1, offset)
+                row += item.num_spec + 1
             cu[i + 1] = offset
-            inputs.logits_rows.append(row)
-            logits_idx[row : row + item.num_spec + 1] = np.arange(offset - item.num_spec - 1, offset)
-            row += item.num_spec + 1
         cu[len(out.scheduled) + 1 :] = offset
         if self.num_state_slots:
             self._prepare_states(inputs, out)
@@ -383,13 +397,13 @@ class ModelRunner:
         )
 
     @staticmethod
-    def shape_of(inputs: StepInputs) -> tuple[int, int, bool]:
-        return inputs.tokens.shape[-1], inputs.page_indices.shape[-1], inputs.decode_only
+    def shape_of(inputs: StepInputs) -> tuple[int, int, bool, int]:
+        return inputs.tokens.shape[-1], inputs.page_indices.shape[-1], inputs.decode_only, len(inputs.logits_indices)
 
     # ---------------------------------------------------------------- step programs
 
-    def compiled_shapes(self) -> list[tuple[int, int, bool]]:
-        """The step programs' shapes (token bucket, page bucket, decode-only) compiled so far."""
+    def compiled_shapes(self) -> list[tuple[int, int, bool, int]]:
+        """The step programs' shapes (token bucket, page bucket, decode-only, logits rows) compiled so far."""
         return sorted(self._programs)
 
     def program(self, shape: tuple[int, int, bool]):
@@ -416,8 +430,8 @@ class ModelRunner:
     def _compile_into(self, shape: tuple[int, int, bool], future: concurrent.futures.Future) -> None:
         """Compiles one step program ahead of time: from shapes, touching no live array."""
         try:
-            n, p, decode_only = shape
-            specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only)))
+            n, p, decode_only, rows = shape
+            specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only, rows)))
             program = self._step.lower(*self._cache_specs, *specs, decode_only=decode_only).compile()
         except BaseException as e:
             future.set_exception(e)  # a step waiting for it gets the error
@@ -677,8 +691,9 @@ class ModelRunner:
         rec = [packed[base + i * rec_n : base + (i + 1) * rec_n].reshape(cfg.recurrent_state_shape) for i in range(layers)]
         self.state_pools = _scatter_state_jit(self.state_pools, jnp.int32(slot), conv, rec)
 
-    def dummy_inputs(self, n: int, p: int, decode_only: bool = False) -> StepInputs:
-        """Inputs of bucket shape (n tokens, p pages) that compute nothing real (all tokens padding)."""
+    def dummy_inputs(self, n: int, p: int, decode_only: bool = False, rows: int | None = None) -> StepInputs:
+        """Inputs of bucket shape (n tokens, p pages, `rows` logits rows: default one per sequence) that compute
+        nothing real (all tokens padding)."""
         s = self.seqs_for(n)
         inputs = StepInputs(
             tokens=np.zeros((1, n), np.int32),
@@ -688,7 +703,7 @@ class ModelRunner:
             page_indices=np.zeros((s, p), np.int32),
             cu_q_lens=np.zeros((s + 1,), np.int32),
             num_seqs=np.zeros((1,), np.int32),
-            logits_indices=np.zeros((self.logits_rows_for(n),), np.int32),
+            logits_indices=np.zeros((self.logits_rows_for(n) if rows is None else rows,), np.int32),
         )
         if self.num_state_slots:
             self._empty_states(inputs)
@@ -697,13 +712,14 @@ class ModelRunner:
             self._empty_window(inputs)
         return inputs
 
-    def step_shapes(self) -> list[tuple[int, int, bool]]:
-        """Every (token bucket, page bucket, decode-only) program a step can use. Hybrid models have a
-        decode-only variant (one vectorised state update) for buckets a decode batch can pick."""
-        shapes = [(n, p, False) for n in self.token_buckets for p in self.page_buckets]
+    def step_shapes(self) -> list[tuple[int, int, bool, int]]:
+        """Every (token bucket, page bucket, decode-only, logits rows) program a step can use. Hybrid models have
+        a decode-only variant (one vectorised state update) for buckets a decode batch can pick. (A step with
+        a prompt's logprobs takes a row per token: compiled when one comes, not here.)"""
+        shapes = [(n, p, False, self.logits_rows_for(n)) for n in self.token_buckets for p in self.page_buckets]
         if self.num_state_slots:
             largest_decode = pick_bucket(self.token_buckets, min(self.max_num_seqs, self.token_buckets[-1]))
-            shapes += [(n, p, True) for n in self.token_buckets if n <= largest_decode for p in self.page_buckets]
+            shapes += [(n, p, True, self.logits_rows_for(n)) for n in self.token_buckets if n <= largest_decode for p in self.page_buckets]
         return shapes
 
     def _warm_token_merges(self) -> None:
@@ -766,6 +782,15 @@ def _from_transport(data, page_shape):
         return data
     r, d = page_shape[2:]
     return data[..., : r * d].reshape(*data.shape[:2], r, d)
+
+
+def _prompt_positions(item) -> int:
+    """How many of a scheduled request's positions this step predicts a prompt token from (0 unless it wants
+    its prompt's logprobs)."""
+    request = item.request
+    if getattr(request, "prompt_logprobs", None) is None:  # (a draft model's view of a request has none)
+        return 0
+    return max(0, min(item.start + item.num_new_tokens - item.num_spec, request.num_prompt_tokens - 1) - item.start)
 
 
 def _ids_of(ids, layer: int):

@@ -461,13 +461,36 @@ def prompt_logprobs(logits: jax.Array, prompt_ids: Sequence[int], k: int) -> lis
     if logits.shape[0] < ids.size - 1:
         raise ValueError(f"need logits for {ids.size - 1} positions, got {logits.shape[0]}")
     arrays = _prompt_logprob_arrays(jnp.asarray(logits), jnp.asarray(ids[1:]), k)
+    return result + prompt_logprob_entries(arrays, ids[1:].tolist(), k)
+
+
+def prompt_row_logprobs(logits: jax.Array, first_row: int, next_ids: Sequence[int], k: int):
+    """Dispatches (returns at once) the logprob arrays of `len(next_ids)` consecutive rows of a step's logits
+    from `first_row`, row j predicting `next_ids[j]`; padded to a power of two of rows, so few programs
+    compile. `prompt_logprob_entries` turns them into entries on the host."""
+    n = len(next_ids)
+    bucket = min(max(16, 1 << (n - 1).bit_length()), logits.shape[0])
+    idx = np.minimum(first_row + np.arange(bucket, dtype=np.int32), logits.shape[0] - 1)
+    ids = np.zeros((bucket,), np.int32)
+    ids[:n] = next_ids
+    return _row_logprob_arrays(logits, idx, ids, k)
+
+
+def prompt_logprob_entries(arrays, next_ids: Sequence[int], k: int) -> list[dict[int, Logprob]]:
+    """Per predicted token: {that token: its Logprob, then the top-k tokens, best first}."""
     token_lp, rank, top_ids, top_lp = jax.device_get(arrays)
-    for pos, token in enumerate(ids[1:].tolist()):
-        entry = {token: Logprob(float(token_lp[pos]), int(rank[pos]))}
+    out = []
+    for pos, token in enumerate(next_ids):
+        entry = {int(token): Logprob(float(token_lp[pos]), int(rank[pos]))}
         for j in range(k):
             entry.setdefault(int(top_ids[pos, j]), Logprob(float(top_lp[pos, j]), j + 1))
-        result.append(entry)
-    return result
+        out.append(entry)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _row_logprob_arrays(logits: jax.Array, idx: jax.Array, next_ids: jax.Array, k: int):
+    return _prompt_logprob_arrays(logits[idx], next_ids, k)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))

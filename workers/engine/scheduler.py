@@ -189,6 +189,9 @@ class Scheduler:
             host: list[int] = []
             if request.block_ids:  # KV imported from a prefill worker: blocks already allocated
                 prefix = []
+            elif request.prompt_logprobs is not None:  # every prompt position's logits are wanted: computed here
+                prefix = []
+                request.num_computed_tokens = 0
             else:
                 prefix = self.kv.cached_prefix(request)
                 if self._next_block_is_being_computed(request, len(prefix), computing):
