@@ -225,6 +225,33 @@ def test_a_hit_loads_window_blocks_from_the_host_into_fresh_blocks():
     assert kv.host_window.stats.blocks_loaded == 3
 
 
+def test_a_whole_prompt_hit_from_the_host_still_copies_its_last_window_block():
+    """The hit's last full block comes back from the host while its window block is still on the device: the
+    recomputed last token writes into a private copy of that window block, and the copy is part of the step's
+    plan even though the request waits for its host blocks (it was dropped with it: the copy never ran)."""
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.window_cache import WINDOW_GROUP
+
+    kv = manager(full=17, window=40, host=(32, 32))
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add(other := Request("other", [1, 2, 3], PARAMS))  # running: its next token needs no new block
+    for item in scheduler.schedule().scheduled:
+        scheduler.advance(item)
+    other.output_token_ids.append(5)
+    prompt = list(range(300, 348))  # 12 blocks
+    run(kv, a := Request("a", prompt, PARAMS))
+    kv.free(a)
+    run(kv, c := Request("c", list(range(500, 540)), PARAMS))  # 10 blocks: a's tail goes to the host
+    kv.free(c)
+    carry_host_copies(kv)
+    assert a.block_hashes[11] in kv.host and a.block_hashes[11] in kv.window_pool.cached
+    scheduler.add(b := Request("b", prompt, PARAMS))
+    out = scheduler.schedule()
+    assert "b" in scheduler.loading and b.num_computed_tokens == 47  # the whole prompt but its last token
+    window_copies = [copy for copy in out.block_copies if copy.group == WINDOW_GROUP]
+    assert [(copy.src, copy.dst) for copy in window_copies] == [(kv.window_pool.cached[a.block_hashes[11]], b.window_block_ids[11])]
+
+
 def test_speculative_trim_gives_back_blocks_of_both_groups():
     kv = manager()
     request = Request("r", list(range(10, 30)), PARAMS)

@@ -214,6 +214,9 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
+            # Copies run with this step even when the request waits for its host blocks: the source of a
+            # copy-on-write (a window block kept on the device, window_cache.py) may be reused by then.
+            out.block_copies += copies
             if host and out.scheduled:
                 # Its blocks come back from the host while this step runs the others; it runs from the
                 # next. (Alone in the step, it runs now: waiting would only add a step.)
@@ -222,7 +225,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, n))
-            out.block_copies += copies
             budget -= n
             self._note_computing(request, computing)
         return out
