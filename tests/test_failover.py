@@ -220,7 +220,11 @@ def test_the_replicas_serve_keeps_are_read_from_the_controller(ray_serve):
 
     from cluster.registry import serve_replicas
 
-    @serve.deployment(graceful_shutdown_timeout_s=60, graceful_shutdown_wait_loop_s=0.2, ray_actor_options={"num_cpus": 0})
+    # max_ongoing_requests above the 8 held streams: Serve's default (5) let one replica take 5 of them, and a
+    # call to that replica then queued behind streams that last a minute (CI timed out on `whoami` once).
+    @serve.deployment(
+        graceful_shutdown_timeout_s=60, graceful_shutdown_wait_loop_s=0.2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0}
+    )
     class Probe:
         async def hold(self):
             yield serve.get_replica_context().replica_id.unique_id
