@@ -172,8 +172,8 @@ class ModelRunner:
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         # Step programs compiled ahead of time, by shape (token bucket, page bucket, decode-only, logits rows); a shape
         # missing when a step needs it is compiled then, by whichever thread gets to it first.
-        self._programs: dict[tuple[int, int, bool], object] = {}
-        self._compiling: dict[tuple[int, int, bool], concurrent.futures.Future] = {}
+        self._programs: dict[tuple[int, int, bool, int], object] = {}
+        self._compiling: dict[tuple[int, int, bool, int], concurrent.futures.Future] = {}
         self._compile_lock = threading.Lock()
         self._background: threading.Thread | None = None
         self._stop_compiling = threading.Event()
@@ -406,7 +406,7 @@ class ModelRunner:
         """The step programs' shapes (token bucket, page bucket, decode-only, logits rows) compiled so far."""
         return sorted(self._programs)
 
-    def program(self, shape: tuple[int, int, bool]):
+    def program(self, shape: tuple[int, int, bool, int]):
         """The compiled step program of `shape`: compiled now if nothing has compiled it yet, awaited if
         another thread is compiling it."""
         program = self._programs.get(shape)
@@ -418,7 +418,7 @@ class ModelRunner:
                 self._compile_into(shape, future)
         return future.result()
 
-    def _claim(self, shape: tuple[int, int, bool]) -> tuple[concurrent.futures.Future, bool]:
+    def _claim(self, shape: tuple[int, int, bool, int]) -> tuple[concurrent.futures.Future, bool]:
         """The future of `shape`'s program, and whether the caller just claimed it (and must compile it)."""
         with self._compile_lock:
             future = self._compiling.get(shape)
@@ -427,7 +427,7 @@ class ModelRunner:
             future = self._compiling[shape] = concurrent.futures.Future()
             return future, True
 
-    def _compile_into(self, shape: tuple[int, int, bool], future: concurrent.futures.Future) -> None:
+    def _compile_into(self, shape: tuple[int, int, bool, int], future: concurrent.futures.Future) -> None:
         """Compiles one step program ahead of time: from shapes, touching no live array."""
         try:
             n, p, decode_only, rows = shape
@@ -440,7 +440,7 @@ class ModelRunner:
         future.set_result(program)
 
     @contextlib.contextmanager
-    def _shape_lock(self, shape: tuple[int, int, bool], wait: bool):
+    def _shape_lock(self, shape: tuple[int, int, bool, int], wait: bool):
         """Yields whether this engine holds `shape`'s host-wide lock. Engines on one host sharing the
         compilation cache compile each shape once between them: the holder compiles, the others wait (or,
         in the background, move on) and then load its binary from the persistent cache."""
@@ -460,7 +460,7 @@ class ModelRunner:
         finally:
             os.close(fd)  # releases the lock
 
-    def compile_in_background(self, shapes: list[tuple[int, int, bool]], sample_fn=None) -> None:
+    def compile_in_background(self, shapes: list[tuple[int, int, bool, int]], sample_fn=None) -> None:
         """Compiles `shapes` (smallest first) on a background thread while the engine serves; a step that
         needs one first compiles it itself. Shapes another engine holds the lock of are left for a second
         pass, by when their binaries are in the persistent cache."""
@@ -490,7 +490,7 @@ class ModelRunner:
         if self._background is not None:
             self._background.join()
 
-    def _compile_unless_locked(self, shape: tuple[int, int, bool], wait: bool) -> bool:
+    def _compile_unless_locked(self, shape: tuple[int, int, bool, int], wait: bool) -> bool:
         """Compiles `shape` unless another thread has (or is); False when another engine holds its lock
         (and `wait` is off). The lock is taken before the claim, so a step never waits on a claim that
         is given up."""
