@@ -102,7 +102,7 @@ class _Channel:
         # A fresh context: opened while serving a request, the channel would be that request's child call,
         # and Serve cancels a request's children when the request ends early (a client that leaves would
         # take the channel, and every other request on it, down).
-        self._reader = asyncio.get_running_loop().create_task(self._read(), context=contextvars.Context())
+        self.reader = asyncio.get_running_loop().create_task(self._read(), context=contextvars.Context())
 
     async def _read(self) -> None:
         error: BaseException = StreamEndedEarly("the channel ended before its requests finished")
@@ -145,7 +145,7 @@ class _Channel:
             q.put_nowait(Draining(self.worker))
 
     def close(self) -> None:
-        self._reader.cancel()
+        self.reader.cancel()
         if self._stream is not None:
             self._stream.cancel()
 
@@ -169,6 +169,19 @@ class DecodeChannels:
                 if channel.draining:  # routed here just before the drain was known
                     tokens.put_nowait(Draining(worker))
                 return tokens
+
+    async def refused(self, worker: str, timeout_s: float = 5.0) -> None:
+        """The worker refused a start on the channel: it closed it (idle), its `closing` batch on the way.
+        Waits for that batch so that the next `subscribe` opens a new channel; without the wait every retry
+        subscribed to the stale one, was refused at once, and the request failed after a few (seen in a full
+        run under load). A batch that does not come within `timeout_s` ends the channel from this side."""
+        channel = self._channels.get(worker)
+        if channel is None or channel.done:
+            return
+        await asyncio.wait({channel.reader}, timeout=timeout_s)  # not cancelled on a timeout
+        if not channel.done:
+            channel.close()
+            await asyncio.wait({channel.reader})
 
     def unsubscribe(self, worker: str, request_id: str) -> None:
         channel = self._channels.get(worker)

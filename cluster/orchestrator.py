@@ -433,6 +433,7 @@ class Orchestrator:
                     await _until(self.decode.start(worker, request), deadline, "decode")
                 except ChannelClosed:  # the channel closed (idle) between opening and this start: again
                     self.channels.unsubscribe(worker, request_id)
+                    await _until(self.channels.refused(worker), deadline, "decode")
                     continue
                 except (RequestTimedOut, asyncio.CancelledError):
                     started = True  # it may have reached the worker: abort it there to be sure

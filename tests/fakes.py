@@ -144,6 +144,8 @@ class FakeEngineWorker:
         self.prefilled: list[str] = []
         self.requests: list = []  # every PrefillRequest / DecodeRequest received
         self.tokens_out = 0  # decode deltas sent
+        self.linger_s = 2.0  # an idle channel's life (workers' channel_linger_s)
+        self.closing_delay_s = 0.0  # how long its `closing` batch takes to reach the front end
 
     @property
     def dead(self) -> asyncio.Event:
@@ -204,7 +206,9 @@ class FakeEngineWorker:
     async def channel(self, channel_id: str):
         if self.dead.is_set():
             raise ActorDiedError()
-        outbox = self.channels[channel_id] = Outbox(self.worker_id, 2.0, lambda: any(o is outbox for _, o, _ in self._running.values()))
+        outbox = self.channels[channel_id] = Outbox(
+            self.worker_id, self.linger_s, lambda: any(o is outbox for _, o, _ in self._running.values())
+        )
         batches = outbox.batches()
         try:
             while True:
@@ -216,6 +220,8 @@ class FakeEngineWorker:
                     if self.quiet:
                         return
                     raise
+                if batch.closing:
+                    await asyncio.sleep(self.closing_delay_s)
                 yield batch
         finally:
             for rid in [r for r, (_, o, _) in self._running.items() if o is outbox]:

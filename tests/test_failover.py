@@ -132,6 +132,27 @@ def test_a_stream_that_ends_unfinished_is_a_failed_worker(model_dir):
     assert a_events[-2]["error"]["code"] == "worker_failed"
 
 
+def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channel(model_dir):
+    """The worker closed its idle channel and its `closing` batch is still on the way (a loaded machine):
+    the next request's starts are refused. It waits for that batch and opens a new channel; it used to
+    subscribe to the stale channel again at once and fail after three refusals (a 503 with
+    "failed (ChannelIdleClosed)" in test_cluster's structured outputs, in a full run)."""
+    d0 = FakeWorker("d0")
+    d0.linger_s, d0.closing_delay_s = 0.05, 0.5
+
+    async def main():
+        s = await make_serving(model_dir, [], [d0])
+        first = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert first.status_code == 200, first.body
+        await until(lambda: d0.channels and all(o.closed for o in d0.channels.values()))  # closed, not yet told
+        second = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 3}))
+        return second, len(d0.channels)
+
+    second, opened = run(main())
+    assert second.status_code == 200, second.body
+    assert body_of(second)["usage"]["completion_tokens"] == 3 and opened == 1  # the new channel replaced the old
+
+
 def test_a_stream_migrates_at_most_max_migrations_times(model_dir):
     """Every decode worker it moves to dies too: after `max_migrations` moves the stream ends with an
     error that says so."""
