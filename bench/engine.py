@@ -373,6 +373,98 @@ class _Bench:
             times.append(time.perf_counter() - start)
         return self._bandwidth_x.nbytes / statistics.median(times) / 1e9
 
+    def parts(self, batch: int) -> dict:
+        """The decode step's weight reads part by part, each timed alone over every layer (so the weights
+        come from memory, as in a step) with the kernels the engine selects and with XLA alone, alternating:
+        {part: {bytes, ms, gb_per_s, xla_ms, xla_gb_per_s}} (medians of --runs x 5 calls). The experts get
+        a random top-k routing of `batch` tokens; "attention" is the q/k/v and output projections."""
+        import jax
+        import jax.numpy as jnp
+
+        from kernels import dense, moe
+        from workers.models.layers import MoEWeights
+
+        cfg, weights, rng = self.cfg, self.model.weights, self.np.random.default_rng(self.args.seed)
+        h = cfg.hidden_size
+        x = jnp.asarray(rng.standard_normal((batch, h), self.np.float32) * 0.1, self.model.dtype)
+        head = weights.embed if weights.lm_head is None else weights.lm_head
+        attn = [lw.attn for lw in weights.layers if hasattr(lw.attn, "qkv") and hasattr(lw.attn, "o")]
+        moes = [lw.mlp for lw in weights.layers if isinstance(lw.mlp, MoEWeights)]
+        k = cfg.num_experts_per_tok
+        logits = rng.standard_normal((batch, max(1, cfg.num_experts)), self.np.float32)
+        ids = jnp.asarray(self.np.argsort(-logits, axis=-1)[:, :k], jnp.int32)
+        routing = jnp.full((batch, k), 1.0 / max(1, k), jnp.float32)
+        used = len(set(self.np.asarray(ids).ravel().tolist()))
+
+        def lm_head(x, head):
+            return dense.matmul(x, head)
+
+        def attention(x, attn):
+            out = x
+            for a in attn:  # each layer's q/k/v, then the output projection of a q-sized input
+                qkv = dense.matmul(out, a.qkv)
+                out = out + dense.matmul(qkv[:, : a.o.shape[1]].astype(x.dtype), a.o).astype(x.dtype)
+            return out
+
+        def experts(x, ids, routing, moes, impl):
+            out = x
+            for m in moes:
+                out = out + moe.routed_experts(out, ids, routing, m.gate_up, m.down, impl=impl)
+            return out
+
+        def nbytes(tree):
+            return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+        cpu_moe = moe.cpu_kernel_applies(x, moes[0].gate_up) if moes else False
+        cases = {"lm_head": (lm_head, (x, head), nbytes(head))}
+        if attn:
+            cases["attention"] = (attention, (x, attn), nbytes([(a.qkv, a.o) for a in attn]))
+        if moes:
+            per_expert = nbytes((moes[0].gate_up, moes[0].down)) / moes[0].gate_up.shape[0]
+            cases["experts"] = (
+                lambda x, ids, routing, moes, impl: experts(x, ids, routing, moes, impl),
+                (x, ids, routing, moes),
+                int(per_expert * used * len(moes)),
+            )
+
+        def program(name, fn, kernels: bool):
+            if name == "experts":
+                impl = "cpu" if kernels and cpu_moe else "gather"
+                return jax.jit(lambda *a: fn(*a, impl))
+
+            def scoped(*a):
+                with dense.single_device(kernels):
+                    return fn(*a)
+
+            return jax.jit(scoped)
+
+        def timed(f, args) -> float:
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        out = {}
+        for name, (fn, args, size) in cases.items():
+            ours, xla = program(name, fn, True), program(name, fn, False)
+            jax.block_until_ready((ours(*args), xla(*args)))  # compiles
+            samples = {"ours": [], "xla": []}
+            for r in range(self.args.runs):
+                order = (("ours", ours), ("xla", xla)) if r % 2 == 0 else (("xla", xla), ("ours", ours))
+                for key, f in order:
+                    samples[key].append(timed(f, args))
+            ms, xla_ms = 1e3 * _median(samples["ours"]), 1e3 * _median(samples["xla"])
+            out[name] = {
+                "bytes": int(size),
+                "ms": round(ms, 4),
+                "gb_per_s": round(size / ms / 1e6, 2),
+                "xla_ms": round(xla_ms, 4),
+                "xla_gb_per_s": round(size / xla_ms / 1e6, 2),
+            }
+        return out
+
     # ------------------------------------------------------------------ bytes a decode step must read
 
     def routed_experts_per_layer(self, prompts, decode: dict) -> list[float]:
@@ -541,6 +633,14 @@ class _Bench:
             prefill.append(self.ours_prefill(self.prompts(1, args.prefill_len)[0]))
             _log(f"run {r + 1}/{args.runs} prefill {args.prefill_len} tokens: {prefill[-1]:.1f} tok/s")
 
+        parts = {}
+        for b in args.roofline_batches:
+            parts[str(b)] = self.parts(b)
+            _log(
+                f"B={b} parts (ours vs XLA alone): "
+                + ", ".join(f"{k} {v['gb_per_s']:.1f} vs {v['xla_gb_per_s']:.1f} GB/s" for k, v in parts[str(b)].items())
+            )
+
         split = {}
         for b in sorted(set(args.roofline_batches) | set(args.overhead_batches)):
             split[b] = self.step_split(b)
@@ -550,6 +650,7 @@ class _Bench:
             peer.close()
         result = self._result(decode, peer_decode, peer_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
         result["host_overhead"] = {str(b): split[b] for b in sorted(split)}
+        result["parts"] = parts
         result["expert_loads"] = self.expert_loads()
         if args.startup:
             result["startup"] = self.startup()

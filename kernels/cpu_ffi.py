@@ -35,6 +35,7 @@ CACHE_ENV_VAR = "MORAY_KERNEL_CACHE"
 # (hypothesis refused to run beside it). The kernels vectorise explicitly and need no fast-math.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread", "-std=c++20", "-shared", "-fPIC")
 MOE_TARGET = "moray_moe_experts_f32"
+DENSE_TARGET = "moray_dense_f32"
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library, or "error": why there is none
@@ -61,6 +62,13 @@ def moe_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.A
     return call(x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32), gate_up, down)
 
 
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """kernels/cpu/dense.cc: x [T, I] @ w[O, I]^T for float32 x and w, each weight row read once.
+    float32 [T, O]; call only when `available()`."""
+    call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w)
+
+
 def _cache_dir() -> Path:
     base = os.environ.get(CACHE_ENV_VAR) or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "moray", "kernels")
     return Path(base)
@@ -82,8 +90,9 @@ def _load() -> ctypes.CDLL:
     if not compiler:
         raise RuntimeError("no C++ compiler found (g++ or $CXX)")
     sources = sorted(SOURCE_DIR.glob("*.cc"))
+    headers = sorted(SOURCE_DIR.glob("*.h"))
     digest = hashlib.sha256()
-    for part in (*FLAGS, compiler, jaxlib.__version__, _cpu_signature(), *(s.read_text() for s in sources)):
+    for part in (*FLAGS, compiler, jaxlib.__version__, _cpu_signature(), *(s.read_text() for s in (*sources, *headers))):
         digest.update(part.encode())
     cache = _cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
@@ -94,6 +103,7 @@ def _load() -> ctypes.CDLL:
             _build(compiler, sources, lib_path)
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     jax.ffi.register_ffi_target(MOE_TARGET, jax.ffi.pycapsule(lib.MorayMoeExpertsF32), platform="cpu")
+    jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.MorayDenseF32), platform="cpu")
     return lib
 
 

@@ -154,6 +154,15 @@ def test_bandwidth_and_roofline(result):
         assert split["host_ms"] == pytest.approx(split["sync_step_ms"] - split["device_ms"], abs=2e-3)
         assert 0 <= split["host_not_hidden_ms"] <= split["step_ms"]
         assert data["host_overhead"][str(b)] == split
+        # The weight reads part by part, with the engine's kernels and with XLA alone.
+        parts = data["parts"][str(b)]
+        assert set(parts) == {"lm_head", "attention", "experts"}
+        assert parts["lm_head"]["bytes"] == nbytes["lm_head"]
+        assert parts["attention"]["bytes"] == pytest.approx(nbytes["attention"], rel=0.02)  # less the q/k norms
+        assert 0 < parts["experts"]["bytes"] <= preset.num_layers * min(preset.num_experts, b * preset.top_k) * expert_bytes
+        for part in parts.values():
+            assert positive(part["ms"]) and positive(part["xla_ms"])
+            assert part["gb_per_s"] == pytest.approx(part["bytes"] / part["ms"] / 1e6, rel=0.05)  # ms rounded to 0.1 us
     assert data["kv_bytes_per_token"] == preset.num_layers * 2 * preset.num_kv_heads * preset.head_dim * 4
     assert data["state_bytes_per_sequence"] == 0 and data["kv_dtype"] == "float32"
     assert data["layers"] == {

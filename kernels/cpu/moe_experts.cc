@@ -11,198 +11,28 @@
 // x [T, H], ids [T, K] int32 (ids outside [0, E) contribute nothing), weights [T, K] f32,
 // gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; out [T, H] f32. All float32.
 //
-// Threads: one per CPU; each phase (gate/up, then down) splits the rows of all selected experts evenly, and
-// each thread sums into its own [T, H] accumulator; the accumulators are added at the end. The threads are a
-// persistent pool started on first use (a decode step calls this once per MoE layer: starting and joining
-// threads per call cost more than a small batch's work); between calls they spin briefly, then sleep in
-// the kernel, so they take no CPU from the process's other thread pools while XLA runs the rest of a step.
-
-#include <pthread.h>
-#include <sched.h>
+// Threads: one per CPU, the kernels' shared pool (pool.h); each phase (gate/up, then down) splits the rows of
+// all selected experts evenly, and each thread sums into its own [T, H] accumulator; the accumulators are
+// added at the end.
 
 #include <algorithm>
-#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <mutex>
-#include <thread>
 #include <vector>
 
+#include "matvec.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kTokensPerPass = 4;  // tokens dotted with one weight row per pass (row read once per pass)
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads
-
-inline v8 Load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline float Sum(v8 v) { return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7]; }
-
-// out[r * m + j] = dot(rows[r], xs[j]) for r < R, j < M; rows are `row_stride` floats apart, xs rows
-// `stride` apart. R rows are streamed together: one row at a time left each core short of memory
-// parallelism (~7 GB/s per core here, against ~13 for a multi-stream reduction). Software prefetching
-// (of the same rows further on, or of the next rows) only slowed it down.
-template <int R, int M>
-inline void DotRows(const float* __restrict rows, int64_t row_stride, const float* __restrict xs, int64_t stride,
-                    int64_t n, float* __restrict out) {
-  v8 acc[R][M] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    v8 x[M];
-    for (int j = 0; j < M; ++j) x[j] = Load(xs + j * stride + i);
-    for (int r = 0; r < R; ++r) {
-      const v8 w = Load(rows + r * row_stride + i);
-      for (int j = 0; j < M; ++j) acc[r][j] += w * x[j];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < M; ++j) {
-      float tail = 0.f;
-      for (int64_t t = i; t < n; ++t) tail += rows[r * row_stride + t] * xs[j * stride + t];
-      out[r * M + j] = Sum(acc[r][j]) + tail;
-    }
-}
-
-// DotRows<R, mm> for a run-time token count mm in [1, kTokensPerPass].
-template <int R>
-inline void DotBlock(const float* rows, int64_t row_stride, const float* xs, int64_t stride, int mm, int64_t n, float* out) {
-  switch (mm) {
-    case 1: return DotRows<R, 1>(rows, row_stride, xs, stride, n, out);
-    case 2: return DotRows<R, 2>(rows, row_stride, xs, stride, n, out);
-    case 3: return DotRows<R, 3>(rows, row_stride, xs, stride, n, out);
-    default: return DotRows<R, 4>(rows, row_stride, xs, stride, n, out);
-  }
-}
-
-// y[j * y_stride + r] = dot(w[r], xs[j]) for every row r < num_rows of w [num_rows, n] and token j < m.
-// Rows outer, tokens inner: a group of R rows is read from memory once and stays in L1 while every
-// chunk of kTokensPerPass tokens is dotted with it.
-template <int R>
-void MatVecsR(const float* w, int64_t num_rows, int64_t n, const float* xs, int64_t stride, int m, float* y,
-              int64_t y_stride) {
-  float dots[R * kTokensPerPass];
-  for (int64_t r = 0; r < num_rows; r += R) {
-    const int rr = static_cast<int>(std::min<int64_t>(R, num_rows - r));
-    for (int j0 = 0; j0 < m; j0 += kTokensPerPass) {
-      const int mm = std::min(kTokensPerPass, m - j0);
-      for (int k = 0; k < rr; k += (rr == R ? R : 1)) {
-        const int block = rr == R ? R : 1;
-        if (block == R) DotBlock<R>(w + (r + k) * n, n, xs + j0 * stride, stride, mm, n, dots);
-        else DotBlock<1>(w + (r + k) * n, n, xs + j0 * stride, stride, mm, n, dots);
-        for (int b = 0; b < block; ++b)
-          for (int j = 0; j < mm; ++j) y[(j0 + j) * y_stride + r + k + b] = dots[b * mm + j];
-      }
-    }
-  }
-}
-
-void MatVecs(const float* w, int64_t num_rows, int64_t n, const float* xs, int64_t stride, int m, float* y,
-             int64_t y_stride) {
-  // 4 rows x up to 2 tokens, or 2 rows x up to 4: at most 8 accumulators plus the loads in registers.
-  if (m <= 2) return MatVecsR<4>(w, num_rows, n, xs, stride, m, y, y_stride);
-  MatVecsR<2>(w, num_rows, n, xs, stride, m, y, y_stride);
-}
-
-// CPUs this process may run on (its affinity mask, as taskset or a container sets it).
-int NumCpus() {
-  static const int n = []() -> int {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  }();
-  return n;
-}
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// Plain threads rather than OpenMP: an OpenMP team here made libgomp count more busy threads than CPUs
-// and throttle the spinning of every other OpenMP user in the process (llama.cpp's decode ran at half
-// speed beside it). Every worker takes part in every job (those past `threads` just check in), so a job
-// starts only once the last one is over everywhere: no worker can mistake one job's settings for another's.
-class WorkerPool {
- public:
-  explicit WorkerPool(int workers) : workers_(workers) {
-    for (int p = 1; p <= workers; ++p) std::thread([this, p] { Loop(p); }).detach();
-  }
-
-  // The pool for one call, or an empty lock when another call holds it (XLA runs the devices of a mesh
-  // on threads of their own): that call then runs on its own thread.
-  std::unique_lock<std::mutex> TryAcquire() { return std::unique_lock<std::mutex>(busy_, std::try_to_lock); }
-
-  // fn(0) on the calling thread and fn(1..threads-1) on the workers (threads <= size()); the caller holds
-  // the pool (TryAcquire).
-  void Run(int threads, const std::function<void(int)>& fn) {
-    job_ = &fn;
-    active_ = std::min(threads, workers_ + 1);
-    remaining_.store(workers_, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
-    generation_.notify_all();
-    fn(0);
-    for (int i = 0; i < kSpins && remaining_.load(std::memory_order_acquire) != 0; ++i) CpuRelax();
-    for (int r; (r = remaining_.load(std::memory_order_acquire)) != 0;) remaining_.wait(r, std::memory_order_acquire);
-  }
-
-  int size() const { return workers_ + 1; }
-
- private:
-  // A few microseconds (a pause is tens of cycles): longer spins would take the CPU from the XLA threads
-  // running the rest of the step between two layers' calls.
-  static constexpr int kSpins = 1 << 8;
-
-  void Loop(int p) {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t g = generation_.load(std::memory_order_acquire);
-      for (int i = 0; i < kSpins && g == seen; ++i, g = generation_.load(std::memory_order_acquire)) CpuRelax();
-      while (g == seen) {
-        generation_.wait(seen, std::memory_order_acquire);
-        g = generation_.load(std::memory_order_acquire);
-      }
-      seen = g;
-      if (p < active_) (*job_)(p);
-      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
-    }
-  }
-
-  const int workers_;
-  std::mutex busy_;
-  const std::function<void(int)>* job_ = nullptr;
-  int active_ = 0;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> remaining_{0};
-};
-
-// The process's pool, started on first use; a forked child starts its own (the parent's threads are not
-// in it). Never destroyed: its threads sleep until the process exits.
-std::atomic<WorkerPool*> g_pool{nullptr};
-std::mutex g_pool_init;
-
-WorkerPool& Pool() {
-  WorkerPool* pool = g_pool.load(std::memory_order_acquire);
-  if (pool != nullptr) return *pool;
-  std::lock_guard<std::mutex> lock(g_pool_init);
-  if ((pool = g_pool.load(std::memory_order_acquire)) == nullptr) {
-    static std::once_flag atfork;
-    std::call_once(atfork, [] { pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); }); });
-    pool = new WorkerPool(NumCpus() - 1);
-    g_pool.store(pool, std::memory_order_release);
-  }
-  return *pool;
-}
-
+using moray::MatVecs;
+using moray::Share;
 
 // exp's argument is clamped: exp(-v) of a large v is subnormal, and subnormal arithmetic is ~100x slower
 // (a layer of large activations ran at a quarter of the speed). Past |v| = 80 the result is unchanged
@@ -247,16 +77,6 @@ void ForRows(int64_t lo, int64_t hi, int64_t rows, Fn fn) {
   }
 }
 
-// This thread's share [lo, hi) of n rows, in multiples of 4 so row groups stay whole.
-std::pair<int64_t, int64_t> Share(int64_t n, int me, int threads) {
-  auto edge = [&](int p) { return std::min(n, (n * p / threads + 3) / 4 * 4); };
-  return {edge(me), me + 1 == threads ? n : edge(me + 1)};
-}
-
-}  // namespace
-
-namespace {
-
 ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                           ffi::Buffer<ffi::F32> gate_up, ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(), dd = down.dimensions();
@@ -278,7 +98,7 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
 
   // Both phases split the rows of all selected experts evenly between the threads, so every thread
   // streams the same amount of weights (splitting whole experts left threads idle at small batches).
-  WorkerPool& pool = Pool();
+  moray::WorkerPool& pool = moray::Pool();
   int threads = std::max(1, std::min<int>(pool.size(), static_cast<int>((num_used * h + 63) / 64)));
   std::unique_lock<std::mutex> lease;
   if (threads > 1 && !(lease = pool.TryAcquire()).owns_lock()) threads = 1;

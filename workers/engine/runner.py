@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kernels import dense
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
 from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
@@ -239,7 +240,9 @@ class ModelRunner:
             conv, rec = state_pools
             cache = PagedHybridCache(*meta, list(conv), list(rec), *states, decode_only=decode_only)
         counter = RoutingCounter(self.model.experts, slot_mapping >= 0, self.cfg.num_experts)
-        logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
+        # A one-device program holds whole weights: the dense projections may run as CPU kernels (kernels.dense).
+        with dense.single_device(self.model.mesh.size == 1):
+            logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
         pools = None if state_pools is None else (cache.conv, cache.recurrent)
         return logits, cache.pages, pools, counter.loads()
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.dense import matmul as dense_matmul
 from kernels.moe import routed_experts
 from kernels.quant import QuantizedWeight, quantized_matmul
 
@@ -456,7 +457,7 @@ def forward(weights: Gemma4Weights, cfg: ModelConfig, tokens, positions, cache, 
     if isinstance(head, QuantizedWeight):
         logits = quantized_matmul(x, head)
     else:
-        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+        logits = dense_matmul(x, head)
     cap = cfg.gemma4.final_logit_softcapping
     if cap:
         logits = jnp.tanh(logits / cap) * cap

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention import causal_attention, ragged_paged_attention, ragged_paged_mla, write_kv, write_latent
+from kernels.dense import matmul as dense_matmul
 from kernels.gated_delta import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
 from kernels.moe import route_softmax_topk, routed_experts
 from kernels.quant import QuantizedWeight, quantized_matmul
@@ -230,7 +231,7 @@ def linear(x: Array, w: Array | QuantizedWeight, bias: Array | None = None) -> A
     if isinstance(w, QuantizedWeight):  # stays packed in HBM; dequantised tile by tile inside the matmul
         y = quantized_matmul(x, w).astype(x.dtype)
     else:
-        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = dense_matmul(x, w).astype(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -432,5 +433,5 @@ def decoder_forward(
     if isinstance(head, QuantizedWeight):  # an LM head the checkpoint's quantization_config did not ignore
         logits = quantized_matmul(x, head)
     else:
-        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+        logits = dense_matmul(x, head)
     return logits, cache
