@@ -8,16 +8,16 @@ from dataclasses import replace
 
 
 def small_engine_args(cache_name: str) -> dict:
-    """Small static shapes (block 8, up to 8 sequences, 64-token steps, 160-token context) and one
-    persistent XLA cache per test module, so each module's later engines reuse its first one's binaries;
-    warmup off: only the programs a test uses are compiled."""
+    """Small static shapes (block 8, up to 8 sequences, 64-token steps, 160-token context, one bucket of
+    each: see ENGINE_ARGS) and one persistent XLA cache per test module, so each module's later engines
+    reuse its first one's binaries; warmup off: only the programs a test uses are compiled."""
     return dict(
         block_size=8,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=160,
-        token_buckets=[8, 64],
-        page_buckets=[4, 20],
+        token_buckets=[64],
+        page_buckets=[20],
         compilation_cache_dir=tempfile.mkdtemp(prefix=f"moray-{cache_name}-xla-"),
         warmup=False,
     )
@@ -29,16 +29,20 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-# Small static-shape grid so each engine compiles only a handful of programs (the engine tests' default).
+# One token bucket and one page bucket: each engine compiles one step program (two with a sliding window
+# or a hybrid's decode-only steps). The tiny models are compile-bound: a step of 64 padded tokens runs in
+# milliseconds, a program takes ~1.2 s to compile, and most engines live for one test.
 ENGINE_ARGS = dict(
     block_size=8,
     max_num_seqs=8,
     max_num_batched_tokens=64,
     max_model_len=128,
-    token_buckets=[8, 64],
-    page_buckets=[4, 16],
+    token_buckets=[64],
+    page_buckets=[16],
     compilation_cache_dir=None,
 )
+# Two of each, for the tests of bucket selection and compilation: 4 step programs per engine.
+BUCKETED_ENGINE_ARGS = {**ENGINE_ARGS, "token_buckets": [8, 64], "page_buckets": [4, 16]}
 
 
 def run_to_end(engine, request_id: str, outputs: dict | None = None):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine_harness import ENGINE_ARGS, prompts, run_to_end
+from engine_harness import BUCKETED_ENGINE_ARGS, ENGINE_ARGS, prompts, run_to_end
 from hf_checkpoints import save_hf_checkpoint
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
@@ -235,7 +235,7 @@ def _mixed_run(engine) -> dict[str, list[int]]:
 
 
 def test_no_recompilation_after_warmup(tiny):
-    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **ENGINE_ARGS), show_progress=False)
+    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **BUCKETED_ENGINE_ARGS), show_progress=False)
     traced = engine.runner.num_traces
     assert traced == 4  # 2 token buckets x 2 page buckets
     _mixed_run(engine)
@@ -245,12 +245,14 @@ def test_no_recompilation_after_warmup(tiny):
 def test_background_compilation_serves_first_and_ends_with_every_program(tiny):
     """Only the smallest program is compiled before serving; steps needing others compile them (or wait
     for the background thread's); once it is done nothing compiles again, and the tokens are the same."""
-    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=True, **ENGINE_ARGS), show_progress=False)
+    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=True, **BUCKETED_ENGINE_ARGS), show_progress=False)
     assert (8, 4, False, engine.runner.logits_rows_for(8)) in engine.runner._programs  # the smallest, compiled first
     first = _mixed_run(engine)
     assert engine.runner.wait_compiled(timeout=600)
     assert engine.runner.num_traces == 4
-    foreground = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **ENGINE_ARGS), show_progress=False)
+    foreground = EngineCore(
+        EngineConfig(model=str(tiny), warmup=True, background_compile=False, **BUCKETED_ENGINE_ARGS), show_progress=False
+    )
     assert first == _mixed_run(foreground)
     _mixed_run(engine)
     assert engine.runner.num_traces == 4
