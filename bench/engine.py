@@ -589,6 +589,7 @@ class _Bench:
         experts = {b: [] for b in args.roofline_batches}
         bytes_by_batch = {}
         bandwidth, prefill, warmup_s = [], [], {}
+        peer_prefill = []  # llama.cpp's prefill tokens/s, beside ours
 
         _log(f"warm-up round (compiles the step programs; {self.threads} threads)")
         for b in args.batches:
@@ -630,8 +631,13 @@ class _Bench:
                     ratio_samples[b].append(ratio)
                     msg += f", roofline ratio {ratio:.2f} ({step_bytes['total'] / 2**20:.0f} MiB at {bw:.1f} GB/s)"
                 _log(msg)
-            prefill.append(self.ours_prefill(self.prompts(1, args.prefill_len)[0]))
-            _log(f"run {r + 1}/{args.runs} prefill {args.prefill_len} tokens: {prefill[-1]:.1f} tok/s")
+            prompt = self.prompts(1, args.prefill_len)[0]
+            prefill.append(self.ours_prefill(prompt))
+            msg = f"run {r + 1}/{args.runs} prefill {args.prefill_len} tokens: {prefill[-1]:.1f} tok/s"
+            if "llama_cpp" in peers:  # the same prompt, one llama_decode over all of it
+                peer_prefill.append(peers["llama_cpp"].prefill(prompt))
+                msg += f", llama_cpp {peer_prefill[-1]:.1f} tok/s"
+            _log(msg)
 
         parts = {}
         for b in args.roofline_batches:
@@ -651,6 +657,12 @@ class _Bench:
         result = self._result(decode, peer_decode, peer_status, ratio_samples, experts, bytes_by_batch, bandwidth, prefill, warmup_s, split)
         result["host_overhead"] = {str(b): split[b] for b in sorted(split)}
         result["parts"] = parts
+        if peer_prefill:
+            result["llama_cpp"]["prefill"] = {
+                "prompt_len": args.prefill_len,
+                "tokens_per_s": _median(peer_prefill),
+                "samples_tokens_per_s": [round(x, 3) for x in peer_prefill],
+            }
         result["expert_loads"] = self.expert_loads()
         if args.startup:
             result["startup"] = self.startup()
@@ -907,7 +919,7 @@ def _load_llama_cpp(args: argparse.Namespace, threads: int):
         tmp.cleanup()
         return None, {"available": False, "reason": str(e)}
     max_batch = max(args.compare_batches)
-    max_len = args.prompt_len + args.decode_steps + 8
+    max_len = max(args.prompt_len + args.decode_steps, args.prefill_len) + 8  # decode runs, or one prefill
     runner = _LlamaCppRunner(llama_cpp, path, threads, max_batch, max_len, tmp)
     status = {
         "available": True,
@@ -982,6 +994,14 @@ class _LlamaCppRunner:
             "step_ms_samples": [round(1e3 * s, 3) for s in step_s],
             "tokens": generated,  # greedy, steps + 1 per prompt
         }
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Tokens/s of one sequence's prompt in one llama_decode (logits for its last token only)."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        self._decode([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+        self._argmax(len(prompt) - 1)
+        return len(prompt) / (time.perf_counter() - start)
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)

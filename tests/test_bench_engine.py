@@ -333,6 +333,9 @@ def test_llama_cpp_side_by_side(result):
     for b in BATCHES:
         assert positive(peer["ratio"][str(b)]) and len(peer["paired_ratio_samples"][str(b)]) == RUNS
     assert set(data["targets"]["met"]) >= {"llama_cpp_ratio_b1"}
+    # Its prefill of the same prompts, beside ours.
+    assert peer["prefill"]["prompt_len"] == PREFILL and len(peer["prefill"]["samples_tokens_per_s"]) == RUNS
+    assert positive(peer["prefill"]["tokens_per_s"])
 
 
 def test_gguf_export_runs_the_same_model_in_llama_cpp(tmp_path):
@@ -346,7 +349,7 @@ def test_gguf_export_runs_the_same_model_in_llama_cpp(tmp_path):
 
     model = make_model(tmp_path / "tiny", "qwen3_moe", "tiny", seed=3)
     prompts = [[5 + i, 17, 33, 99 + i, 7, 8, 250, 3] for i in range(4)]
-    args = argparse.Namespace(model=model, dtype="float32", compare_batches=[4], prompt_len=8, decode_steps=6)
+    args = argparse.Namespace(model=model, dtype="float32", compare_batches=[4], prompt_len=8, decode_steps=6, prefill_len=16)
     runner, status = _load_llama_cpp(args, 2)
     assert status["available"], status
     try:

@@ -13,7 +13,18 @@ from workers.models.make_model import make_model
 
 # Odd sizes on purpose: rows not a multiple of the kernel's row groups, widths not a multiple of its vectors
 # (tails), one row, one column, more rows than one thread's minimum share (several threads).
-SHAPES = [(1, 1, 1), (1, 7, 5), (2, 8, 3), (3, 37, 29), (4, 64, 67), (5, 129, 1), (7, 300, 33), (16, 1024, 1000), (9, 33, 4099), (13, 520, 1003)]
+SHAPES = [
+    (1, 1, 1),
+    (1, 7, 5),
+    (2, 8, 3),
+    (3, 37, 29),
+    (4, 64, 67),
+    (5, 129, 1),
+    (7, 300, 33),
+    (16, 1024, 1000),
+    (9, 33, 4099),
+    (13, 520, 1003),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
