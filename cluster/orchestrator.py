@@ -344,8 +344,8 @@ class Orchestrator:
                     if retry:
                         try:
                             fresh = await self._route(request_id, prompt, None, trace.span)
-                            # With no decode worker left the router offers any live one; the decode
-                            # pool cannot run on a prefill worker.
+                            # The router never offers a prefill worker for decode; kept as a guard (the
+                            # decode pool cannot run there).
                             retry = self.role_of(fresh.decode_worker) != "prefill"
                         except NoWorkersAvailable:
                             retry = False

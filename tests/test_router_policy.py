@@ -276,6 +276,17 @@ def test_index_down_routes_by_last_known_load_and_recovers():
     assert not d.degraded and d.decode_worker == "d1" and d.reason == "cache-hit"
 
 
+def test_only_prefill_workers_live_is_no_worker_for_decode():
+    """At start-up the prefill replica can register before the decode one: a request then must wait (503),
+    not be sent to the prefill worker as its decode worker (whose deployment has no decode channel)."""
+    index, router = setup({"p0": "prefill", "p1": "prefill"})
+    with pytest.raises(NoWorkersAvailable, match="decode"):
+        router.route(req(PROMPT))
+    index.heartbeat(WorkerLoad("d0", "decode", ts=index.clock()))
+    d = router.route(req(PROMPT, rid="later"))
+    assert d.decode_worker == "d0" and d.prefill_worker in ("p0", "p1")
+
+
 def test_index_down_before_any_load_was_seen_uses_fallback_workers():
     index = FlakyIndex()
     index.down = True

@@ -270,8 +270,12 @@ class Router:
         ctx = RoutingContext(request, self.block_size, self.weights, lookup, pending, upcoming or {}, self.state_boundaries)
         # Without the index there is nothing to match: by load alone.
         policy = self._load_only if degraded else self.policy
-        # Decode first: decode and colocated workers; if none is alive, any live worker can serve.
-        decoders = sorted(w for w, l in loads.items() if l.role in ("decode", "both")) or sorted(loads)
+        # Decode first: decode and colocated workers only. A prefill worker cannot take a decode (its
+        # deployment has no decode channel): with none alive the request waits for one (503), rather than
+        # failing on a prefill replica (seen at start-up, before the decode replica had registered).
+        decoders = sorted(w for w, l in loads.items() if l.role in ("decode", "both"))
+        if not decoders:
+            raise NoWorkersAvailable("no live decode worker" + (" (KV index unavailable)" if degraded else ""))
         decode, reason, cost = self._choose(policy, ctx, decoders, "decode")
         if degraded:
             reason = "degraded"
