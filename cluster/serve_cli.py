@@ -10,6 +10,7 @@ one line on stderr. Whatever it started (Serve, the local Ray) is shut down befo
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -48,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
     )
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: this machine's); not with --address")
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the local Ray's dashboard too (on --dashboard-port); off by default: it adds about a second "
+        "to start-up and `moray serve` needs none of it; not with --address (that cluster has its own)",
+    )
+    p.add_argument("--dashboard-port", type=int, default=8265, help="port of the local Ray's dashboard with --dashboard (default 8265)")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for the --address cluster to answer (default 30)")
     p.add_argument(
         "--startup-timeout",
@@ -228,6 +236,20 @@ def _host_port(address: str) -> tuple[str, int]:
         raise StartupError(f"--address {address}: expected HOST:PORT") from None
 
 
+def _import_in_background(module: str) -> None:
+    """Imports `module` on a daemon thread. The application's modules (the engine and JAX with them: about a
+    second) are needed only once Ray is up, and starting Ray is mostly waiting for its processes; an import
+    that fails here fails again, with its error, where the module is used."""
+
+    def run():
+        try:
+            importlib.import_module(module)
+        except BaseException:  # noqa: BLE001 - reported by the import that needs it
+            pass
+
+    threading.Thread(target=run, name=f"import-{module}", daemon=True).start()
+
+
 def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
     """Connects to the --address cluster, or starts a fresh local Ray. True when the Ray is ours (local)."""
     import ray
@@ -242,7 +264,12 @@ def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
         stale = os.environ.pop("RAY_ADDRESS", None)  # nor may the local Ray's processes see it
         say("starting a local Ray" + (f" (ignoring RAY_ADDRESS={stale}: pass --address auto to use it)" if stale else ""))
         try:
-            ray.init(address="local", num_cpus=args.num_cpus, **opts)
+            dashboard = getattr(args, "dashboard", False)
+            if dashboard:
+                opts["dashboard_port"] = getattr(args, "dashboard_port", 8265)
+            context = ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=dashboard, **opts)
+            if dashboard and getattr(context, "dashboard_url", None):
+                say(f"Ray dashboard: http://{context.dashboard_url}")
         except SystemExit as e:  # ray.init's own SIGTERM handler, before ours is back
             if e.code == signal.SIGTERM:
                 raise Interrupted(signal.SIGTERM) from None
@@ -252,6 +279,8 @@ def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
         return True
     if args.num_cpus is not None:
         raise StartupError("--num-cpus sizes a local Ray: it does not go with --address")
+    if getattr(args, "dashboard", False):
+        raise StartupError("--dashboard starts a local Ray's dashboard: it does not go with --address")
     address, source = resolve_address(args.address)
     host, port = _host_port(address)
     say(f"connecting to the Ray cluster at {address} (from {source})")
@@ -351,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     ensure_local_env()
+    _import_in_background("cluster.app")  # overlaps the Ray start below
     logs.configure(cfg.observability, forward_errors=False)
     guard = SignalGuard(grace_s=cfg.graceful_shutdown_timeout_s + 40)  # a safety net: cleanup is bounded below it
     phase = "starting"

@@ -71,6 +71,11 @@ def test_moray_serve_serves_and_shuts_down_cleanly(model_dir, tmp_path, ray_tmp)
         assert complete(base, key="test-key")["usage"]["completion_tokens"] == 4
         started = caused_processes({proc.pid}, ray_tmp) - {proc.pid}
         assert started, "no local Ray processes under the moray serve process"
+        # The local Ray starts without its dashboard (a second of start-up, nine module processes) unless
+        # asked: Ray then runs only a minimal dashboard process, its frontend disabled.
+        commands = [cmd for _, _, cmd in named(started)]
+        assert not [cmd for cmd in commands if "ray-dashboard-" in cmd], commands
+        assert all("--disable-frontend" in cmd for cmd in commands if "dashboard/dashboard.py" in cmd), commands
     finally:
         proc.send_signal(signal.SIGINT)
         out = output.finish(timeout=180)
@@ -197,7 +202,8 @@ def test_moray_serve_fails_at_once_when_a_pool_cannot_be_placed(model_dir, tmp_p
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.monotonic()
-    proc = start_moray_serve(["--config", str(path), "--num-cpus", "2"], env(ray_tmp))
+    dashboard = free_port()
+    proc = start_moray_serve(["--config", str(path), "--num-cpus", "2", "--dashboard", "--dashboard-port", str(dashboard)], env(ray_tmp))
     try:
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -205,6 +211,7 @@ def test_moray_serve_fails_at_once_when_a_pool_cannot_be_placed(model_dir, tmp_p
             proc.kill()
     assert proc.returncode == 1, out
     assert time.monotonic() - t0 < 120
+    assert f"Ray dashboard: http://127.0.0.1:{dashboard}" in out  # asked for: started, and where it is said
     errors = [line for line in out.splitlines() if line.startswith("moray: error:")]
     assert len(errors) == 1, out
     assert "the decode pool cannot be placed: 4 replicas x 1 CPU = 4 CPUs needed, 1 CPU available" in errors[0]
@@ -302,6 +309,23 @@ def test_moray_serve_address_auto_or_given_fails_clearly_when_dead(model_dir, tm
     source = {"RAY_ADDRESS": "(from RAY_ADDRESS)", "session file": "ray_current_cluster)", "--address": "(from --address)"}[where]
     assert f"no Ray cluster answers at {dead} " in error[0] and source in error[0] and "within 3s" in error[0], error[0]
     assert not caused_processes(marker=ray_tmp)  # it started no Ray of its own
+
+
+def test_moray_serve_dashboard_is_for_a_local_ray_only(model_dir, tmp_path, ray_tmp):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster_config(model_dir)))
+    run = subprocess.run(
+        [str(BIN / "moray"), "serve", "--config", str(path), "--address", "127.0.0.1:1", "--dashboard"],
+        cwd=ROOT,
+        env=env(ray_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    error = [line for line in run.stderr.splitlines() if line.startswith("moray: error:")]
+    assert len(error) == 1 and "--dashboard starts a local Ray's dashboard: it does not go with --address" in error[0], run.stderr
+    assert not caused_processes(marker=ray_tmp)
 
 
 def test_moray_serve_help_states_the_default_address():
