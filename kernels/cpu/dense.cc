@@ -31,10 +31,11 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resu
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t want = std::max<int64_t>(1, rows * in / kMinFloatsPerThread);
-  moray::RunOnPool(static_cast<int>(std::min<int64_t>(want, moray::NumCpus())), [&](int me, int threads) {
-    auto [lo, hi] = moray::Share(rows, me, threads);
-    // Output column lo of every token's row: the tokens share each row read (matvec.h).
-    if (hi > lo) moray::MatVecs(wp + lo * in, hi - lo, in, xp, in, static_cast<int>(t), yp + lo, rows);
+  const int threads = static_cast<int>(std::min<int64_t>(want, moray::NumCpus()));
+  moray::Pieces pieces(rows, threads);
+  moray::RunOnPool(threads, [&](int, int) {
+    // Output columns [lo, hi) of every token's row: the tokens share each row read (matvec.h).
+    for (int64_t lo, hi; pieces.Next(&lo, &hi);) moray::MatVecs(wp + lo * in, hi - lo, in, xp, in, static_cast<int>(t), yp + lo, rows);
   });
   return ffi::Error::Success();
 }

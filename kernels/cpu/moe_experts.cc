@@ -32,7 +32,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 using moray::MatVecs;
-using moray::Share;
 
 // exp's argument is clamped: exp(-v) of a large v is subnormal, and subnormal arithmetic is ~100x slower
 // (a layer of large activations ran at a quarter of the speed). Past |v| = 80 the result is unchanged
@@ -96,8 +95,9 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
   std::vector<float> xs(a * h), gu(a * 2 * inter);  // tokens' rows and gate/up outputs, by expert
   for (int64_t i = 0; i < a; ++i) std::memcpy(&xs[i * h], xp + plan.entries[i].token * h, h * sizeof(float));
 
-  // Both phases split the rows of all selected experts evenly between the threads, so every thread
-  // streams the same amount of weights (splitting whole experts left threads idle at small batches).
+  // Both phases hand out pieces of the rows of all selected experts laid end to end (pool.h's Pieces), so
+  // the threads stream equal amounts of weights, and a thread the OS parks leaves its work to the others
+  // (splitting whole experts left threads idle at small batches).
   moray::WorkerPool& pool = moray::Pool();
   int threads = std::max(1, std::min<int>(pool.size(), static_cast<int>((num_used * h + 63) / 64)));
   std::unique_lock<std::mutex> lease;
@@ -106,21 +106,22 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
   const float* gup = gate_up.typed_data();
   const float* dp = down.typed_data();
   std::barrier sync(threads);
+  moray::Pieces pieces1(num_used * 2 * inter, threads), pieces2(num_used * h, threads);
   auto work = [&](int me) {
-    // Phase 1: [g; u] = gate_up[e] x for this thread's gate_up rows.
-    auto [lo1, hi1] = Share(num_used * 2 * inter, me, threads);
-    ForRows(lo1, hi1, 2 * inter, [&](int64_t u, int64_t r0, int64_t r1) {
-      const int64_t first = plan.offsets[u], m = plan.offsets[u + 1] - first;
-      const float* w = gup + plan.experts[u] * 2 * inter * h + r0 * h;
-      MatVecs(w, r1 - r0, h, &xs[first * h], h, static_cast<int>(m), &gu[first * 2 * inter + r0], 2 * inter);
-    });
+    // Phase 1: [g; u] = gate_up[e] x, the gate_up rows taken piece by piece.
+    for (int64_t lo1, hi1; pieces1.Next(&lo1, &hi1);) {
+      ForRows(lo1, hi1, 2 * inter, [&](int64_t u, int64_t r0, int64_t r1) {
+        const int64_t first = plan.offsets[u], m = plan.offsets[u + 1] - first;
+        const float* w = gup + plan.experts[u] * 2 * inter * h + r0 * h;
+        MatVecs(w, r1 - r0, h, &xs[first * h], h, static_cast<int>(m), &gu[first * 2 * inter + r0], 2 * inter);
+      });
+    }
     sync.arrive_and_wait();
     // Phase 2: out[t] += weight * down[e] act for this thread's down rows.
     float* acc = me == 0 ? result : partial.data() + (me - 1) * t * h;
     std::vector<float> act, y;
     int64_t act_of = -1;
-    auto [lo2, hi2] = Share(num_used * h, me, threads);
-    ForRows(lo2, hi2, h, [&](int64_t u, int64_t r0, int64_t r1) {
+    auto down_rows = [&](int64_t u, int64_t r0, int64_t r1) {
       const int64_t first = plan.offsets[u], m = plan.offsets[u + 1] - first;
       if (act_of != u) {  // silu(g) * u of this expert's tokens (cheap: m x I, recomputed per thread)
         act.resize(m * inter);
@@ -138,7 +139,8 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
         float* dst = acc + as.token * h + r0;
         for (int64_t r = 0; r < r1 - r0; ++r) dst[r] += as.weight * y[j * (r1 - r0) + r];
       }
-    });
+    };
+    for (int64_t lo2, hi2; pieces2.Next(&lo2, &hi2);) ForRows(lo2, hi2, h, down_rows);
   };
   if (threads > 1) pool.Run(threads, work);
   else work(0);

@@ -123,10 +123,26 @@ inline void RunOnPool(int threads, const std::function<void(int, int)>& work) {
   pool.Run(threads, [&](int me) { work(me, threads); });
 }
 
-// This thread's share [lo, hi) of n rows, in multiples of 4 so the matrix-vector row groups stay whole.
-inline std::pair<int64_t, int64_t> Share(int64_t n, int me, int threads) {
-  auto edge = [&](int p) { return std::min(n, (n * p / threads + 3) / 4 * 4); };
-  return {edge(me), me + 1 == threads ? n : edge(me + 1)};
-}
+// Pieces [lo, hi) of n rows handed out one at a time from a shared counter (multiples of 4, so the
+// matrix-vector row groups stay whole; about `per_thread` pieces per thread). Why not fixed shares: on a
+// small machine the engine's host thread prepares the next step beside this one, and the OS then parks
+// one of the kernel's threads for a time slice; with fixed halves the other finished its half and waited,
+// with pieces it takes the parked thread's remaining work.
+class Pieces {
+ public:
+  Pieces(int64_t n, int threads, int64_t per_thread = 8)
+      : n_(n), size_(std::max<int64_t>(4, (n / (std::max(1, threads) * per_thread) + 3) / 4 * 4)) {}
+  bool Next(int64_t* lo, int64_t* hi) {
+    const int64_t start = next_.fetch_add(size_, std::memory_order_relaxed);
+    if (start >= n_) return false;
+    *lo = start;
+    *hi = std::min(n_, start + size_);
+    return true;
+  }
+
+ private:
+  const int64_t n_, size_;
+  std::atomic<int64_t> next_{0};
+};
 
 }  // namespace moray
