@@ -128,6 +128,10 @@ class _Failure(Exception):
         super().__init__(f"{stage} worker {worker} failed: {type(cause).__name__}")
         self.worker, self.stage, self.cause = worker, stage, cause
         self.drained = isinstance(cause, WorkerDraining)  # not a failure: the worker is being stopped
+        # The worker answered: it closed the channel as idle, so it no longer runs the request, but it is
+        # alive. Marking it failed took the only decode worker out of routing and /health (a full run's
+        # fuzz test: every request after such a loss got a 503 for a heartbeat's time).
+        self.worker_alive = isinstance(cause, ChannelIdleClosed)
 
     @property
     def detail(self) -> str:
@@ -335,7 +339,7 @@ class Orchestrator:
                                 return
                     return
                 except _Failure as f:
-                    if not f.drained:
+                    if not f.drained and not f.worker_alive:
                         self.on_worker_failed(f.worker)
                     # Nothing of the decode side went out: run it again elsewhere. Tokens went out: migrate
                     # (the new worker continues after them), at most `server.max_migrations` times.

@@ -155,6 +155,34 @@ def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channe
     assert len(now) == 1 and now[0] is not old  # it ran on a new channel under the same id
 
 
+def test_a_request_lost_by_a_live_worker_moves_without_marking_the_worker_failed(model_dir):
+    """The worker stops running a request without a last delta (here: dropped on the worker's side), so its
+    channel goes idle and closes while the front end still waits for tokens. The worker answered, so it is
+    alive: it stays in routing and /health, and the stream migrates (onto it again, the only one) and ends
+    normally. It used to be marked failed: with no decode worker left the stream ended with an error and,
+    in a full run's fuzz test, the requests after it got 503s for a heartbeat's time."""
+    d0 = FakeWorker("d0", delay=0.02)
+    d0.linger_s = 0.05
+
+    async def main():
+        s = await make_serving(model_dir, [], [d0], max_migrations=1)
+        response = await s.frontend.completions(http_request({**STREAM, "max_tokens": 12}))
+        events = asyncio.create_task(sse_events(response))
+        await until(lambda: d0.tokens_out >= 3)
+        (rid,) = list(d0._running)
+        task, outbox, _ = d0._running.pop(rid)  # lost on the worker: no final delta, no error
+        task.cancel()
+        outbox.request_ended()
+        out = await events
+        return out, await health(s)
+
+    events, status = run(main())
+    assert events[-1] == "[DONE]" and events[-2].get("choices", [{}])[0].get("finish_reason") == "length", events[-3:]
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices"))
+    assert text == "".join(f"t{i} " for i in range(12)), text  # resumed where it stopped: no token lost or repeated
+    assert status["decode_workers"] == 1, status
+
+
 def test_a_stream_migrates_at_most_max_migrations_times(model_dir):
     """Every decode worker it moves to dies too: after `max_migrations` moves the stream ends with an
     error that says so."""
