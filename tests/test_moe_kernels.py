@@ -84,6 +84,18 @@ def test_matches_dense_reference(impl, tokens, experts, top_k, routing):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), (5, "half_idle"), (16, "random")])
+def test_cpu_kernel_pieces_straddle_experts(tokens, routing):
+    """Shapes large enough that the CPU kernel hands its rows out in many pieces (~256 KiB of weights each),
+    and pieces that start and end inside an expert's rows in both phases (300 gate/up rows per expert, pieces
+    of 152; 512 down rows, pieces of 436): a piece lost, repeated or misplaced changes the output."""
+    experts, top_k, hidden, inter = 8, 2, 512, 150
+    x, ids, weights = make_tokens(tokens, experts, top_k, routing, hidden=hidden)
+    gate_up, down = make_weights(experts, hidden=hidden, inter=inter)
+    got = routed_experts(x, ids, weights, gate_up, down, impl="cpu")
+    np.testing.assert_allclose(got, dense_reference(x, ids, weights, gate_up, down), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (37, 2), (130, 4)])
 def test_all_assignments_to_one_expert(impl, tokens, top_k):

@@ -106,7 +106,9 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
   const float* gup = gate_up.typed_data();
   const float* dp = down.typed_data();
   std::barrier sync(threads);
-  moray::Pieces pieces1(num_used * 2 * inter, threads), pieces2(num_used * h, threads);
+  // About 256 KiB of weights per piece (gate_up rows are h long, down rows inter).
+  moray::Pieces pieces1(num_used * 2 * inter, threads, (1 << 16) / std::max<int64_t>(1, h));
+  moray::Pieces pieces2(num_used * h, threads, (1 << 16) / std::max<int64_t>(1, inter));
   auto work = [&](int me) {
     // Phase 1: [g; u] = gate_up[e] x, the gate_up rows taken piece by piece.
     for (int64_t lo1, hi1; pieces1.Next(&lo1, &hi1);) {
