@@ -24,6 +24,7 @@ SHAPES = [
     (16, 1024, 1000),
     (9, 33, 4099),
     (13, 520, 1003),
+    (2, 70001, 9),  # rows so long that a piece's row floor (256 KiB / row) is 0: pieces must still advance
 ]
 
 

@@ -133,7 +133,7 @@ class Pieces {
   // `min_rows`: pieces below it cost more in hand-outs and loop starts than they balance (the callers
   // ask for about 256 KiB of weights per piece).
   Pieces(int64_t n, int threads, int64_t min_rows = 4, int64_t per_thread = 8)
-      : n_(n), size_((std::max(min_rows, n / (std::max(1, threads) * per_thread)) + 3) / 4 * 4) {}
+      : n_(n), size_((std::max({int64_t{4}, min_rows, n / (std::max(1, threads) * per_thread)}) + 3) / 4 * 4) {}
   bool Next(int64_t* lo, int64_t* hi) {
     const int64_t start = next_.fetch_add(size_, std::memory_order_relaxed);
     if (start >= n_) return false;
