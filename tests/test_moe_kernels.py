@@ -86,9 +86,9 @@ def test_matches_dense_reference(impl, tokens, experts, top_k, routing):
 
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (5, "half_idle"), (16, "random")])
 def test_cpu_kernel_pieces_straddle_experts(tokens, routing):
-    """Shapes large enough that the CPU kernel hands its rows out in many pieces (~256 KiB of weights each),
-    and pieces that start and end inside an expert's rows in both phases (300 gate/up rows per expert, pieces
-    of 152; 512 down rows, pieces of 436): a piece lost, repeated or misplaced changes the output."""
+    """Shapes large enough that the CPU kernel hands its gate/up rows out in many pieces (~256 KiB of weights
+    each) that start and end inside an expert's rows (300 gate/up rows per expert, pieces of 152), and fixed
+    down-projection shares that split an expert: a piece lost, repeated or misplaced changes the output."""
     experts, top_k, hidden, inter = 8, 2, 512, 150
     x, ids, weights = make_tokens(tokens, experts, top_k, routing, hidden=hidden)
     gate_up, down = make_weights(experts, hidden=hidden, inter=inter)

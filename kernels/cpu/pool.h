@@ -147,4 +147,11 @@ class Pieces {
   std::atomic<int64_t> next_{0};
 };
 
+// This thread's fixed share [lo, hi) of n rows, in multiples of 4 (for work whose results each thread sums
+// on its own: fixed shares keep the order of the final sums, so a step's output is the same on every run).
+inline std::pair<int64_t, int64_t> Share(int64_t n, int me, int threads) {
+  auto edge = [&](int p) { return std::min(n, (n * p / threads + 3) / 4 * 4); };
+  return {edge(me), me + 1 == threads ? n : edge(me + 1)};
+}
+
 }  // namespace moray
