@@ -20,8 +20,6 @@ namespace {
 
 // Rows of work (out rows x in width) below which one more thread costs more to wake than it saves.
 constexpr int64_t kMinFloatsPerThread = 1 << 15;
-// Weights per piece handed out (pool.h's Pieces): 256 KiB.
-constexpr int64_t kMinFloatsPerPiece = 1 << 16;
 
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -34,7 +32,7 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resu
   float* yp = y->typed_data();
   const int64_t want = std::max<int64_t>(1, rows * in / kMinFloatsPerThread);
   const int threads = static_cast<int>(std::min<int64_t>(want, moray::NumCpus()));
-  moray::Pieces pieces(rows, threads, kMinFloatsPerPiece / in);
+  moray::Pieces pieces(rows, threads, moray::Pieces::kMinFloats / in);
   moray::RunOnPool(threads, [&](int, int) {
     // Output columns [lo, hi) of every token's row: the tokens share each row read (matvec.h).
     for (int64_t lo, hi; pieces.Next(&lo, &hi);) moray::MatVecs(wp + lo * in, hi - lo, in, xp, in, static_cast<int>(t), yp + lo, rows);

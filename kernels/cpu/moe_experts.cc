@@ -106,8 +106,7 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
   const float* gup = gate_up.typed_data();
   const float* dp = down.typed_data();
   std::barrier sync(threads);
-  // About 256 KiB of gate_up weights per piece (rows h long).
-  moray::Pieces pieces1(num_used * 2 * inter, threads, (1 << 16) / std::max<int64_t>(1, h));
+  moray::Pieces pieces1(num_used * 2 * inter, threads, moray::Pieces::kMinFloats / std::max<int64_t>(1, h));
   auto work = [&](int me) {
     // Phase 1: [g; u] = gate_up[e] x, the gate_up rows taken piece by piece.
     for (int64_t lo1, hi1; pieces1.Next(&lo1, &hi1);) {
@@ -122,7 +121,12 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
     float* acc = me == 0 ? result : partial.data() + (me - 1) * t * h;
     std::vector<float> act, y;
     int64_t act_of = -1;
-    auto down_rows = [&](int64_t u, int64_t r0, int64_t r1) {
+    // Fixed shares here, not pieces: each thread sums into its own buffer and the buffers are added at the
+    // end, so which thread took which rows decides the order of the sums; pieces made the output differ
+    // in the last bits from run to run (a quantization benchmark's KL of a model against itself came out
+    // -3.6e-16 in a full run).
+    auto [lo2, hi2] = moray::Share(num_used * h, me, threads);
+    ForRows(lo2, hi2, h, [&](int64_t u, int64_t r0, int64_t r1) {
       const int64_t first = plan.offsets[u], m = plan.offsets[u + 1] - first;
       if (act_of != u) {  // silu(g) * u of this expert's tokens (cheap: m x I, recomputed per thread)
         act.resize(m * inter);
@@ -140,13 +144,7 @@ ffi::Error MoeExpertsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ff
         float* dst = acc + as.token * h + r0;
         for (int64_t r = 0; r < r1 - r0; ++r) dst[r] += as.weight * y[j * (r1 - r0) + r];
       }
-    };
-    // Fixed shares here, not pieces: each thread sums into its own buffer and the buffers are added at the
-    // end, so which thread took which rows decides the order of the sums; pieces made the output differ
-    // in the last bits from run to run (a quantization benchmark's KL of a model against itself came out
-    // -3.6e-16 in a full run).
-    auto [lo2, hi2] = moray::Share(num_used * h, me, threads);
-    ForRows(lo2, hi2, h, down_rows);
+    });
   };
   if (threads > 1) pool.Run(threads, work);
   else work(0);

@@ -130,8 +130,10 @@ inline void RunOnPool(int threads, const std::function<void(int, int)>& work) {
 // with pieces it takes the parked thread's remaining work.
 class Pieces {
  public:
-  // `min_rows`: pieces below it cost more in hand-outs and loop starts than they balance (the callers
-  // ask for about 256 KiB of weights per piece).
+  // Floats of weights per piece the callers ask for at least (256 KiB): smaller pieces cost more in
+  // hand-outs and loop starts than they balance.
+  static constexpr int64_t kMinFloats = 1 << 16;
+  // `min_rows`: the fewest rows a piece holds (kMinFloats / row length).
   Pieces(int64_t n, int threads, int64_t min_rows = 4, int64_t per_thread = 8)
       : n_(n), size_((std::max({int64_t{4}, min_rows, n / (std::max(1, threads) * per_thread)}) + 3) / 4 * 4) {}
   bool Next(int64_t* lo, int64_t* hi) {
