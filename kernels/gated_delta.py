@@ -13,8 +13,8 @@ Two APIs, both matching transformers 5.x (`causal_conv1d_fn` / `causal_conv1d_up
   (the chunked WY form: a triangular solve per chunk turns chunk_size sequential delta updates into a
   few matmuls, then a scan carries the state across chunks);
 - ragged flat batches over state *pools* indexed by slot, for the engine's mixed prefill/decode steps:
-  `ragged_causal_conv1d` and `ragged_gated_delta_rule`, with optional mid-step snapshots (the state
-  after a sequence's first n tokens of this step, e.g. for prefix caching).
+  `ragged_causal_conv1d` and `ragged_gated_delta_rule`, with optional mid-step snapshots (the states
+  after a sequence's first n1, n2, ... tokens of this step, e.g. for prefix caching at several boundaries).
 
 All math runs in float32; outputs come back in the input dtype of v (x for the conv). Recurrent
 states are float32. `gated_delta_impl` is the one place a TPU kernel would be chosen.
@@ -265,11 +265,12 @@ def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, use_qk_l2no
 # Ragged batches over state pools (the engine's flat, mixed prefill/decode steps).
 #
 # Sequence i < num_seqs[0] owns tokens cu_q_lens[i] : cu_q_lens[i+1] and the pool entry slots[i]: its
-# state is read from there and the state after its last token written back. Optionally the state
-# after its first snap_lens[i] tokens is also written to snap_slots[i] (out of [0, num_slots), or a
-# snap_len outside [1, q_len], means no snapshot). Tokens from cu_q_lens[num_seqs] on are padding: they
-# touch no state and their outputs are 0. All written slots are distinct (the caller's promise), so
-# every write lands on a slot no other sequence reads, and the order of writes does not matter.
+# state is read from there and the state after its last token written back. Optionally the states
+# after its first snap_lens[i, j] tokens are also written to snap_slots[i, j] (snapshots: [S] for one per
+# sequence, [S, K] for up to K, in any order; a slot out of [0, num_slots), or a snap_len outside
+# [1, q_len], means none). Tokens from cu_q_lens[num_seqs] on are padding: they touch no state and their
+# outputs are 0. All written slots are distinct (the caller's promise), so every write lands on a slot no
+# other sequence reads, and the order of writes does not matter.
 
 
 class _Seqs(NamedTuple):
@@ -278,8 +279,8 @@ class _Seqs(NamedTuple):
     start: jax.Array  # first token
     q_len: jax.Array  # tokens this step
     write: jax.Array  # slot the final state goes to; num_slots (dropped) when nothing to write
-    snap_len: jax.Array  # tokens before the snapshot; q_len when there is none
-    snap_write: jax.Array  # slot the snapshot goes to; num_slots (dropped) when there is none
+    snap_len: jax.Array  # [S, K] tokens before each snapshot, non-decreasing (an unused entry repeats the one before)
+    snap_write: jax.Array  # [S, K] slot each snapshot goes to; num_slots (dropped) where there is none
 
 
 def _plan_seqs(cu_q_lens, num_seqs, slots, snap_lens, snap_slots, num_slots: int) -> _Seqs:
@@ -289,12 +290,19 @@ def _plan_seqs(cu_q_lens, num_seqs, slots, snap_lens, snap_slots, num_slots: int
     q_len = jnp.where(live, cu_q_lens[1:] - start, 0)
     write = jnp.where(q_len > 0, slots, num_slots)
     if snap_slots is None:
-        snap_len, snap_write = q_len, jnp.full_like(slots, num_slots)
+        snap_len, snap_write = q_len[:, None], jnp.full_like(slots, num_slots)[:, None]
     else:
         if snap_lens is None:
             raise ValueError("snap_slots needs snap_lens")
-        snap = (snap_slots >= 0) & (snap_slots < num_slots) & (snap_lens >= 1) & (snap_lens <= q_len)
-        snap_len = jnp.where(snap, snap_lens, q_len)
+        snap_lens, snap_slots = jnp.asarray(snap_lens), jnp.asarray(snap_slots)
+        if snap_slots.ndim == 1:  # one snapshot per sequence
+            snap_lens, snap_slots = snap_lens[:, None], snap_slots[:, None]
+        snap = (snap_slots >= 0) & (snap_slots < num_slots) & (snap_lens >= 1) & (snap_lens <= q_len[:, None])
+        # In order of length, unused entries last; an unused entry splits nowhere (it takes the length before
+        # it), so the segments between snapshots follow each other whatever the unused entries hold.
+        order = jnp.argsort(jnp.where(snap, snap_lens, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
+        snap_lens, snap_slots, snap = (jnp.take_along_axis(a, order, axis=1) for a in (snap_lens, snap_slots, snap))
+        snap_len = jax.lax.cummax(jnp.where(snap, snap_lens, 0), axis=1)
         snap_write = jnp.where(snap, snap_slots, num_slots)
     return _Seqs(*(jnp.asarray(a, jnp.int32) for a in (start, q_len, write, snap_len, snap_write)))
 
@@ -312,8 +320,8 @@ def ragged_causal_conv1d(
     slots: jax.Array,  # i32[S]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
-    snap_lens: jax.Array | None = None,  # i32[S]
-    snap_slots: jax.Array | None = None,  # i32[S]
+    snap_lens: jax.Array | None = None,  # i32[S] or i32[S, K]
+    snap_slots: jax.Array | None = None,  # i32[S] or i32[S, K]
 ) -> tuple[jax.Array, jax.Array]:
     """`causal_conv1d` for a flat ragged batch over a pool of conv states: (out [N, C] x.dtype, pool).
 
@@ -355,7 +363,8 @@ def ragged_causal_conv1d(
 
     conv_states = _set_slots(conv_states, seqs.write, state_after(seqs.q_len))
     if snap_slots is not None:
-        conv_states = _set_slots(conv_states, seqs.snap_write, state_after(seqs.snap_len))
+        for j in range(seqs.snap_write.shape[1]):
+            conv_states = _set_slots(conv_states, seqs.snap_write[:, j], state_after(seqs.snap_len[:, j]))
     return out, conv_states
 
 
@@ -369,8 +378,8 @@ def ragged_gated_delta_rule(
     slots: jax.Array,  # i32[S]
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
-    snap_lens: jax.Array | None = None,  # i32[S]
-    snap_slots: jax.Array | None = None,  # i32[S]
+    snap_lens: jax.Array | None = None,  # i32[S] or i32[S, K]
+    snap_slots: jax.Array | None = None,  # i32[S] or i32[S, K]
     chunk_size: int = 64,
     decode_only: bool = False,
     use_qk_l2norm: bool = True,
@@ -453,8 +462,9 @@ def _single_steps(out, states, tokens, token_of_seq, seqs: _Seqs):
     state, o = _delta_step(state, _expand_heads(q, hv), _expand_heads(k, hv), v, g, beta)
     out = out.at[jnp.where(single, token_of_seq, n)].set(o, mode="drop")
     states = _set_slots(states, jnp.where(single, seqs.write, num_slots), state)
-    # A single-token snapshot (snap_len == 1) is the state after that token.
-    states = _set_slots(states, jnp.where(single, seqs.snap_write, num_slots), state)
+    # A single-token sequence's snapshots (snap_len == 1: at most one is valid) are the state after that token.
+    for j in range(seqs.snap_write.shape[1]):
+        states = _set_slots(states, jnp.where(single, seqs.snap_write[:, j], num_slots), state)
     return out, states
 
 
@@ -462,8 +472,8 @@ def _chunk_loop(out, states, tokens, seqs: _Seqs, chunk_size: int):
     """The chunked form for every sequence with more than one token, one chunk at a time.
 
     A while loop over those sequences (their count is dynamic), each running a loop over its real
-    chunks, so work follows the tokens rather than the static N. A snapshot splits the sequence into
-    two segments, each chunked from its own start, so the state at the split is exact. Chunks are read
+    chunks, so work follows the tokens rather than the static N. Snapshots split the sequence into
+    segments, each chunked from its own start, so the state at each split is exact. Chunks are read
     with dynamic_slice from inputs padded by chunk_size rows (a slice near the end is never shifted);
     rows beyond the segment are masked to k = beta = g = 0 (no effect on the state) and their outputs
     are not merged, so other sequences' rows in the same window are kept.
@@ -502,14 +512,18 @@ def _chunk_loop(out, states, tokens, seqs: _Seqs, chunk_size: int):
     def sequence(j, carry):
         out, states = carry
         i = order[j]
-        start, slot, snap_slot = seqs.start[i], seqs.write[i], seqs.snap_write[i]
+        start, slot = seqs.start[i], seqs.write[i]
         state = jax.lax.dynamic_index_in_dim(states, slot, keepdims=False).astype(jnp.float32)
-        state, out = segment(state, out, start, start + seqs.snap_len[i])
-        # Without a snapshot, this writes a partial state to the sequence's own slot, which the final
-        # write below overwrites: branch-free, and a cheap in-place update.
-        target = jnp.where(snap_slot < num_slots, snap_slot, slot)
-        states = jax.lax.dynamic_update_index_in_dim(states, state.astype(states.dtype), target, axis=0)
-        state, out = segment(state, out, start + seqs.snap_len[i], start + seqs.q_len[i])
+        done = 0
+        for j in range(seqs.snap_write.shape[1]):  # K is static and small
+            snap_len, snap_slot = seqs.snap_len[i, j], seqs.snap_write[i, j]
+            state, out = segment(state, out, start + done, start + snap_len)
+            done = snap_len
+            # Without a snapshot, this writes a partial state to the sequence's own slot, which the final
+            # write below overwrites: branch-free, and a cheap in-place update.
+            target = jnp.where(snap_slot < num_slots, snap_slot, slot)
+            states = jax.lax.dynamic_update_index_in_dim(states, state.astype(states.dtype), target, axis=0)
+        state, out = segment(state, out, start + done, start + seqs.q_len[i])
         states = jax.lax.dynamic_update_index_in_dim(states, state.astype(states.dtype), slot, axis=0)
         return out, states
 

@@ -244,6 +244,59 @@ def test_ragged_matches_per_sequence(chunk_size):
     assert out.shape == (live + DEAD_TOKENS, HV, DV) and conv_out.shape == b["x"].shape
 
 
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_ragged_several_snapshots_per_sequence(chunk_size):
+    """Snapshots as [S, K]: several per sequence, given in any order, with unused entries between them
+    (length 0, past the sequence, slot -1 or past the pool); each valid one is the state after its length."""
+    lens = (70, 9, 1, 5)
+    slots = (0, 1, 2, 3)
+    snap_lens = ((65, 16, 33), (0, 9, 4), (1, 2, 1), (5, 2, 40))
+    snap_slots = ((10, 11, 12), (13, 14, 15), (16, 17, -1), (18, 19, 32))
+    valid = {10: (0, 65), 11: (0, 16), 12: (0, 33), 14: (1, 9), 15: (1, 4), 16: (2, 1), 18: (3, 5), 19: (3, 2)}
+    num_slots, live = 32, sum(lens)
+    rng = np.random.default_rng(5)
+    n = live + 3
+    tokens = tuple(a[0] for a in make_inputs(n, HK, HV, seed=5, batch=1))
+    x = rng.standard_normal((n, CHANNELS), np.float32)
+    for a in (*tokens, x):
+        a[live:] = np.nan
+    states0 = (rng.standard_normal((num_slots, HV, DK, DV)) * 0.3).astype(np.float32)
+    conv0 = rng.standard_normal((num_slots, KERNEL - 1, CHANNELS)).astype(np.float32)
+    weight = rng.standard_normal((CHANNELS, KERNEL)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    b = dict(
+        slots=np.array(slots, np.int32),
+        cu=cu,
+        num_seqs=np.array([len(lens)], np.int32),
+        snap_lens=np.array(snap_lens, np.int32),
+        snap_slots=np.array(snap_slots, np.int32),
+    )
+    out, states = map(np.asarray, ragged_step(tokens, jnp.asarray(states0), b, chunk_size=chunk_size))
+    conv_out, conv_states = map(np.asarray, ragged_conv(x, weight, jnp.asarray(conv0), b))
+
+    def alone(i, length):
+        lo = cu[i]
+        _, state = recurrent(*(a[None, lo : lo + length] for a in tokens), states0[slots[i]][None])
+        _, conv_state = conv(x[None, lo : lo + length], weight, conv0[slots[i]][None])
+        return state[0], conv_state[0]
+
+    for i, q_len in enumerate(lens):
+        lo = cu[i]
+        want_out, _ = recurrent(*(a[None, lo : lo + q_len] for a in tokens), states0[slots[i]][None])
+        close(out[lo : lo + q_len], want_out[0])
+        want_state, want_conv = alone(i, q_len)
+        close(states[slots[i]], want_state)
+        close(conv_states[slots[i]], want_conv)
+    for slot, (i, length) in valid.items():
+        want_state, want_conv = alone(i, length)
+        close(states[slot], want_state)
+        close(conv_states[slot], want_conv)
+    for slot in set(range(num_slots)) - set(valid) - set(slots):  # 13, 17 and the rest: untouched
+        np.testing.assert_array_equal(states[slot], states0[slot])
+        np.testing.assert_array_equal(conv_states[slot], conv0[slot])
+    assert np.isfinite(out).all() and np.isfinite(conv_out).all()
+
+
 def test_ragged_padding_changes_nothing():
     """More padding tokens (different values) and fewer live sequences: the live results are the same."""
     b = ragged_batch()

@@ -274,6 +274,38 @@ def test_a_forked_conversation_reuses_up_to_the_fork_on_every_branch(model_dir, 
     assert [o.token_ids for o in outs] == [o.token_ids for o in uncached]
 
 
+@pytest.mark.parametrize(
+    "hints,chunks",
+    [([17, 33, 50], [(0, 60)]), ([9, 17, 25, 33, 41], [(0, 32), (32, 28)])],
+    ids=["three-hints-one-step", "five-hints-two-steps"],
+)
+def test_one_prefill_step_keeps_states_at_several_hints(model_dir, llm, monkeypatch, hints, chunks):
+    """A 60-token prompt with several hints (keep points at their block boundaries, blocks of 8): one prefill
+    step keeps a state at up to SNAPSHOTS_PER_STEP boundaries (its last one included), so three hints cost no
+    extra step and five cost one (a step kept a single state before: each hint ended a chunk, 4 and 6 steps).
+    Prompts sharing each hinted prefix then resume at it; greedy tokens equal an uncached run's."""
+    engine = LLM(str(model_dir), **ARGS)
+    core = engine.engine
+    planned = []
+    plan_step = core.kv.plan_step
+
+    def recording(request, start, num_new_tokens, num_spec=0):
+        planned.append((start, num_new_tokens))
+        return plan_step(request, start, num_new_tokens, num_spec)
+
+    monkeypatch.setattr(core.kv, "plan_step", recording)
+    rng = random.Random(71)
+    prompt = [rng.randrange(3, 500) for _ in range(60)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prefix_boundaries=hints)
+    outs = [engine.generate([prompt], params)[0]]
+    assert [c for c in planned if c[1] > 1] == chunks  # decode steps plan one token
+    branches = [prompt[:h] + [rng.randrange(3, 500) for _ in range(6)] for h in hints]
+    outs += [engine.generate([b], GREEDY.model_copy(update={"max_tokens": 4}))[0] for b in branches]
+    assert [o.num_cached_tokens for o in outs[1:]] == [h - h % 8 for h in hints]
+    uncached = llm.generate([prompt, *branches], GREEDY.model_copy(update={"max_tokens": 4}))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in uncached]
+
+
 def test_state_memory_stays_within_its_budget(model_dir):
     """state_cache_memory_bytes: as many snapshots as fit, taken out of the KV pool's memory; under more
     distinct prefixes than fit, the snapshots' bytes never pass the budget (the engine's stats say so)."""

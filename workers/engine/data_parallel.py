@@ -33,7 +33,7 @@ from .kv_events import KVEventPublisher
 from .request import Request
 from .runner import KEEP, ModelRunner, RoutingCounter, StepInputs, pick_bucket
 from .scheduler import SchedulerOutput
-from .state_cache import HybridCacheManager, HybridPrefix, KeepPoints
+from .state_cache import SNAPSHOTS_PER_STEP, HybridCacheManager, HybridPrefix, KeepPoints
 from .window_cache import NO_BLOCK, WindowedKVCacheManager
 
 
@@ -368,7 +368,8 @@ class DataParallelRunner(ModelRunner):
                 if st.backup >= 0:  # speculative decoding's backup, from the init's source if any
                     src = st.slot + offset_slots if st.init == KEEP else (st.init if st.init < 0 else st.init + offset_slots)
                     inputs.state_inits.append((st.backup + offset_slots, src))
-                inputs.snap_slots[r, i], inputs.snap_lens[r, i] = st.snap_slot, st.snap_len
+                for j, (snap, length) in enumerate(st.snaps):
+                    inputs.snap_slots[r, i, j], inputs.snap_lens[r, i, j] = snap, length
             offset[r], seq[r] = o + k, i + 1
         inputs.num_seqs[:, 0] = seq
         inputs.decode_only = bool(self.num_state_slots) and all(item.num_new_tokens == 1 for item in out.scheduled)
@@ -388,8 +389,8 @@ class DataParallelRunner(ModelRunner):
         )
         if self.num_state_slots:
             inputs.state_slots = np.zeros((dp, s), np.int32)
-            inputs.snap_slots = np.full((dp, s), -1, np.int32)
-            inputs.snap_lens = np.zeros((dp, s), np.int32)
+            inputs.snap_slots = np.full((dp, s, SNAPSHOTS_PER_STEP), -1, np.int32)
+            inputs.snap_lens = np.zeros((dp, s, SNAPSHOTS_PER_STEP), np.int32)
             inputs.decode_only = decode_only
         if self.window_layers:
             self._empty_window(inputs)

@@ -37,6 +37,7 @@ from ..progress import Progress
 from .config import EngineConfig, powers_of_two_up_to
 from .kv_cache_manager import BlockCopy
 from .scheduler import SchedulerOutput
+from .state_cache import SNAPSHOTS_PER_STEP
 from .window_cache import WINDOW_GROUP
 
 log = logging.getLogger("moray.engine")
@@ -76,8 +77,8 @@ class StepInputs:
     state_slots: np.ndarray | None = None  # i32[S]
     # (slot, ZERO | snapshot slot) for sequences starting this step; applied before the step, by global slot.
     state_inits: list[tuple[int, int]] = field(default_factory=list)
-    snap_slots: np.ndarray | None = None  # i32[S]
-    snap_lens: np.ndarray | None = None  # i32[S]
+    snap_slots: np.ndarray | None = None  # i32[S, SNAPSHOTS_PER_STEP], -1 where unused
+    snap_lens: np.ndarray | None = None  # i32[S, SNAPSHOTS_PER_STEP]
     decode_only: bool = False  # every sequence has exactly one token (a hybrid model's decode program)
     # Asynchronous scheduling: where an input token is one the previous step sampled and the host has not
     # seen yet, its row in that step's sampled tokens (`prev_tokens`, on the device); -1 elsewhere.
@@ -332,14 +333,15 @@ class ModelRunner:
                 inputs.state_inits.append((st.slot, st.init))
             if st.backup >= 0:  # copied in the same program as the init: from the init's source if any
                 inputs.state_inits.append((st.backup, st.slot if st.init == KEEP else st.init))
-            inputs.snap_slots[i], inputs.snap_lens[i] = st.snap_slot, st.snap_len
+            for j, (snap, length) in enumerate(st.snaps):
+                inputs.snap_slots[i, j], inputs.snap_lens[i, j] = snap, length
         inputs.decode_only = all(item.num_new_tokens == 1 for item in out.scheduled)
 
     def _empty_states(self, inputs: StepInputs) -> None:
         s = len(inputs.kv_lens)
         inputs.state_slots = np.zeros((s,), np.int32)
-        inputs.snap_slots = np.full((s,), -1, np.int32)
-        inputs.snap_lens = np.zeros((s,), np.int32)
+        inputs.snap_slots = np.full((s, SNAPSHOTS_PER_STEP), -1, np.int32)
+        inputs.snap_lens = np.zeros((s, SNAPSHOTS_PER_STEP), np.int32)
 
     def run(self, inputs: StepInputs) -> jax.Array:
         """Runs one step; returns float32 logits [S_bucket, vocab] on device (row i = scheduled request i)."""

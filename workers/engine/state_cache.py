@@ -11,20 +11,22 @@ which slot holds what:
   (copy-on-write: the snapshot stays for the next request).
 - *Snapshots*: the state at a block boundary, keyed by the chained hash of the block that ends there.
   Each step a sequence crosses a block boundary, the kernel also writes the state at the last boundary
-  it crossed into a fresh snapshot slot (`StateStep.snap_*`). So a prompt's last full block always gets
+  it crossed into a fresh snapshot slot (`StateStep.snaps`). So a prompt's last full block always gets
   one (the next turn of a conversation hits it), and every block boundary a step ends on does. Snapshots
   have their own LRU and a configured maximum.
 - A prefix is reusable only up to a boundary whose snapshot exists: the hit is the deepest such
   boundary within the run of cached attention blocks (never the whole prompt: its last token is always
   computed, and the state before it is only known at a boundary).
-- Snapshots where prompts are likely to be shared, not only where steps happen to end (`chunk_tokens`
-  ends a prefill chunk at such a boundary, so that the step's last boundary is it):
+- Snapshots where prompts are likely to be shared, not only where steps happen to end: a step also writes
+  the states at the keep points it crosses (the kernels write up to SNAPSHOTS_PER_STEP per sequence in one
+  pass, each segment between them chunked from its own start):
   - branch points: a prompt whose cached attention blocks run deeper than its deepest snapshot shares a
     prefix with an earlier prompt up to there; it keeps a state at that boundary, so every later prompt
     with the prefix resumes from it (Marconi, MLSys 2025, admits states at such points);
   - hints: `SamplingParams.prefix_boundaries` (the chat path sets the end of the system prompt and tools,
     and of the conversation before its last message): the boundary at or before each.
-  Each costs its prompt one extra prefill step, once per prefix (a boundary with a snapshot wants nothing).
+  They cost no extra prefill step unless a chunk crosses more than SNAPSHOTS_PER_STEP - 1 of them
+  (`chunk_tokens` then ends it at the last it can keep); a boundary with a snapshot wants nothing.
 - Which snapshot goes when room is needed: not the least recently used, but the one worth least, by
   Greedy-Dual-Size-Frequency (Cao & Irani's GDS with Cherkasova's frequency): a snapshot's value is
   L + hits x (prompt tokens a hit skips) / (its bytes), L being the value of the last one evicted (so
@@ -55,6 +57,10 @@ from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
 
 KEEP = -2  # StateStep.init: the working slot already holds the sequence's state
+# States one step may keep per sequence (the kernels take them as [S, K]): a prefill chunk that crosses more
+# keep points than this ends at the last one it can keep (`chunk_tokens`), so hints and branch points cost a
+# prefill step only past that many.
+SNAPSHOTS_PER_STEP = 4
 ZERO = -1  # StateStep.init: a fresh sequence starts from zeros
 
 
@@ -64,8 +70,8 @@ class StateStep:
 
     slot: int  # the working slot
     init: int = KEEP  # KEEP, ZERO, or a snapshot slot to copy into `slot` before the step
-    snap_slot: int = -1  # where to write the state after `snap_len` of this step's tokens (-1: none)
-    snap_len: int = 0
+    # (slot, n): write the state after this step's first n tokens to slot; up to SNAPSHOTS_PER_STEP of them.
+    snaps: tuple[tuple[int, int], ...] = ()
     # Speculative decoding: a slot that gets a copy of the state the step starts from (before the step), to
     # restore when drafts are rejected (-1: none).
     backup: int = -1
@@ -100,7 +106,7 @@ class StateSlotPool:
         self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot first
         self.working: dict[str, int] = {}
         self.snapshots: dict[int, int] = {}  # block hash -> slot
-        self.pending: dict[str, tuple[int, int, int, int]] = {}  # request -> (hash, parent, slot, depth) written this step
+        self.pending: dict[str, list[tuple[int, int, int, int]]] = {}  # request -> (hash, parent, slot, depth) written this step
         self._saves: dict[int, int] = {}  # block hash -> prompt tokens a hit on it skips (its depth)
         self._hits: dict[int, int] = {}
         self._value: dict[int, float] = {}
@@ -181,7 +187,7 @@ class HybridCacheManager:
         self.pending_state_loads: list[tuple[int, object]] = []
         self.pending_state_copies: list[tuple[int, int]] = []  # (working slot, device snapshot slot)
         self._host_plan: dict[str, list[int]] = {}  # request -> host attention slots its prefix continues into
-        self._keep: dict[str, list[int]] = {}  # request -> boundaries (tokens) its prefill should end a chunk at
+        self._keep: dict[str, list[int]] = {}  # request -> boundaries (tokens) its prefill keeps states at
 
     # ---------------------------------------------------------------- totals (EngineStats)
 
@@ -298,16 +304,16 @@ class HybridCacheManager:
             self._keep.pop(request.request_id, None)
 
     def chunk_tokens(self, request: Request, start: int, num_new_tokens: int) -> int:
-        """Ends the chunk at the first boundary inside it that the request should keep a state at."""
+        """Ends the chunk at a boundary the request should keep a state at when the chunk crosses more of
+        them than one step keeps: the step's last boundary is kept anyway, so it may have
+        SNAPSHOTS_PER_STEP - 1 inside."""
         keep = self._keep.get(request.request_id)
         if not keep:
             return num_new_tokens
         end = start + num_new_tokens
-        for b in keep:
-            if start < b < end:
-                return b - start
-        if keep[-1] <= end:
-            del self._keep[request.request_id]  # all passed (each was a step's last boundary)
+        inside = [b for b in keep if start < b < end]
+        if len(inside) >= SNAPSHOTS_PER_STEP:
+            return inside[SNAPSHOTS_PER_STEP - 1] - start
         return num_new_tokens
 
     def import_lacks_window(self, request: Request, window_start_block: int) -> None:
@@ -384,8 +390,9 @@ class HybridCacheManager:
         self.attn.trim(request)
 
     def plan_step(self, request: Request, start: int, num_new_tokens: int, num_spec: int = 0) -> StateStep:
-        """The working slot, how it starts, and the snapshot this step writes (the last block boundary
-        the step crosses, when that prefix is not snapshotted yet); with drafts, the backup it fills."""
+        """The working slot, how it starts, and the snapshots this step writes (the keep points it crosses
+        and its last block boundary, where those prefixes have no state yet); with drafts, the backup it
+        fills."""
         rid = request.request_id
         slot = self.slots.working[rid]
         init = self._init.pop(rid, KEEP)
@@ -394,22 +401,41 @@ class HybridCacheManager:
             backup = self._backup[rid]
             self._verify_start[rid] = start
         end = start + num_new_tokens - num_spec  # no snapshot inside the drafts: their block hashes are unknown
-        boundary = end - end % self.block_size
-        if not self.enable_prefix_caching or boundary <= start or self.slots.max_snapshots == 0:
+        boundaries = self._boundaries(rid, start, end)
+        if not boundaries:
             return StateStep(slot, init, backup=backup)
         self.attn.update_hashes(request)
-        block = boundary // self.block_size - 1
-        if block >= len(request.block_hashes):
-            return StateStep(slot, init, backup=backup)
-        h = request.block_hashes[block]
-        if h in self.slots.snapshots:
-            return StateStep(slot, init, backup=backup)
-        snap = self._snapshot_slot(protect=init)
-        if snap is None:
-            return StateStep(slot, init, backup=backup)
-        parent = request.block_hashes[block - 1] if block else ROOT_PARENT
-        self.slots.pending[rid] = (h, parent, snap, boundary)
-        return StateStep(slot, init, snap, boundary - start, backup)
+        snaps, pending = [], []
+        for boundary in boundaries:
+            block = boundary // self.block_size - 1
+            if block >= len(request.block_hashes):
+                continue
+            h = request.block_hashes[block]
+            if h in self.slots.snapshots:
+                continue
+            snap = self._snapshot_slot(protect=init)
+            if snap is None:
+                break
+            parent = request.block_hashes[block - 1] if block else ROOT_PARENT
+            pending.append((h, parent, snap, boundary))
+            snaps.append((snap, boundary - start))
+        if pending:
+            self.slots.pending[rid] = pending
+        return StateStep(slot, init, tuple(snaps), backup)
+
+    def _boundaries(self, rid: str, start: int, end: int) -> list[int]:
+        """Where the step over tokens [start, end) keeps states: its keep points (`_plan_keeps`) and its last
+        block boundary, at most SNAPSHOTS_PER_STEP (the last ones: a deeper state serves more prompts)."""
+        if not self.enable_prefix_caching or self.slots.max_snapshots == 0:
+            return []
+        last = end - end % self.block_size
+        points = {last} if last > start else set()
+        keep = self._keep.get(rid)
+        if keep:
+            points.update(b for b in keep if start < b <= end)
+            if keep[-1] <= end:
+                del self._keep[rid]  # all passed
+        return sorted(points)[-SNAPSHOTS_PER_STEP:]
 
     def _snapshot_slot(self, protect: int) -> int | None:
         """A slot for a new snapshot: a free one, else the least recently used snapshot's (never the
@@ -428,16 +454,13 @@ class HybridCacheManager:
         """After a step: attention blocks that became full enter the prefix cache, then this step's
         snapshot is committed if its block is cached (and published as a reusable boundary)."""
         self.attn.cache_full_blocks(request)
-        pending = self.slots.pending.pop(request.request_id, None)
-        if pending is None:
-            return
-        h, parent, slot, depth = pending
-        if h not in self.attn.pool.cached or h in self.slots.snapshots:
-            self.slots.give_back(slot)
-            return
-        self.slots.keep(h, slot, depth)
-        self._snap_parent[h] = parent
-        self._emit(KVEventKind.STORED, h, parent)
+        for h, parent, slot, depth in self.slots.pending.pop(request.request_id, ()):
+            if h not in self.attn.pool.cached or h in self.slots.snapshots:
+                self.slots.give_back(slot)
+                continue
+            self.slots.keep(h, slot, depth)
+            self._snap_parent[h] = parent
+            self._emit(KVEventKind.STORED, h, parent)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
@@ -445,9 +468,8 @@ class HybridCacheManager:
         self._init.pop(rid, None)
         self._host_plan.pop(rid, None)
         self._keep.pop(rid, None)
-        pending = self.slots.pending.pop(rid, None)
-        if pending is not None:
-            self.slots.give_back(pending[2])
+        for _, _, slot, _ in self.slots.pending.pop(rid, ()):
+            self.slots.give_back(slot)
         slot = self.slots.working.pop(rid, None)
         if slot is not None:
             self.slots.give_back(slot)

@@ -103,8 +103,8 @@ class DataParallelHybridCache(DataParallelPagedKVCache):
     conv: list[Array] = field(default_factory=list)  # per linear layer [dp * slots, K-1, conv_dim]
     recurrent: list[Array] = field(default_factory=list)  # per linear layer [dp * slots, Hv, dk, dv]
     state_slots: Array | None = None  # i32[dp, S] rank-local working slots
-    snap_slots: Array | None = None  # i32[dp, S]
-    snap_lens: Array | None = None  # i32[dp, S]
+    snap_slots: Array | None = None  # i32[dp, S, K]
+    snap_lens: Array | None = None  # i32[dp, S, K]
     decode_only: bool = field(default=False, metadata=dict(static=True))
 
     def _per_rank(self, fn, n_token_args: int, pool: Array, *token_args):

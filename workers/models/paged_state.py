@@ -31,8 +31,8 @@ class PagedHybridCache(PagedKVCache):
     conv: list[Array]  # per linear layer [slots, K-1, conv_dim] float32
     recurrent: list[Array]  # per linear layer [slots, Hv, dk, dv] float32
     state_slots: Array  # i32[S] working slot of each sequence
-    snap_slots: Array  # i32[S] snapshot destination, -1 for none
-    snap_lens: Array  # i32[S] tokens of this step before the snapshot
+    snap_slots: Array  # i32[S, K] snapshot destinations, -1 for none
+    snap_lens: Array  # i32[S, K] tokens of this step before each snapshot
     # Static: every sequence has one token and sequence i owns token i (a decode-only step).
     decode_only: bool = field(default=False, metadata=dict(static=True))
 
