@@ -5,14 +5,14 @@ this process, sharing its CPUs) hand requests over through Ray's object store (`
 a local Ray started here), as a cluster's replicas do. Three parts, each in the JSON and the --report:
 
 - `transfer`, per handoff of a fresh `--prompt-tokens` prompt (no prefix anywhere): KV bytes; the prefill
-  side's export (engine dispatch of the copy -> chunks published: host copy, chunking, CRC-32, ray.put);
+  side's export (engine dispatch of the copy -> chunks published: host copy, chunking, XXH3, ray.put);
   the decode side's import (first fetch -> every chunk verified and written), and from its first chunk
   written to the KV ready for the first decode step; the sum as GB/s, against this machine's memcpy
   bandwidth measured in the same run (numpy, a buffer the size of the KV, median of 5); and the prefill
   engine thread's own time per handoff (dispatching the staged copy: the only export work on it).
-- `prefill_rate`: prefill-only requests (`--rate-prompt-tokens` each, `--rate-requests` of them,
+- `prefill_rate`: prefill-only requests (`--rate-prompt-tokens` each, fresh ones every run, `--rate-requests` of them,
   `--concurrency` in flight, one output token) through the prefill worker with the KV exported (staged,
-  chunked, checksummed, published) vs the same requests whose KV is discarded: requests/s of each and
+  chunked, checksummed, published) vs as many whose KV is discarded: requests/s of each and
   the ratio (target >= 0.9).
 - `second_token`: time to the second token (the first decode step after the handoff; the first token comes
   from the prefill worker before any KV moves) and output tokens/s, disaggregated (prefill worker ->
@@ -145,7 +145,6 @@ async def prefill_rate(args, prefill, rng, vocab) -> dict:
     from workers.messages import PrefillRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    prompts = [random_prompt(rng, args.rate_prompt_tokens, vocab) for _ in range(args.rate_requests)]
 
     async def exported(i, prompt):
         rid = f"x{i}-{time.monotonic_ns()}"
@@ -157,6 +156,8 @@ async def prefill_rate(args, prefill, rng, vocab) -> dict:
             pass
 
     async def closed_loop(one) -> float:
+        # Fresh prompts every run: repeated ones would hit the prefix cache and measure no prefill at all.
+        prompts = [random_prompt(rng, args.rate_prompt_tokens, vocab) for _ in range(args.rate_requests)]
         slots = asyncio.Semaphore(args.concurrency)
 
         async def run(i, prompt):

@@ -4,8 +4,9 @@
 carries the object references; the decode replica awaits them. Ray moves the bytes (zero-copy within a
 node, its object transfer between nodes), so a transfer never waits in a replica's Serve request queue
 behind prefills (`max_ongoing_requests` covers a whole replica). Passes over memory: the device gather,
-the device-to-host copy, the copy into the object store, the checksum on each side, and the decode side's
-padded host->device write: on CPU the first two are memory copies too.
+the device-to-host copy (none on CPU: the host reads the staged array in place), the copy into the object
+store, the checksum (XXH3) on each side, and the decode side's write into its pages (its program reads a
+whole-bucket chunk from the object store's 64-byte-aligned buffer without a copy).
 
 A prefill replica that dies takes its objects with it (Ray frees what a dead owner put): the decode
 side's fetch fails, it fetches once more, then prefills locally.

@@ -1,0 +1,37 @@
+"""`moray bench handoff`'s prefill-rate part measures prefills: every request it sends is a new prompt."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+
+from bench import handoff
+
+
+class _RecordingPrefillWorker:
+    """Stands in for the prefill worker: records the prompts of both modes (exported and discarded)."""
+
+    def __init__(self):
+        self.prompts: list[tuple[int, ...]] = []
+
+    async def prefill(self, request):
+        self.prompts.append(tuple(request.prompt))
+
+    async def release(self, request_id):
+        pass
+
+    async def _deltas(self, request_id, prompt, params):
+        self.prompts.append(tuple(prompt))
+        yield None
+
+
+def test_prefill_rate_never_repeats_a_prompt():
+    """Before: one list of prompts served every run of both modes, so from the second run on each prompt hit
+    the prefix cache and the "prefill rate" timed no prefill (on the bench preset it said 0.50x)."""
+    args = argparse.Namespace(rate_prompt_tokens=24, rate_requests=6, concurrency=3)
+    worker = _RecordingPrefillWorker()
+    result = asyncio.run(handoff.prefill_rate(args, worker, random.Random(0), vocab=50_000))
+    assert len(worker.prompts) == 10 * 6  # 2 warm-up rounds and 3 measured ones, each mode once per round
+    assert len(set(worker.prompts)) == len(worker.prompts)
+    assert result["requests"] == 6 and len(result["runs"]["exported"]) == 3
