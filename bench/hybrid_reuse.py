@@ -17,8 +17,9 @@ Workloads (chat requests, tools rendered by the model's chat template):
   is where no earlier prompt ended: only a branch point or the chat path's hint keeps a state there);
 - multi-turn: conversations of 4 turns over a short system prompt (the reuse that worked before).
 
-`engine_only`: the system-tools requests through each engine in-process, one at a time: TTFT without the
-server (on a small CPU machine the served TTFT is mostly the front end's and the other workers' time).
+`engine_only`: the system-tools and multi-turn requests through each engine in-process, one at a time, with
+the chat path's hints: TTFT and engine steps without the server (on a small CPU machine the served TTFT is
+mostly the front end's and the other workers' time).
 Reported per engine and workload: prefix hit rate (the engines' cached tokens / prompt tokens) and against
 the oracle (`bench.routing.oracle`: routing that sees every cache exactly, on attention-only caches of the
 same size), TTFT p50/p99 (streamed), and the state bytes the workers held at the end (metrics). Targets:
@@ -161,39 +162,69 @@ def engine_settings(model: str, args, overrides: dict) -> dict:
     }
 
 
+ENGINE_ONLY_WORKLOADS = ("system-tools", "multi-turn")
+
+
+def chat_hints(item: Item, render_len) -> list[int]:
+    """The boundaries the chat path marks (cluster/validation.py `message_boundaries`): the end of the leading
+    system messages with the tools, and the conversation before its last message."""
+    messages = item.messages
+    system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    return sorted({render_len(messages[:k], item.tools) for k in {system, len(messages) - 1} if 0 < k < len(messages)})
+
+
 def engine_ttft(models: dict, workloads: dict, ids, render_len, args) -> dict:
-    """The system-tools requests through one engine in this process, one at a time (max_tokens 1, the
-    system prompt's end as the hint, as the chat path sets it): time to the first token without the
-    server around it (on a small CPU machine the served TTFT is mostly the front end's and the other
-    workers' time), per engine."""
+    """The system-tools and multi-turn requests through one engine in this process, one at a time in their
+    groups' order (max_tokens 1, the chat path's hints): time to the first token and prefill steps per
+    request without the server around it (on a small CPU machine the served TTFT is mostly the front end's
+    and the other workers' time), per engine and workload."""
     import statistics
 
     from workers.engine import LLM, SamplingParams
 
-    items = [g[0] for g in workloads.get("system-tools", [])]
-    if not items:
+    requests = {w: [(ids(i), chat_hints(i, render_len)) for g in workloads[w] for i in g] for w in ENGINE_ONLY_WORKLOADS if w in workloads}
+    if not requests:
         return {}
-
-    prompts = [(ids(i), [render_len(i.messages[:1], i.tools)]) for i in items]  # the system prompt's end: the hint
-    out = {}
+    out: dict = {}
     for name, (arch, overrides) in ENGINES.items():
         settings = {k: v for k, v in engine_settings(models[arch], args, overrides).items() if k != "model"}
         llm = LLM(models[arch], **settings)
-        latencies, cached = [], 0
-        for prompt, hint in prompts:
-            t0 = time.perf_counter()
-            cached += llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prefix_boundaries=hint))[0].num_cached_tokens
-            latencies.append(time.perf_counter() - t0)
-        latencies.sort()
-        out[name] = {
-            "ttft_p50_s": statistics.median(latencies),
-            "ttft_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "hit_rate": cached / sum(len(p) for p, _ in prompts),
-        }
-        print(f"[engine {name}] system-tools TTFT p50 {out[name]['ttft_p50_s'] * 1000:.1f} ms", file=sys.stderr, flush=True)
+        steps = [0]
+        step = llm.engine.step
+
+        def counted():
+            steps[0] += 1
+            return step()
+
+        llm.engine.step = counted
+        out[name] = {}
+        for workload, prompts in requests.items():
+            latencies, cached, taken = [], 0, []
+            for prompt, hints in prompts:
+                steps[0] = 0
+                t0 = time.perf_counter()
+                params = SamplingParams(temperature=0.0, max_tokens=1, prefix_boundaries=hints)
+                cached += llm.generate([prompt], params)[0].num_cached_tokens
+                latencies.append(time.perf_counter() - t0)
+                taken.append(steps[0])
+            latencies.sort()
+            out[name][workload] = {
+                "ttft_p50_s": statistics.median(latencies),
+                "ttft_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                "hit_rate": cached / sum(len(p) for p, _ in prompts),
+                "engine_steps_p50": statistics.median(taken),  # a one-token request: its prefill steps (+ 1 with async scheduling)
+            }
+            f = out[name][workload]
+            print(
+                f"[engine {name}] {workload} TTFT p50 {f['ttft_p50_s'] * 1000:.1f} ms, steps p50 {f['engine_steps_p50']}",
+                file=sys.stderr,
+                flush=True,
+            )
         del llm
     if "hybrid" in out and "hybrid-step-ends" in out:
-        out["ttft_p50_speedup_vs_step_ends"] = out["hybrid-step-ends"]["ttft_p50_s"] / out["hybrid"]["ttft_p50_s"]
+        out["ttft_p50_speedup_vs_step_ends"] = {
+            w: out["hybrid-step-ends"][w]["ttft_p50_s"] / out["hybrid"][w]["ttft_p50_s"] for w in requests
+        }
     return out
 
 
