@@ -515,8 +515,8 @@ def _chunk_loop(out, states, tokens, seqs: _Seqs, chunk_size: int):
         start, slot = seqs.start[i], seqs.write[i]
         state = jax.lax.dynamic_index_in_dim(states, slot, keepdims=False).astype(jnp.float32)
         done = 0
-        for j in range(seqs.snap_write.shape[1]):  # K is static and small
-            snap_len, snap_slot = seqs.snap_len[i, j], seqs.snap_write[i, j]
+        for point in range(seqs.snap_write.shape[1]):  # K is static and small
+            snap_len, snap_slot = seqs.snap_len[i, point], seqs.snap_write[i, point]
             state, out = segment(state, out, start + done, start + snap_len)
             done = snap_len
             # Without a snapshot, this writes a partial state to the sequence's own slot, which the final

@@ -57,11 +57,11 @@ from .kv_events import KVEventKind, KVEventPublisher
 from .request import Request
 
 KEEP = -2  # StateStep.init: the working slot already holds the sequence's state
+ZERO = -1  # StateStep.init: a fresh sequence starts from zeros
 # States one step may keep per sequence (the kernels take them as [S, K]): a prefill chunk that crosses more
 # keep points than this ends at the last one it can keep (`chunk_tokens`), so hints and branch points cost a
 # prefill step only past that many.
 SNAPSHOTS_PER_STEP = 4
-ZERO = -1  # StateStep.init: a fresh sequence starts from zeros
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ class HybridCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a step: attention blocks that became full enter the prefix cache, then this step's
-        snapshot is committed if its block is cached (and published as a reusable boundary)."""
+        snapshots are committed where their blocks are cached (and published as reusable boundaries)."""
         self.attn.cache_full_blocks(request)
         for h, parent, slot, depth in self.slots.pending.pop(request.request_id, ()):
             if h not in self.attn.pool.cached or h in self.slots.snapshots:
