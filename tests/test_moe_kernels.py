@@ -87,7 +87,7 @@ def test_matches_dense_reference(impl, tokens, experts, top_k, routing):
 @pytest.mark.parametrize("tokens,routing", [(1, "random"), (5, "half_idle"), (16, "random")])
 def test_cpu_kernel_pieces_straddle_experts(tokens, routing):
     """Shapes large enough that the CPU kernel hands its gate/up rows out in many pieces (~256 KiB of weights
-    each) that start and end inside an expert's rows (300 gate/up rows per expert, pieces of 152), and fixed
+    each) that start and end inside an expert's rows (300 gate/up rows per expert, pieces of 128-152), and fixed
     down-projection shares that split an expert: a piece lost, repeated or misplaced changes the output."""
     experts, top_k, hidden, inter = 8, 2, 512, 150
     x, ids, weights = make_tokens(tokens, experts, top_k, routing, hidden=hidden)
