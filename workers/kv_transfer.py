@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 8 << 20
-VERIFY_INLINE_BYTES = 2 << 20  # chunks smaller than this are checked on the event loop (~0.06 ms at XXH3's speed; a thread hop costs as much)
+# Chunks smaller than this are checked on the event loop (~0.06 ms at XXH3's speed; a thread hop costs as much).
+VERIFY_INLINE_BYTES = 2 << 20
 
 
 def plan_chunks(
