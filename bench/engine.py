@@ -415,7 +415,6 @@ class _Bench:
         def nbytes(tree):
             return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
-        cpu_moe = moe.cpu_kernel_applies(x, moes[0].gate_up) if moes else False
         cases = {"lm_head": (lm_head, (x, head), nbytes(head))}
         if attn:
             cases["attention"] = (attention, (x, attn), nbytes([(a.qkv, a.o) for a in attn]))
@@ -428,8 +427,8 @@ class _Bench:
             )
 
         def program(name, fn, kernels: bool):
-            if name == "experts":
-                impl = "cpu" if kernels and cpu_moe else "gather"
+            if name == "experts":  # the engine's own choice (None) against the portable `gather` loop
+                impl = None if kernels else "gather"
                 return jax.jit(lambda *a: fn(*a, impl))
 
             def scoped(*a):
@@ -457,6 +456,7 @@ class _Bench:
                     samples[key].append(timed(f, args))
             ms, xla_ms = 1e3 * _median(samples["ours"]), 1e3 * _median(samples["xla"])
             out[name] = {
+                **({"impl": moe.chosen_impl(x, ids, moes[0].gate_up)} if name == "experts" else {}),
                 "bytes": int(size),
                 "ms": round(ms, 4),
                 "gb_per_s": round(size / ms / 1e6, 2),
@@ -644,7 +644,10 @@ class _Bench:
             parts[str(b)] = self.parts(b)
             _log(
                 f"B={b} parts (ours vs XLA alone): "
-                + ", ".join(f"{k} {v['gb_per_s']:.1f} vs {v['xla_gb_per_s']:.1f} GB/s" for k, v in parts[str(b)].items())
+                + ", ".join(
+                    f"{k}{' (' + v['impl'] + ')' if 'impl' in v else ''} {v['gb_per_s']:.1f} vs {v['xla_gb_per_s']:.1f} GB/s"
+                    for k, v in parts[str(b)].items()
+                )
             )
 
         split = {}

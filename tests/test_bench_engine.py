@@ -19,6 +19,7 @@ import pytest
 from report_harness import check_report
 
 from cluster.cli import main as moray_main
+from kernels import moe
 from workers.models.make_model import HYBRID_PRESETS, PRESETS, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +160,7 @@ def test_bandwidth_and_roofline(result):
         assert set(parts) == {"lm_head", "attention", "experts"}
         assert parts["lm_head"]["bytes"] == nbytes["lm_head"]
         assert parts["attention"]["bytes"] == pytest.approx(nbytes["attention"], rel=0.02)  # less the q/k norms
+        assert parts["experts"]["impl"] in moe.IMPLS  # the engine's own choice, named
         assert 0 < parts["experts"]["bytes"] <= preset.num_layers * min(preset.num_experts, b * preset.top_k) * expert_bytes
         for part in parts.values():
             assert positive(part["ms"]) and positive(part["xla_ms"])

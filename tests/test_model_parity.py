@@ -3,10 +3,12 @@ decode-step consistency: a decode step's logits equal the prefill logits of the 
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from hf_checkpoints import hf_logits, rewrite_config, save_hf_checkpoint
 
+from kernels import moe
 from workers.models import load_model, prompt_logits
 
 PROMPTS = [
@@ -151,3 +153,21 @@ def test_fused_v5_expert_tensors_load_like_per_expert(tmp_path):
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     fused = load_model(d, dtype="float32", show_progress=False)
     np.testing.assert_array_equal(prompt_logits(fused, PROMPTS), expected)
+
+
+@pytest.mark.parametrize("impl", ["take", "masked"])
+def test_accelerator_expert_paths_match_transformers(impl, monkeypatch, tmp_path):
+    """The loop-free expert paths a GPU selects (kernels/moe.py), forced on CPU through a whole model: a
+    shared expert, a dense layer and renormalised top-2 of 8 routed experts."""
+    family, overrides = CASES["qwen2_moe-shared-expert-norm-topk"]
+    checkpoint = save_hf_checkpoint(tmp_path, family, **overrides)
+    monkeypatch.setenv(moe.IMPL_ENV_VAR, impl)
+    jax.clear_caches()  # the model's step is jitted per config: retrace it under the forced path
+    try:
+        ours = prompt_logits(load_model(checkpoint, dtype="float32", show_progress=False), PROMPTS)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    for row, ids in enumerate(PROMPTS):
+        diff = np.abs(ours[row, : len(ids)] - hf_logits(checkpoint, ids)).max()
+        assert diff <= TOL, f"{impl}, prompt {row}: max |logit diff| {diff:.2e}"

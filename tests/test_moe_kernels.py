@@ -16,7 +16,7 @@ from kernels import cpu_ffi, moe
 
 ROOT = Path(__file__).resolve().parent.parent
 
-IMPLS = ("gather", "sorted", "tiled", "pallas", "cpu")
+IMPLS = ("gather", "sorted", "tiled", "pallas", "cpu", "take", "masked")
 HIDDEN, INTER = 32, 16
 
 
@@ -187,9 +187,14 @@ def test_moe_impl_selection(monkeypatch):
     limit = moe.GATHER_MAX_ASSIGNMENTS
     assert moe.moe_impl(limit, "cpu") == moe.moe_impl(limit, "tpu") == "gather"
     assert moe.moe_impl(limit + 1, "cpu") == "tiled"
-    assert moe.moe_impl(limit + 1, "gpu") == "tiled"
     assert moe.moe_impl(limit + 1, "tpu") == "pallas"
     assert moe.moe_impl(limit + 1) == "tiled"  # tests run on CPU
+    # GPUs never get the looping paths: take while assignments <= experts, masked while tokens x experts is
+    # small, then ragged_dot.
+    experts, masked_tokens = 64, moe.MASKED_MAX_TOKEN_EXPERTS // 64
+    assert moe.moe_impl(8, "gpu", experts, 1) == moe.moe_impl(64, "gpu", experts, 8) == "take"
+    assert moe.moe_impl(72, "gpu", experts, 9) == moe.moe_impl(8 * masked_tokens, "gpu", experts, masked_tokens) == "masked"
+    assert moe.moe_impl(8 * masked_tokens + 8, "gpu", experts, masked_tokens + 1) == "sorted"
     monkeypatch.setenv(moe.IMPL_ENV_VAR, "sorted")
     assert moe.moe_impl(1, "tpu") == "sorted"
     monkeypatch.setenv(moe.IMPL_ENV_VAR, "dense")
