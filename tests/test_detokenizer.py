@@ -72,3 +72,34 @@ def test_all_token_ids_grows_in_place():
     assert r.all_token_ids is first and first == [1, 2, 3, 4]
     r.output_token_ids += [5, 6]
     assert r.all_token_ids == [1, 2, 3, 4, 5, 6] and r.num_tokens == 6
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_stop_strings_match_on_a_window_not_the_whole_output(tokenizer, monkeypatch, keep):
+    """A long output's stop check reads the new text and at most the longest stop string's length of text
+    before it (the output so far is not copied per token), and still stops where a whole-text search would:
+    at a stop string spanning several tokens, with the text cut (or kept) exactly as vLLM does."""
+    from workers.engine import output_processor
+    from workers.engine.structured import GrammarCompiler
+
+    seen = []
+    real = output_processor.check_stop
+    monkeypatch.setattr(output_processor, "check_stop", lambda ids, before, *a: seen.append(len(before)) or real(ids, before, *a))
+    stops = ("END-OF-IT", "never")
+    body = " word" * 1500 + " and END-OF-IT trailing"
+    ids = tokenizer.encode(body)
+    params = SamplingParams(stop=list(stops), include_stop_str_in_output=keep, max_tokens=len(ids) + 5)
+    outputs = output_processor.OutputProcessor(tokenizer, (), GrammarCompiler(tokenizer, tokenizer.vocab_size, ()), 10**6)
+    outputs.add("r", params)
+    request = Request("r", [1], params)
+    streamed, reason = [], None
+    for token in ids:
+        request.output_token_ids.append(token)
+        delta = outputs.append(request, token, None)
+        streamed.append(delta.text)
+        if delta.finish_reason is not None:
+            reason = delta.finish_reason
+            break
+    want = body[: body.index("END-OF-IT") + (len("END-OF-IT") if keep else 0)]
+    assert reason == "stop" and "".join(streamed) == want
+    assert len(seen) > 1000 and max(seen) <= max(map(len, stops))

@@ -33,6 +33,7 @@ class _OutputState:
     prompt_logprobs: list | None = None  # sent with the request's first delta, then dropped
     grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
     bad_words: list[list[int]] = field(default_factory=list)  # token ids of each bad word (both spellings)
+    sent: int = 0  # characters of the detokenizer's text already sent in deltas
 
 
 class OutputProcessor:
@@ -69,6 +70,7 @@ class OutputProcessor:
         strings across the boundary and held-back partial characters continue exactly) and the grammar."""
         state = self._states[request.request_id]
         state.detokenizer.update(request.output_token_ids)
+        state.sent = _sendable(state.detokenizer.num_chars, request.sampling_params, final=False)  # as the sender did
         if state.grammar is not None:
             for t in tokens:
                 state.grammar.accept(t)
@@ -90,7 +92,9 @@ class OutputProcessor:
         the token ends the request (the engine then finishes it in the scheduler)."""
         state = self._states[request.request_id]
         params = request.sampling_params
-        before = state.detokenizer.text
+        # Stop strings are matched over the new text and the few characters before it that a match ending in
+        # it could start in: the output so far is never copied per token.
+        before = state.detokenizer.tail(params.max_stop_len)
         text = state.detokenizer.update(request.output_token_ids)
         stop = check_stop(request.output_token_ids, before, text, params, self.eos_token_ids)
         reason = stop.reason if stop.finished else None
@@ -98,11 +102,11 @@ class OutputProcessor:
             reason = "stop"
         if reason is None and request.num_tokens >= self.max_model_len:
             reason = "length"
-        if stop.finished:
-            state.detokenizer.text = stop.text
-            text = stop.text[len(before) :] if stop.text.startswith(before) else ""
+        if stop.finished:  # stop.text is what the window (before + text) becomes
+            state.detokenizer.replace_tail(len(before) + len(text), stop.text)
         if reason == "stop" and state.grammar is not None and self.grammars.violation(params.structured, state.detokenizer.text):
             reason = "schema_violation"  # a relaxed (coerce_one_of) schema let through what the schema as sent refuses
+        text = self._text_to_send(state, params, final=reason is not None)
         delta = TokenDelta(
             request.request_id,
             [token],
@@ -119,10 +123,24 @@ class OutputProcessor:
             del self._states[request.request_id]
         return delta
 
+    @staticmethod
+    def _text_to_send(state: _OutputState, params: SamplingParams, final: bool) -> str:
+        """The text a delta carries: what is new since the last delta, less the end a stop string may still
+        start in (vLLM's stop buffer), so that streamed text never holds what a stop string later cuts."""
+        detok = state.detokenizer
+        upto = _sendable(detok.num_chars, params, final)
+        if upto <= state.sent:
+            return ""
+        text = detok.tail(detok.num_chars - state.sent)[: upto - state.sent]
+        state.sent = upto
+        return text
+
     def aborted(self, request: Request) -> TokenDelta:
-        """The last delta of a request stopped from outside (abort): nothing new, reason "abort"."""
-        self._states.pop(request.request_id, None)
-        return TokenDelta(request.request_id, [], "", len(request.output_token_ids), max(request.num_cached_tokens, 0), "abort")
+        """The last delta of a request stopped from outside (abort): no new token, the text held back for
+        stop strings (if any), reason "abort"."""
+        state = self._states.pop(request.request_id, None)
+        text = self._text_to_send(state, request.sampling_params, final=True) if state is not None else ""
+        return TokenDelta(request.request_id, [], text, len(request.output_token_ids), max(request.num_cached_tokens, 0), "abort")
 
     # ---------------------------------------------------------------- what the sampler needs
 
@@ -167,26 +185,39 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # the whole output text, once the request has finished
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None  # per output token: {token id: logprob}, top-N + chosen
     prompt_logprobs: list | None = None  # per prompt position (None at 0): {token id: Logprob}
+    _text_parts: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def add(self, delta: TokenDelta) -> RequestOutput:
+        """Takes one delta in, at a cost that does not grow with the output: the text's pieces are joined
+        into `text` once the request finishes."""
         self.token_ids += delta.token_ids
-        self.text += delta.text
+        self._text_parts.append(delta.text)
         self.num_cached_tokens = delta.num_cached_tokens
         self.finish_reason = delta.finish_reason
+        if delta.finish_reason is not None:
+            self.text = "".join(self._text_parts)
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         return self
+
+
+def _sendable(num_chars: int, params: SamplingParams, final: bool) -> int:
+    """How much of an output's `num_chars` characters its deltas may have carried: all once it ends; before
+    that, all but the last (longest stop string - 1), which a stop string completed later could begin in."""
+    return num_chars if final else max(0, num_chars - max(params.max_stop_len - 1, 0))
 
 
 def _queue_s(request: Request) -> float | None:

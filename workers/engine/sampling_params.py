@@ -295,5 +295,10 @@ class SamplingParams(BaseModel):
         return (*self.stop_token_ids, *(t for t, _ in self.logit_bias), *self.allowed_token_ids)
 
     @property
+    def max_stop_len(self) -> int:
+        """The longest stop string's length (0 without any): how much earlier text a match can reach back into."""
+        return max(map(len, self.stop), default=0)
+
+    @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
