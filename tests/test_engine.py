@@ -370,3 +370,21 @@ def test_generate_cli(tiny):
         assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr
     proc = run("--token-ids", "1,2,99999")
     assert proc.returncode == 2 and "outside the vocabulary" in proc.stderr
+
+
+def test_token_logprobs_computed_only_when_a_request_wants_them(llm, monkeypatch):
+    """The sampler's softmax normaliser over the vocabulary runs only in steps where some request has
+    `logprobs` set (0 included: the chosen token's logprob); the logprobs asked for still come back."""
+    from workers.engine import engine as engine_module
+
+    calls, real = [], engine_module.sample
+    monkeypatch.setattr(engine_module, "sample", lambda *a, **k: calls.append(k["token_logprobs"]) or real(*a, **k))
+    prompt = prompts(1, seed=12)[0]
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert calls and not any(calls)
+    calls.clear()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True))[0]
+    assert calls and all(calls)
+    assert [list(lp) for lp in out.logprobs] == [[t] for t in out.token_ids] and all(
+        lp[t] <= 0 for lp, t in zip(out.logprobs, out.token_ids)
+    )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from workers.engine import sampler as sampler_mod
 from workers.engine.sampler import (
     SamplerOutput,
     apply_penalties,
@@ -475,3 +476,33 @@ def test_min_tokens_suppresses_eos_and_stop_strings():
     # From the third token on, stop conditions apply again (only new text is searched).
     assert check_stop([1, 2, EOS], "a.", "", p, [EOS]) == (True, "stop", "a.", None)
     assert check_stop([1, 2, 3], "a.b", ".c", p, [EOS]) == (True, "stop", "a.b", ".")
+
+
+def test_argmax_rows_is_jnp_argmax():
+    """The sampler's argmax (a max and a min: XLA:CPU's argmax reduction is ~10x slower) picks what
+    jnp.argmax picks: the first of tied maxima, a NaN over any number, index 0 of an all -inf row."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 37)).astype(np.float32)
+    x[1, [3, 20]] = 50.0  # a tie: the first wins
+    x[2] = -np.inf  # everything banned
+    x[3, 5] = np.inf
+    x[4, [7, 30]] = np.nan  # NaN is the maximum, the first one
+    x[5, :] = 1.0  # all equal
+    x[6] = np.round(x[6])  # many ties at the maximum
+    got = jax.jit(sampler_mod.argmax_rows)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(np.asarray(got)[1:6]) == [3, 0, 5, 7, 0]
+
+
+def test_no_softmax_pass_when_no_row_wants_logprobs():
+    """Without logprobs the greedy sampler is a max over the vocabulary, no exp/log pass (the engine asks
+    for token logprobs only when a request has logprobs set); the tokens are the same either way."""
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((4, 50)).astype(np.float32))
+    batch = build_sampling_batch([SamplingParams(temperature=0.0)] * 4, [0] * 4, 4, 50, step_seed=0)
+    lean = sample.lower(logits, batch, 0, token_logprobs=False).as_text()
+    full = sample.lower(logits, batch, 0).as_text()
+    assert "exponential" not in lean and "exponential" in full
+    with_lp, without = sample(logits, batch, 0), sample(logits, batch, 0, token_logprobs=False)
+    np.testing.assert_array_equal(np.asarray(with_lp.token_ids), np.asarray(without.token_ids))
+    np.testing.assert_array_equal(np.asarray(without.token_ids), np.argmax(np.asarray(logits), axis=-1))

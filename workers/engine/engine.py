@@ -833,10 +833,11 @@ class EngineCore:
             extra_banned=self.outputs.bad_word_bans(row_requests),
         )
         num_logprobs = MAX_LOGPROBS if any(p.logprobs for p in params) else 0
-        out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order)
+        wants_logprobs = any(p.logprobs is not None for p in params)  # else no softmax over the vocabulary
+        out: SamplerOutput = sample(logits, batch, num_logprobs, rows=order, token_logprobs=wants_logprobs)
         # Only what the step reads comes back to the host: the tokens, plus logprobs if a request asks.
         # Left on the device here; the copies start now and are read when the step's outputs are made.
-        wanted = {"token_ids": out.token_ids} if all(p.logprobs is None for p in params) else out._asdict()
+        wanted = out._asdict() if wants_logprobs else {"token_ids": out.token_ids}
         for array in wanted.values():
             array.copy_to_host_async()
         return wanted
@@ -943,7 +944,7 @@ class EngineCore:
         def sample_variants(logits):
             for p in (greedy, plain):
                 batch = build_sampling_batch([p], [0], logits.shape[0], logits.shape[1], step_seed=0, eos_token_ids=self.eos_token_ids)
-                sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32))
+                sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32), token_logprobs=False)  # as served without logprobs
 
         return self.runner.warmup(sample_variants, show_progress, background=self.config.background_compile and self.single_process)
 

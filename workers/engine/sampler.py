@@ -277,9 +277,13 @@ class SamplerOutput(NamedTuple):
     top_logprobs: jax.Array  # f32[B, K]
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0, rows: jax.Array | None = None) -> SamplerOutput:
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "token_logprobs"))
+def sample(
+    logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0, rows: jax.Array | None = None, token_logprobs: bool = True
+) -> SamplerOutput:
     """Picks one token per row. `num_logprobs` (static): top logprobs to return, max over rows.
+    `token_logprobs` (static): whether the chosen tokens' logprobs are wanted at all; without them (and
+    without top logprobs) no pass over the logits computes a softmax normaliser (zeros are returned).
 
     `rows` (i32[B], optional): batch row i samples from `logits[rows[i]]`. The gather runs inside this
     jitted function; done eagerly on the engine's logits it cost more than greedy sampling itself.
@@ -298,11 +302,24 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_logprobs: int = 0, rows:
     if batch.use_penalties:
         processed = apply_penalties(processed, batch)
     # Greedy picks from the penalised logits; temperature would not change the argmax anyway.
-    token_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    token_ids = argmax_rows(processed)
     if not batch.all_greedy:
         drawn = _draw(filter_logits(processed, batch), batch.rng_words)
         token_ids = jnp.where(batch.temperature > 0, drawn, token_ids)
+    if not token_logprobs and not num_logprobs:
+        empty_ids, empty = jnp.zeros((raw.shape[0], 0), jnp.int32), jnp.zeros((raw.shape[0], 0), jnp.float32)
+        return SamplerOutput(token_ids, jnp.zeros(raw.shape[:1], jnp.float32), empty_ids, empty)
     return _logprobs(raw, token_ids, num_logprobs)
+
+
+def argmax_rows(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first maximum; a NaN counts as the maximum), int32, as a max and
+    a min instead of XLA's variadic (value, index) reduction, which XLA:CPU runs as a scalar loop: at
+    [64, 16384] 5.3 ms against 0.5 ms, at [16, 151936] 11.7 against 1.4 ms; one [1, 16384] row 160 -> 52 us."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
 def ban_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
@@ -421,7 +438,7 @@ def _draw(logits: jax.Array, rng_words: jax.Array) -> jax.Array:
     # The barrier stops XLA from fusing the (costly) noise generation into the argmax reduction,
     # which runs it single-threaded on CPU: ~60 ms -> ~14 ms at [64, 16K]. Values are unchanged.
     perturbed = jax.lax.optimization_barrier(logits + noise)
-    return jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+    return argmax_rows(perturbed)
 
 
 def _logprobs(raw: jax.Array, token_ids: jax.Array, num_logprobs: int) -> SamplerOutput:

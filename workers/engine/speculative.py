@@ -25,12 +25,12 @@ import json
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .config import SpeculativeConfig
 from .request import Request
+from .sampler import argmax_rows
 
 
 def ngram_propose(tokens: list[int] | np.ndarray, k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -300,8 +300,4 @@ def check_same_tokenizer(target_dir: str, draft_dir: str, target_vocab: int, dra
         raise ValueError(f"speculative.model {draft_dir}: its tokenizer differs from the target's (tokenizer.json model)")
 
 
-def _argmax_impl(logits):
-    return jnp.argmax(logits, axis=-1)
-
-
-_argmax = jax.jit(_argmax_impl)
+_argmax = jax.jit(argmax_rows)
