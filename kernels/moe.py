@@ -49,13 +49,14 @@ GATHER_MAX_ASSIGNMENTS = 64
 # H=1024, I=256, 6 layers): batch 8 71 vs 225 ms (tiled), batch 16 127 vs 239 ms, batch 32 247 vs 369 ms.
 GATHER_MAX_GROUP_ROWS = 4
 
-# On GPU, `masked` while (tokens x experts) stays at or below this. Measured on an H200 with the bench
-# preset's layer (E=64, k=8, H=1024, I=256, bfloat16; ms per call, take / masked / sorted (ragged_dot) /
-# tiled / gather): T=1 0.08 / 0.11 / 0.15 / 0.50 / 0.75; T=8 0.11 / 0.13 / 0.18 / 1.9 / 4.4;
-# T=16 0.18 / 0.13 / 0.24 / 2.1 / 7.1; T=64 0.32 / 0.22 / 0.36 / 3.2; T=512 1.71 / 0.30 / 1.16 / 3.5;
-# T=2048 5.7 / - / 3.8 / 5.4. Every expert on every token costs E/k times the useful FLOPs, so the bound
-# is on tokens x experts: 512 tokens at E=64, 128 at E=256.
-MASKED_MAX_TOKEN_EXPERTS = 32768
+# On GPU, `masked` while its work, tokens x experts x weights per expert (3HI), stays at or below this.
+# Measured on an H200 with the bench preset's layer (E=64, k=8, H=1024, I=256, bfloat16; ms per call, take /
+# masked / sorted (ragged_dot) / tiled / gather): T=1 0.08 / 0.11 / 0.15 / 0.50 / 0.75; T=8 0.11 / 0.13 /
+# 0.18 / 1.9 / 4.4; T=16 0.18 / 0.13 / 0.24 / 2.1 / 7.1; T=64 0.32 / 0.22 / 0.36 / 3.2; T=512 1.71 / 0.30 /
+# 1.16 / 3.5; T=2048 5.7 / - / 3.8 / 5.4. Every expert on every token costs E/k times the useful FLOPs, so
+# the bound is on the whole product: 512 tokens of that layer; DeepSeek-V3's experts (E=256, H=7168,
+# I=2048) never (its decode batches up to 32 tokens take `take`, larger ones ragged_dot).
+MASKED_MAX_WORK = 512 * 64 * 3 * 1024 * 256
 
 IMPLS = ("gather", "tiled", "pallas", "sorted", "cpu", "take", "masked")
 IMPL_ENV_VAR = "MORAY_MOE_IMPL"
@@ -108,13 +109,19 @@ def route_sigmoid_group_topk(
     return weights * scaling_factor, ids.astype(jnp.int32)
 
 
-def moe_impl(num_assignments: int, backend: str | None = None, num_experts: int | None = None, num_tokens: int | None = None) -> str:
+def moe_impl(
+    num_assignments: int,
+    backend: str | None = None,
+    num_experts: int | None = None,
+    num_tokens: int | None = None,
+    expert_weights: int | None = None,
+) -> str:
     """The implementation `routed_experts` uses for `num_assignments` = tokens x top_k.
 
     `MORAY_MOE_IMPL` (one of IMPLS) overrides the choice. Otherwise small batches gather, and larger ones
     run a grouped matmul: the megablox kernel on TPU, the tiled loop elsewhere. Off TPU, given
     `num_experts`, batches whose average expert group is small (decode) gather too. GPUs get loop-free
-    paths (`_gpu_impl`).
+    paths (`_gpu_impl`; `num_tokens` and `expert_weights`, the weights per expert, size their choice).
     """
     forced = os.environ.get(IMPL_ENV_VAR)
     if forced:
@@ -123,7 +130,7 @@ def moe_impl(num_assignments: int, backend: str | None = None, num_experts: int 
         return forced
     backend = backend or jax.default_backend()
     if backend == "gpu":
-        return _gpu_impl(num_assignments, num_experts, num_tokens or num_assignments)
+        return _gpu_impl(num_assignments, num_experts, num_tokens or num_assignments, expert_weights)
     if num_assignments <= GATHER_MAX_ASSIGNMENTS:
         return "gather"
     if backend == "tpu":
@@ -133,13 +140,13 @@ def moe_impl(num_assignments: int, backend: str | None = None, num_experts: int 
     return "tiled"
 
 
-def _gpu_impl(num_assignments: int, num_experts: int | None, num_tokens: int) -> str:
+def _gpu_impl(num_assignments: int, num_experts: int | None, num_tokens: int, expert_weights: int | None) -> str:
     """On a GPU: no data-dependent loops (each iteration of one waits on the host). Up to one assignment per
     expert, `take` reads no more experts than are chosen; then `masked` while running every expert on
-    every token stays a small matmul; past that the grouped matmul of `ragged_dot`."""
+    every token stays small work; past that the grouped matmul of `ragged_dot`."""
     if num_experts is None or num_assignments <= num_experts:
         return "take"
-    if num_tokens * num_experts <= MASKED_MAX_TOKEN_EXPERTS:
+    if expert_weights is not None and num_tokens * num_experts * expert_weights <= MASKED_MAX_WORK:
         return "masked"
     return "sorted"
 
@@ -408,7 +415,8 @@ _IMPL_FNS = {
 def chosen_impl(x: jax.Array, ids: jax.Array, gate_up, activation: str = "silu") -> str:
     """The implementation `routed_experts` runs when none is named: `moe_impl`'s choice, with the
     kernels that apply to these operands swapped in."""
-    impl = moe_impl(ids.size, num_experts=gate_up.shape[0], num_tokens=ids.shape[0])
+    num_experts, two_inter, hidden = gate_up.shape
+    impl = moe_impl(ids.size, num_experts=num_experts, num_tokens=ids.shape[0], expert_weights=3 * two_inter // 2 * hidden)
     if os.environ.get(IMPL_ENV_VAR):
         return impl
     if impl == "pallas" and is_quantized(gate_up) and select_impl(gate_up.group_size) == "xla":

@@ -189,12 +189,13 @@ def test_moe_impl_selection(monkeypatch):
     assert moe.moe_impl(limit + 1, "cpu") == "tiled"
     assert moe.moe_impl(limit + 1, "tpu") == "pallas"
     assert moe.moe_impl(limit + 1) == "tiled"  # tests run on CPU
-    # GPUs never get the looping paths: take while assignments <= experts, masked while tokens x experts is
-    # small, then ragged_dot.
-    experts, masked_tokens = 64, moe.MASKED_MAX_TOKEN_EXPERTS // 64
-    assert moe.moe_impl(8, "gpu", experts, 1) == moe.moe_impl(64, "gpu", experts, 8) == "take"
-    assert moe.moe_impl(72, "gpu", experts, 9) == moe.moe_impl(8 * masked_tokens, "gpu", experts, masked_tokens) == "masked"
-    assert moe.moe_impl(8 * masked_tokens + 8, "gpu", experts, masked_tokens + 1) == "sorted"
+    # GPUs never get the looping paths: take while assignments <= experts, masked while tokens x experts x
+    # expert weights is small (512 tokens of the bench preset's experts, E=64 H=1024 I=256), then ragged_dot.
+    experts, weights = 64, 3 * 1024 * 256
+    assert moe.moe_impl(8, "gpu", experts, 1, weights) == moe.moe_impl(64, "gpu", experts, 8, weights) == "take"
+    assert moe.moe_impl(72, "gpu", experts, 9, weights) == moe.moe_impl(8 * 512, "gpu", experts, 512, weights) == "masked"
+    assert moe.moe_impl(8 * 513, "gpu", experts, 513, weights) == "sorted"
+    assert moe.moe_impl(8 * 33, "gpu", 256, 33, 3 * 7168 * 2048) == "sorted"  # DeepSeek-V3's experts: never masked
     monkeypatch.setenv(moe.IMPL_ENV_VAR, "sorted")
     assert moe.moe_impl(1, "tpu") == "sorted"
     monkeypatch.setenv(moe.IMPL_ENV_VAR, "dense")
