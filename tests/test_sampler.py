@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from workers.engine import sampler as sampler_mod
 from workers.engine.sampler import (
     SamplerOutput,
     apply_penalties,
+    argmax_rows,
     build_sampling_batch,
     check_stop,
     filter_logits,
@@ -489,7 +489,7 @@ def test_argmax_rows_is_jnp_argmax():
     x[4, [7, 30]] = np.nan  # NaN is the maximum, the first one
     x[5, :] = 1.0  # all equal
     x[6] = np.round(x[6])  # many ties at the maximum
-    got = jax.jit(sampler_mod.argmax_rows)(jnp.asarray(x))
+    got = jax.jit(argmax_rows)(jnp.asarray(x))
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     assert list(np.asarray(got)[1:6]) == [3, 0, 5, 7, 0]
