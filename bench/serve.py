@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="served decode throughput (streamed and not) over the offline engine's at the same concurrency and settings, "
         "and the non-engine processes' CPU per 1,000 tokens (bench/serve_efficiency.py)",
     )
+    p.add_argument(
+        "--ingress",
+        choices=("serve", "direct"),
+        default="serve",
+        help="with --vs-engine: the served app's server.ingress (Serve's proxy, or its front end listening itself)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=16, help="with --vs-engine: prompt length (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="with --vs-engine: output tokens per request (default 64)")
     p.add_argument(
@@ -329,9 +335,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_apps(port: int, apps: dict[str, dict]) -> str:
+def _serve_apps(port: int, apps: dict[str, dict], proxy: bool = True) -> str:
     """Runs each cluster config (route prefix -> config naming its app) as a Serve app on a local Ray whose
-    HTTP proxy listens on `port`; returns the base URL once every app is healthy."""
+    HTTP proxy listens on `port` (`proxy` False: no proxy; the one app's front end listens there itself,
+    `server.ingress: direct`); returns the base URL once every app is healthy."""
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -344,7 +351,7 @@ def _serve_apps(port: int, apps: dict[str, dict]) -> str:
     from cluster.launch import wait_until_healthy
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), proxy_location="EveryNode" if proxy else "Disabled")
     for prefix, cfg in apps.items():
         serve.run(build_app(cfg), name=cfg["name"], route_prefix=prefix, blocking=False)
     for prefix, cfg in apps.items():

@@ -155,8 +155,9 @@ def non_engine_processes(app: str) -> dict[str, int]:
     return out
 
 
-def start_app(engine: dict, stream_interval_ms: float = 5.0) -> str:
-    """A colocated app with one decode replica on a fresh local Ray; returns its base URL once healthy."""
+def start_app(engine: dict, stream_interval_ms: float = 5.0, ingress: str = "serve") -> str:
+    """A colocated app with one decode replica on a fresh local Ray, behind Serve's proxy or served by its front
+    end itself (`ingress`: server.ingress); returns its base URL once healthy."""
     from bench.serve import _free_port, _serve_apps
 
     port = _free_port()
@@ -164,11 +165,11 @@ def start_app(engine: dict, stream_interval_ms: float = 5.0) -> str:
         "name": "eff",
         "mode": "colocated",
         "engine": engine,
-        "server": {"http_port": port},
+        "server": {"http_port": port, "grpc_port": _free_port(), "ingress": ingress},
         "decode": {"replicas": 1},
         "stream_interval_ms": stream_interval_ms,
     }
-    return _serve_apps(port, {"/": cfg})
+    return _serve_apps(port, {"/": cfg}, proxy=ingress == "serve")
 
 
 # ------------------------------------------------------------------------------------ the comparison
@@ -187,7 +188,7 @@ def run_vs_engine(args: argparse.Namespace) -> dict:
     # Warm-up: every program a closed loop meets (step shapes, the token merge) compiles before timing.
     offline_run(core, argparse.Namespace(**{**vars(args), "requests": 2 * args.concurrency}), seed=10_000)
     print("served app: starting...", file=sys.stderr)
-    url = start_app(engine, args.stream_interval_ms)
+    url = start_app(engine, args.stream_interval_ms, args.ingress)
     pids = non_engine_processes("eff")
     model = os.path.basename(os.path.normpath(args.model))
     warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.concurrency})
@@ -222,6 +223,7 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, engine: dic
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "stream_interval_ms": args.stream_interval_ms,
+        "ingress": args.ingress,
         "non_engine_processes": processes,
         "offline_tokens_per_s": offline,
         "served_tokens_per_s": med("served", "tokens_per_s"),

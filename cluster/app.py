@@ -161,7 +161,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     """A Serve config (for `serve deploy` / KubeRay's serveConfigV2) running this cluster."""
     return {
-        "proxy_location": "EveryNode",
+        "proxy_location": "Disabled" if cfg.server.ingress == "direct" else "EveryNode",
         "http_options": {"host": cfg.server.host, "port": cfg.server.http_port, "request_timeout_s": cfg.server.request_timeout_s},
         "grpc_options": {"port": cfg.server.grpc_port, "grpc_servicer_functions": GRPC_SERVICERS},
         "applications": [{"name": cfg.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": cfg.model_dump(mode="json")}],

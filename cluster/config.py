@@ -164,6 +164,12 @@ class ServerConfig(_Strict):
     host: str = "0.0.0.0"
     http_port: int = Field(default=8000, ge=1, le=65535)
     grpc_port: int = Field(default=9000, ge=1, le=65535)
+    ingress: Literal["serve", "direct"] = Field(
+        default="serve",
+        description="serve: Serve's proxies take HTTP and gRPC on every node and pass requests to the front-end replicas; "
+        "direct: the front-end replicas listen on http_port and grpc_port themselves (SO_REUSEPORT) and no proxy runs: "
+        "one process less per request (cluster/direct_ingress.py); clients must reach the nodes the front ends run on",
+    )
     api_keys: list[str] = Field(default_factory=list, description="bearer tokens; empty disables auth")
     api_keys_env: str | None = Field(default=None, description="env var holding comma-separated keys")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)

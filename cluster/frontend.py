@@ -32,6 +32,7 @@ from workers.messages import TokenDelta
 from . import logs, tool_calls, tracing, validation
 from . import openai_api as oa
 from .config import ClusterConfig, parse_cluster_config
+from .direct_ingress import DirectIngress
 from .grpc_service import quiet_client_errors
 from .pipeline import PreparedRequest, RequestPipeline
 from .reasoning import TAGS, ThinkSplitter, split_reasoning
@@ -106,6 +107,15 @@ class Frontend:
         # it out of the garbage collector's full passes, which would otherwise stall routing decisions.
         gc.collect()
         gc.freeze()
+        self.direct = None
+        if self.config.server.ingress == "direct":
+            self.direct = DirectIngress(self, api, self.config.server)
+            self.direct.start()
+
+    async def __del__(self):
+        # Serve calls this when it stops the replica (scale-down, redeploy, shutdown).
+        if getattr(self, "direct", None) is not None:
+            await self.direct.stop()
 
     # ------------------------------------------------------------------ shared validation
 

@@ -20,7 +20,7 @@ class StartupError(RuntimeError):
 
 
 def start_serve(cfg: ClusterConfig, detached: bool) -> None:
-    """Starts Serve's HTTP and gRPC proxies on the configured ports and submits the app; returns without
+    """Starts Serve's HTTP and gRPC proxies on the configured ports (none with `server.ingress: direct`) and submits the app; returns without
     waiting for the replicas (`wait_until_ready` does, with a time limit and a reason when they do not start)."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
@@ -29,6 +29,8 @@ def start_serve(cfg: ClusterConfig, detached: bool) -> None:
 
     serve.start(
         detached=detached,
+        # direct: the front-end replicas listen on the ports themselves (cluster/direct_ingress.py)
+        proxy_location="Disabled" if cfg.server.ingress == "direct" else "EveryNode",
         http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port, request_timeout_s=cfg.server.request_timeout_s),
         grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICERS, enable_reflection=True),
     )

@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address the HTTP proxy binds (overrides server.host; 0.0.0.0 exposes it to the network)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument(
+        "--ingress",
+        choices=["serve", "direct"],
+        help="server.ingress: Serve's proxies take the ports (serve), or the front-end replicas listen themselves (direct)",
+    )
+    p.add_argument(
         "--address",
         help="Ray cluster to deploy onto: 'auto' (the one RAY_ADDRESS names, else the last `ray start` on this machine), "
         "HOST:PORT (its GCS) or ray://HOST:PORT. Default: start a fresh local Ray for this command and stop it on exit; "
@@ -83,6 +88,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("server", {})["host"] = args.host
     if getattr(args, "mode", None):
         data["mode"] = args.mode
+    if getattr(args, "ingress", None):
+        data.setdefault("server", {})["ingress"] = args.ingress
     if getattr(args, "host_kv_gib", None) is not None:
         data["engine"]["host_kv"] = {"memory_gib": args.host_kv_gib}
     if getattr(args, "speculative_config", None):

@@ -169,18 +169,56 @@ class ServedApp:
 def served_app(cluster: ServeCluster, config: dict, route_prefix: str | None = None):
     """Deploys the cluster config (`cluster_config(...)`) as one Serve app of the session's Serve instance at
     `route_prefix` (default /<name>), waits until it is healthy, and deletes it afterwards. The config's
-    server ports become the shared instance's."""
+    server ports become the shared instance's, except for an app with `server.ingress: direct`, whose front end
+    listens on the config's own ports (at /)."""
     from ray import serve
 
     from cluster.app import build_app
 
-    config = {**config, "server": {**config.get("server", {}), "http_port": cluster.http_port, "grpc_port": cluster.grpc_port}}
+    server = config.get("server", {})
+    direct = server.get("ingress") == "direct"
+    if not direct:
+        config = {**config, "server": {**server, "http_port": cluster.http_port, "grpc_port": cluster.grpc_port}}
     name = config.get("name", "moray")
     prefix = route_prefix if route_prefix is not None else f"/{name}"
     serve.run(build_app(config), name=name, route_prefix=prefix, blocking=False)
-    app = ServedApp(name, cluster.base + ("" if prefix == "/" else prefix), config)
+    base = f"http://127.0.0.1:{server['http_port']}" if direct else cluster.base + ("" if prefix == "/" else prefix)
+    app = ServedApp(name, base, config)
     try:
         wait_healthy(app.base)
         yield app
     finally:
         serve.delete(name)
+
+
+def worker_stats(app: str) -> dict:
+    """pool -> its (one) worker's engine figures, asked of the worker itself."""
+    from ray import serve
+
+    stats = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        try:
+            handle = serve.get_deployment_handle(name, app)
+        except Exception:  # noqa: BLE001 - colocated apps have no prefill pool
+            continue
+        stats[name] = handle.heartbeat.remote().result(timeout_s=30).engine
+    return stats
+
+
+def idle(stats: dict) -> bool:
+    return all(e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_held == 0 for e in stats.values())
+
+
+def wait_for_idle_workers(app: str, timeout: float = 30) -> dict:
+    """Waits until every worker of `app` holds no request and no KV block; returns the last figures."""
+    last = {}
+
+    def check():
+        last.update(worker_stats(app))
+        return idle(last)
+
+    try:
+        wait_until(check, timeout, 0.25)
+    except TimeoutError:
+        pass
+    return last

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, served_app, wait_until
+from cluster_harness import API_KEY, cluster_config, http_json, idle, served_app, wait_for_idle_workers, wait_until
 
 from protos.moray.v1 import moray_pb2, moray_pb2_grpc
 from workers.models.make_model import make_model
@@ -210,39 +210,6 @@ def test_metrics_carry_vllm_names_types_labels_and_buckets(cluster):
         assert old not in families, old
 
 
-def worker_stats(app: str) -> dict:
-    """pool -> its (one) worker's engine figures, asked of the worker itself."""
-    from ray import serve
-
-    stats = {}
-    for name in ("PrefillServer", "DecodeServer"):
-        try:
-            handle = serve.get_deployment_handle(name, app)
-        except Exception:  # noqa: BLE001 - colocated apps have no prefill pool
-            continue
-        stats[name] = handle.heartbeat.remote().result(timeout_s=30).engine
-    return stats
-
-
-def idle(stats: dict) -> bool:
-    return all(e.num_free_blocks == e.num_total_blocks and e.num_running == 0 and e.num_held == 0 for e in stats.values())
-
-
-def wait_for_idle_workers(app: str, timeout: float = 30) -> dict:
-    """Waits until every worker of `app` holds no request and no KV block; returns the last figures."""
-    last = {}
-
-    def check():
-        last.update(worker_stats(app))
-        return idle(last)
-
-    try:
-        wait_until(check, timeout, 0.25)
-    except TimeoutError:
-        pass
-    return last
-
-
 @pytest.fixture(autouse=True)
 def no_leaked_blocks(request):
     """After every test that used the cluster, both apps' workers are back to an empty KV pool."""
@@ -419,7 +386,7 @@ def test_bench_serve_vs_engine_against_the_cluster(cluster, model_dir):
     from workers.engine.engine import EngineCore
 
     args = argparse.Namespace(
-        model=str(model_dir), concurrency=2, requests=4, prompt_tokens=8, max_tokens=4, runs=1, stream_interval_ms=5.0
+        model=str(model_dir), concurrency=2, requests=4, prompt_tokens=8, max_tokens=4, runs=1, stream_interval_ms=5.0, ingress="serve"
     )
     pids = eff.non_engine_processes("colo")
     names = {name.split(":")[0] if name.startswith("Proxy") else name.split(":")[2] for name in pids}
