@@ -155,6 +155,18 @@ _CHUNK_ROWS = 16  # R for long (prefill) sequences
 _PER_TOKEN_BELOW = 8  # sequences with fewer new tokens than this get R = 1
 _KEYS_PER_UNIT = 128  # G = this // page_size pages per unit (at least 1)
 _ITER_BYTES = 8 << 20  # rough budget for one iteration's float32 temporaries; sets B
+# With a static trip count (GPU): a larger budget, so decode-sized batches take one iteration (no loop at all).
+_STATIC_ITER_BYTES = 256 << 20
+
+
+def static_loop_default() -> bool:
+    """Whether the jnp path's loop over units runs a static trip count (the bound for the shapes, dead units
+    masked) instead of one that depends on the batch (for decode items, and prefill items that fit one
+    iteration). On a GPU a loop whose trip count is data makes the host
+    read the loop's predicate from the device at every iteration: the H200 trace of a bench-preset decode step
+    showed the GPU busy 0.7 ms of a ~3 ms step, its two such loops per layer each waiting on a copy to the
+    host. On CPU the dynamic count is cheaper: no dead units are computed, and there is no device to wait on."""
+    return jax.default_backend() == "gpu"
 
 
 class _Items(NamedTuple):
@@ -173,7 +185,7 @@ class _Units(NamedTuple):
     last_pos: jax.Array  # i32[W] position of each item's last token
 
 
-_STATIC = ("sm_scale", "sliding_window", "pages_per_unit", "units_per_iter", "latent_v_dim")
+_STATIC = ("sm_scale", "sliding_window", "pages_per_unit", "units_per_iter", "latent_v_dim", "static_loop")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -190,7 +202,10 @@ def _ragged_paged_attention_jnp(
     pages_per_unit: int | None = None,  # tuning overrides; tests use tiny ones to exercise the loop
     units_per_iter: int | None = None,
     latent_v_dim: int | None = None,  # MLA: pages [P, page, 1, Dk] hold one row per token; V = its first dims
+    static_loop: bool | None = None,  # None: static_loop_default()
 ):
+    if static_loop is None:
+        static_loop = static_loop_default()
     n, hq, _ = q.shape
     max_seqs = page_indices.shape[0]
     hkv = _kv_heads(kv_pages, latent_v_dim)
@@ -214,7 +229,7 @@ def _ragged_paged_attention_jnp(
             continue  # e.g. a batch too small to hold a long sequence
         items = _plan_items(q_start, q_len, kv_lens, selected, rows, num_items)
         values = _attend_items(
-            q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter, latent_v_dim
+            q, kv_pages, page_indices, items, rows, sm_scale, sliding_window, pages_per_unit, units_per_iter, latent_v_dim, static_loop
         )
         out = _scatter_items(out, items, values)
     return out
@@ -255,10 +270,10 @@ def _plan_units(items: _Items, page_size: int, pages_per_unit: int, sliding_wind
     return _Units(per_item=per_item, ends=jnp.cumsum(per_item), first_page=first_page, last_pos=last_pos)
 
 
-def _units_per_iteration(rows: int, keys: int, hq: int, hkv: int, d: int) -> int:
+def _units_per_iteration(rows: int, keys: int, hq: int, hkv: int, d: int, budget: int = _ITER_BYTES) -> int:
     """B, from the memory budget: gathered K/V, scores and probabilities, query rows and p @ V."""
     floats = keys * 2 * hkv * d + 2 * rows * hq * keys + 2 * rows * hq * d
-    return max(1, _ITER_BYTES // (4 * floats))
+    return max(1, budget // (4 * floats))
 
 
 def _kv_heads(kv_pages: jax.Array, latent_v_dim: int | None) -> int:
@@ -293,8 +308,10 @@ def _attend_items(
     pages_per_unit: int | None,
     units_per_iter: int | None,
     latent_v_dim: int | None = None,
+    static_loop: bool = False,
 ) -> jax.Array:
-    """Attention output [W, rows, Hq, Dv] (float32) of every item row; rows past items.rows are junk."""
+    """Attention output [W, rows, Hq, Dv] (float32) of every item row; rows past items.rows are junk.
+    `static_loop`: iterate over every unit the shapes allow (dead ones masked), see static_loop_default."""
     n, hq, d = q.shape
     _, page_size, _, _ = kv_pages.shape
     hkv, pages_per_seq = _kv_heads(kv_pages, latent_v_dim), page_indices.shape[1]
@@ -306,6 +323,12 @@ def _attend_items(
     units = _plan_units(items, page_size, pages_per_unit, sliding_window)
     max_units = num_items * -(-pages_per_seq // pages_per_unit)
     per_iter = min(max_units, units_per_iter or _units_per_iteration(rows, keys, hq, hkv, d))
+    if static_loop:
+        per_iter = min(max_units, units_per_iter or _units_per_iteration(rows, keys, hq, hkv, d, _STATIC_ITER_BYTES))
+        # Prefill chunks (rows > 1) need about half the units the shapes allow (the causal triangle): a static
+        # count would compute the other half for nothing, so they keep the dynamic one unless one iteration
+        # covers them (as in a decode step, where this pass holds no real item).
+        static_loop = rows == 1 or max_units <= per_iter
 
     # Query rows of an item as [Hkv, rows * group, D] to match K/V's [Hkv, keys, D].
     token = jnp.minimum(items.start[:, None] + jnp.arange(rows), n - 1)
@@ -338,7 +361,11 @@ def _attend_items(
 
     state_shape = (num_items, hkv, rows * group)
     init = (jnp.full(state_shape, _MASKED, jnp.float32), jnp.zeros((*state_shape, dv + 1), jnp.float32))
-    _, acc = jax.lax.fori_loop(0, -(-units.ends[-1] // per_iter), body, init)
+    if static_loop:
+        trips = -(-max_units // per_iter)
+        _, acc = body(0, init) if trips == 1 else jax.lax.fori_loop(0, trips, body, init)
+    else:
+        _, acc = jax.lax.fori_loop(0, -(-units.ends[-1] // per_iter), body, init)
     l = acc[..., dv:]
     out = acc[..., :dv] / jnp.where(l == 0.0, 1.0, l)  # rows that saw no key stay 0
     out = out.reshape(num_items, hkv, rows, group, dv).transpose(0, 2, 1, 3, 4)

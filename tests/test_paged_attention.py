@@ -152,9 +152,11 @@ def test_gqa_ratios(hq, hkv, page_size):
     assert_matches(out, arrays, keys, values, 0.5)
 
 
+@pytest.mark.parametrize("static_loop", [False, True])
 @pytest.mark.parametrize("pages_per_unit,units_per_iter,sliding_window", [(1, 1, None), (1, 3, 5), (2, 7, None), (3, 2, 1)])
-def test_tiny_units_and_iterations(pages_per_unit, units_per_iter, sliding_window):
-    """Many units per item, split across iterations and sharing them: exercises the online-softmax merge."""
+def test_tiny_units_and_iterations(pages_per_unit, units_per_iter, sliding_window, static_loop):
+    """Many units per item, split across iterations and sharing them: exercises the online-softmax merge.
+    With a static trip count (the GPU's loop) the iterations past the batch's last unit must change nothing."""
     arrays, keys, values = build_batch(2, *CASES["mixed"], page_size=4, hq=4, hkv=2)
     out = attention._ragged_paged_attention_jnp(
         *args_of(arrays),
@@ -162,8 +164,22 @@ def test_tiny_units_and_iterations(pages_per_unit, units_per_iter, sliding_windo
         sliding_window=sliding_window,
         pages_per_unit=pages_per_unit,
         units_per_iter=units_per_iter,
+        static_loop=static_loop,
     )
     assert_matches(out, arrays, keys, values, 0.5, sliding_window)
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+def test_a_static_loop_has_no_data_dependent_trip_count(case):
+    """The static loop's program has no loop whose trip count is data: at these sizes no loop at all (one
+    iteration covers every unit), and its output equals the dynamic loop's."""
+    arrays, keys, values = build_batch(5, *CASES[case], page_size=4, hq=4, hkv=2)
+    fn = functools.partial(attention._ragged_paged_attention_jnp, sm_scale=0.5, sliding_window=None)
+    static = fn(*args_of(arrays), static_loop=True)
+    np.testing.assert_allclose(static, fn(*args_of(arrays), static_loop=False), rtol=1e-5, atol=1e-5)
+    assert_matches(static, arrays, keys, values, 0.5)
+    assert "while" not in jax.jit(functools.partial(fn, static_loop=True)).lower(*args_of(arrays)).as_text()
+    assert "while" in jax.jit(functools.partial(fn, static_loop=False)).lower(*args_of(arrays)).as_text()
 
 
 def test_empty_batch_is_all_zeros():
