@@ -36,6 +36,7 @@ CACHE_ENV_VAR = "MORAY_KERNEL_CACHE"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread", "-std=c++20", "-shared", "-fPIC")
 MOE_TARGET = "moray_moe_experts_f32"
 DENSE_TARGET = "moray_dense_f32"
+SCATTER_BLOCKS_TARGET = "moray_scatter_blocks"
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library, or "error": why there is none
@@ -67,6 +68,20 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     float32 [T, O]; call only when `available()`."""
     call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x, w)
+
+
+def scatter_blocks(pages: list[jax.Array], ids: jax.Array, data: jax.Array) -> list[jax.Array]:
+    """kernels/cpu/block_copy.cc: the pages with the blocks `ids` ([1 or L, n] int32; ids outside a pool are
+    dropped) written from `data` ([n, L, rows, ...], each token row's first bytes). The results alias the
+    pages: donate them (jit's donate_argnums) so nothing but the blocks is written. Call only when
+    `available()`."""
+    n = len(pages)
+    call = jax.ffi.ffi_call(
+        SCATTER_BLOCKS_TARGET,
+        [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages],
+        input_output_aliases={2 + i: i for i in range(n)},
+    )
+    return list(call(ids.astype(jnp.int32), data, *pages))
 
 
 def _cache_dir() -> Path:
@@ -104,6 +119,7 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     jax.ffi.register_ffi_target(MOE_TARGET, jax.ffi.pycapsule(lib.MorayMoeExpertsF32), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.MorayDenseF32), platform="cpu")
+    jax.ffi.register_ffi_target(SCATTER_BLOCKS_TARGET, jax.ffi.pycapsule(lib.MorayScatterBlocks), platform="cpu")
     return lib
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kernels import dense
+from kernels import block_copy, dense
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
 from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
@@ -610,12 +610,21 @@ class ModelRunner:
 
     def _export_gather(self, padded_blocks: int):
         if jax.process_count() == 1:
-            return _gather_blocks_first_jit
+            return block_copy.gather_blocks_first_jit
         fn = self._export_gathers.get(padded_blocks)
         if fn is None:
             sharding = _split_over_hosts(self.model.mesh, padded_blocks)
-            fn = self._export_gathers[padded_blocks] = jax.jit(_gather_blocks_first, out_shardings=sharding, static_argnums=2)
+            fn = self._export_gathers[padded_blocks] = jax.jit(block_copy.gather_blocks_first, out_shardings=sharding, static_argnums=2)
         return fn
+
+    @functools.cached_property
+    def block_copy_impl(self) -> str:
+        """How whole blocks are written into the pages (kernels/block_copy.py): their placement is fixed for
+        the runner's life."""
+        return block_copy.impl_for(self.kv_pages)
+
+    def _scatter(self, pages: list[jax.Array], ids, data) -> list[jax.Array]:
+        return block_copy.scatter_blocks_first_jit(pages, ids, data, impl=self.block_copy_impl)
 
     @functools.cached_property
     def _gather_state_export(self):
@@ -631,7 +640,7 @@ class ModelRunner:
         end = layer_start + data.shape[1]
         if self.window_layers:
             ids = self._layer_ids(block_ids, window_ids, self.num_blocks, self.num_window_blocks)[layer_start:end]
-        self.kv_pages[layer_start:end] = _scatter_jit(self.kv_pages[layer_start:end], ids, padded)
+        self.kv_pages[layer_start:end] = self._scatter(self.kv_pages[layer_start:end], ids, padded)
 
     def _padded_blocks(self, block_ids: list[int], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Block ids padded to a page bucket (padding ids point past the pool: dropped) and the data to
@@ -658,7 +667,7 @@ class ModelRunner:
     def write_staged(self, staged: list[tuple[np.ndarray, jax.Array, int]]) -> None:
         for ids, data, group in staged:
             layers = self.group_layers(group)
-            written = _scatter_jit([self.kv_pages[i] for i in layers], ids, data)
+            written = self._scatter([self.kv_pages[i] for i in layers], ids, data)
             for i, pages in zip(layers, written):
                 self.kv_pages[i] = pages
 
@@ -772,23 +781,6 @@ def _spec(x):
     return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
 
 
-def _to_transport(blocks, width: int | None):
-    """[n, page, R, D] -> [n, page, 1, width], zero-padded (layers of different shapes share one transport
-    layout: ModelConfig.kv_transport_dims); width None: unchanged."""
-    if width is None:
-        return blocks
-    flat = blocks.reshape(*blocks.shape[:2], 1, -1)
-    return jnp.pad(flat, ((0, 0), (0, 0), (0, 0), (0, width - flat.shape[-1])))
-
-
-def _from_transport(data, page_shape):
-    """The inverse of `_to_transport` for a layer whose pages are `page_shape`."""
-    if data.shape[2:] == tuple(page_shape[2:]):
-        return data
-    r, d = page_shape[2:]
-    return data[..., : r * d].reshape(*data.shape[:2], r, d)
-
-
 def _prompt_positions(item) -> int:
     """How many of a scheduled request's positions this step predicts a prompt token from (0 unless it wants
     its prompt's logprobs)."""
@@ -798,18 +790,8 @@ def _prompt_positions(item) -> int:
     return max(0, min(item.start + item.num_new_tokens - item.num_spec, request.num_prompt_tokens - 1) - item.start)
 
 
-def _ids_of(ids, layer: int):
-    """One array of block ids for every layer, or (cache groups) a list with one per layer."""
-    return ids[layer] if isinstance(ids, (list, tuple)) else ids
-
-
 def _gather_blocks(kv_pages, ids, width=None):
-    return jnp.stack([_to_transport(pages[_ids_of(ids, i)], width) for i, pages in enumerate(kv_pages)])
-
-
-def _scatter_blocks(kv_pages, ids, data):
-    # data blocks first: [blocks, layers, page, *transport dims]; ids past the pool (padding) are dropped
-    return [pages.at[_ids_of(ids, i)].set(_from_transport(data[:, i], pages.shape), mode="drop") for i, pages in enumerate(kv_pages)]
+    return jnp.stack([block_copy.to_transport(pages[block_copy.ids_of(ids, i)], width) for i, pages in enumerate(kv_pages)])
 
 
 def _copy_pages(kv_pages, src, dst):
@@ -883,13 +865,6 @@ class RoutingCounter:
 _gather_jit = jax.jit(_gather_blocks, static_argnums=2)
 
 
-def _gather_blocks_first(kv_pages, ids, width=None):
-    return jnp.stack([_to_transport(pages[_ids_of(ids, i)], width) for i, pages in enumerate(kv_pages)], axis=1)
-
-
-_gather_blocks_first_jit = jax.jit(_gather_blocks_first, static_argnums=2)
-
-
 def _split_over_hosts(mesh, padded_blocks: int) -> NamedSharding:
     """Where a multi-host engine puts an export's copy: split by blocks over the mesh's first axis when
     that axis is the hosts (each row of devices on one process) and the blocks divide evenly; else
@@ -909,9 +884,6 @@ def _local_part(out: jax.Array) -> tuple[int, jax.Array | None]:
         if shard.replica_id == 0:
             return shard.index[0].start or 0, shard.data
     return 0, None
-
-
-_scatter_jit = jax.jit(_scatter_blocks, donate_argnums=(0,))
 
 
 def _gather_state(pools, slot):

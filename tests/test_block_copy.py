@@ -1,0 +1,77 @@
+"""Whole-block writes from a blocks-first array into page pools (kernels/block_copy.py): the CPU kernel
+(kernels/cpu/block_copy.cc) equals the XLA path for every layout the engine uses, and the engine's runner
+selects it on one CPU device, so the KV handoff and host-tier tests run it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_harness import ENGINE_ARGS
+
+from kernels import block_copy, cpu_ffi
+from workers.engine import EngineConfig
+from workers.engine.engine import EngineCore
+from workers.models.make_model import make_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    assert cpu_ffi.available(), "g++ is on every development and CI machine"
+
+
+def _pages(shapes, num_blocks, page, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal((num_blocks, page, *s)).astype(dtype)) for s in shapes]
+
+
+# (layer page dims, transport width): one shape for all layers (width None), and layers of different
+# shapes padded to one row width (as DeepSeek's MLA / Gemma 4's layers share a transport layout).
+LAYOUTS = [([(4, 8)] * 3, None), ([(2, 8), (1, 6), (4, 4)], 16)]
+
+
+@pytest.mark.parametrize("shapes,width", LAYOUTS)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_scatter_equals_xla_and_drops_ids_past_the_pool(shapes, width, dtype):
+    num_blocks = 12
+    data = block_copy.gather_blocks_first_jit(_pages(shapes, num_blocks, 4, dtype, seed=1), np.arange(5, dtype=np.int32), width)
+    ids = np.array([2, 9, num_blocks, 0, num_blocks + 3], np.int32)  # two padding ids: dropped
+    want = block_copy.scatter_blocks_first_jit(_pages(shapes, num_blocks, 4, dtype), ids, data, impl="xla")
+    got = block_copy.scatter_blocks_first_jit(_pages(shapes, num_blocks, 4, dtype), ids, data, impl="cpu")
+    others = np.array([1, 3, 4, 5, 6, 7, 8, 10, 11])
+    for g, w, u in zip(got, want, _pages(shapes, num_blocks, 4, dtype)):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(np.asarray(g)[others], np.asarray(u)[others])
+
+
+def test_scatter_with_an_id_table_per_layer():
+    num_blocks = 8
+    data = block_copy.gather_blocks_first_jit(_pages([(2, 4)] * 2, num_blocks, 2, seed=3), np.array([1, 2], np.int32), None)
+    ids = [np.array([4, 5], np.int32), np.array([num_blocks, 7], np.int32)]  # layer 1's first block let go
+    got = block_copy.scatter_blocks_first_jit(_pages([(2, 4)] * 2, num_blocks, 2), ids, data, impl="cpu")
+    want = block_copy.scatter_blocks_first_jit(_pages([(2, 4)] * 2, num_blocks, 2), ids, data, impl="xla")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_the_kernel_is_chosen_on_one_cpu_device_only(tmp_path):
+    one = [jax.device_put(jnp.zeros((4, 2, 2)), jax.devices("cpu")[0])]
+    assert block_copy.impl_for(one) == "cpu"
+    if len(jax.devices("cpu")) > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
+        split = [jax.device_put(jnp.zeros((4, 2, 2)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))]
+        assert block_copy.impl_for(split) == "xla"
+    model = make_model(tmp_path / "m", "qwen3_moe", "tiny", seed=1)
+    core = EngineCore(EngineConfig(model=str(model), **{**ENGINE_ARGS, "warmup": False}), show_progress=False)
+    assert core.runner.block_copy_impl == "cpu"  # so the KV handoff and host-tier tests run the kernel
+
+
+def test_scatter_converts_data_of_another_dtype():
+    """The kernel copies bytes: float32 data into bfloat16 pages must arrive converted, as XLA's `.set` does."""
+    pages = _pages([(2, 4)] * 2, 6, 2, jnp.bfloat16)
+    data = jnp.asarray(np.random.default_rng(4).standard_normal((2, 2, 2, 2, 4)).astype(np.float32))
+    ids = np.array([1, 4], np.int32)
+    got = block_copy.scatter_blocks_first_jit(pages, ids, data, impl="cpu")
+    want = block_copy.scatter_blocks_first_jit(_pages([(2, 4)] * 2, 6, 2, jnp.bfloat16), ids, data, impl="xla")
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
