@@ -3,8 +3,8 @@ ports itself, and Serve starts no proxies.
 
 Why: through Serve's proxy each request crosses one more process and is wrapped twice (proxy -> replica as
 an actor call, ASGI messages back). On the tiny model at concurrency 64 (`moray bench serve --vs-engine`,
-2 cores) the proxy and the front end spent 0.12 CPU-seconds per 1,000 tokens, 0.034 served directly, and
-served throughput rose from 0.25 to 0.44 of the offline engine's.
+2 cores) the proxy and the front end spent 0.12 CPU-seconds per 1,000 tokens, 0.036 served directly, and
+served throughput rose from 0.25 to 0.43 of the offline engine's.
 
 How: the sockets are bound in the replica's constructor with SO_REUSEPORT, so the front-end replicas of one
 node share the ports (the kernel spreads connections over them), a new replica of a rolling update takes
@@ -15,12 +15,14 @@ does the same here (the pipeline then aborts it on its worker).
 
 What the proxy did that this does not: `/-/healthz` and `/-/routes` (Moray's `/health` stays), and the
 route prefix (the app answers at `/`). The replicas listen on the nodes they run on, so a load balancer or a
-Kubernetes Service must reach those nodes.
+Kubernetes Service must reach those nodes. gRPC servers set SO_REUSEPORT by default, so a port another gRPC
+server on the node holds is shared with it, not refused (HTTP servers do not: a taken HTTP port is an error).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 
@@ -141,19 +143,22 @@ class DirectIngress:
         except RuntimeError as e:
             self.http_socket.close()
             raise RuntimeError(f"server.ingress=direct: cannot listen on {host}:{server.grpc_port} (server.grpc_port): {e}") from e
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Future] = []  # held here: the event loop keeps only weak references to tasks
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.where = f"http {server.host}:{server.http_port}, grpc {server.host}:{server.grpc_port}"
 
     def start(self) -> None:
         """Starts serving on the running event loop (the replica's)."""
+        self._loop = asyncio.get_running_loop()
         self._tasks = [
             asyncio.ensure_future(self.http.serve(sockets=[self.http_socket])),
             asyncio.ensure_future(self.grpc.start()),
         ]
         log.info("direct ingress serving (%s)", self.where)
 
-    async def stop(self) -> None:
-        """Stops accepting, then lets open requests finish (up to STOP_GRACE_S)."""
+    def close(self) -> None:
+        """Stops accepting connections and gives open requests STOP_GRACE_S to finish; returns at once (any
+        thread may call it)."""
         self.http.should_exit = True
-        await self.grpc.stop(STOP_GRACE_S)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(RuntimeError):  # the loop is closed already: the process is ending
+            asyncio.run_coroutine_threadsafe(self.grpc.stop(STOP_GRACE_S), self._loop)

@@ -112,10 +112,11 @@ class Frontend:
             self.direct = DirectIngress(self, api, self.config.server)
             self.direct.start()
 
-    async def __del__(self):
-        # Serve calls this when it stops the replica (scale-down, redeploy, shutdown).
+    def __del__(self):
+        # Serve calls this when it stops the replica (scale-down, redeploy, shutdown). Not a coroutine: a
+        # front end collected outside Serve (in-process tests) would leave one never awaited.
         if getattr(self, "direct", None) is not None:
-            await self.direct.stop()
+            self.direct.close()
 
     # ------------------------------------------------------------------ shared validation
 

@@ -143,3 +143,20 @@ def test_a_serve_config_for_direct_ingress_starts_no_proxy(tmp_path):
     direct = parse_cluster_config({"engine": {"model": str(tmp_path)}, "server": {"ingress": "direct"}})
     assert serve_config(direct)["proxy_location"] == "Disabled"
     assert serve_config(parse_cluster_config({"engine": {"model": str(tmp_path)}}))["proxy_location"] == "EveryNode"
+
+
+def test_a_front_end_collected_outside_serve_leaves_no_coroutine(tmp_path):
+    """`Frontend.__del__` is what Serve calls on a replica it stops; Python calls it too when an in-process
+    front end is collected. It was a coroutine: each collection warned that it was never awaited."""
+    import gc
+    import warnings
+
+    from fakes import frontend_without_workers
+
+    model_dir = make_model(tmp_path / "tiny", "qwen3_moe", "tiny", seed=11)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        frontend = frontend_without_workers(model_dir)
+        del frontend
+        gc.collect()
+    assert not [w for w in seen if "never awaited" in str(w.message)]
