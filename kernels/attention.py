@@ -162,10 +162,10 @@ _STATIC_ITER_BYTES = 256 << 20
 def static_loop_default() -> bool:
     """Whether the jnp path's loop over units runs a static trip count (the bound for the shapes, dead units
     masked) instead of one that depends on the batch (for decode items, and prefill items that fit one
-    iteration). On a GPU a loop whose trip count is data makes the host
-    read the loop's predicate from the device at every iteration: the H200 trace of a bench-preset decode step
-    showed the GPU busy 0.7 ms of a ~3 ms step, its two such loops per layer each waiting on a copy to the
-    host. On CPU the dynamic count is cheaper: no dead units are computed, and there is no device to wait on."""
+    iteration). On a GPU a loop whose trip count is data makes the host read the loop's predicate from the
+    device at every iteration: the H200 trace of a bench-preset decode step showed the GPU busy 0.7 ms of a
+    ~3 ms step, its two such loops per layer each waiting on a copy to the host. On CPU the dynamic count is
+    cheaper: no dead units are computed, and there is no device to wait on."""
     return jax.default_backend() == "gpu"
 
 
@@ -322,9 +322,9 @@ def _attend_items(
     keys = pages_per_unit * page_size
     units = _plan_units(items, page_size, pages_per_unit, sliding_window)
     max_units = num_items * -(-pages_per_seq // pages_per_unit)
-    per_iter = min(max_units, units_per_iter or _units_per_iteration(rows, keys, hq, hkv, d))
+    budget = _STATIC_ITER_BYTES if static_loop else _ITER_BYTES
+    per_iter = min(max_units, units_per_iter or _units_per_iteration(rows, keys, hq, hkv, d, budget))
     if static_loop:
-        per_iter = min(max_units, units_per_iter or _units_per_iteration(rows, keys, hq, hkv, d, _STATIC_ITER_BYTES))
         # Prefill chunks (rows > 1) need about half the units the shapes allow (the causal triangle): a static
         # count would compute the other half for nothing, so they keep the dynamic one unless one iteration
         # covers them (as in a decode step, where this pass holds no real item).
