@@ -30,7 +30,7 @@ namespace {
 // Bytes a thread copies at least: below this, waking one more costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 1 << 20;
 
-struct Pool {
+struct PagePool {
   char* base;
   int64_t num_blocks;
   int64_t row_bytes;  // one token's row of this layer
@@ -48,21 +48,21 @@ void ForEachCopy(int64_t n, int64_t layers, int64_t block_bytes, const std::func
 }
 
 // The ids of every layer ([L, n]) or one row shared by all ([1, n]); `pools` from the page buffers.
-ffi::Error Check(ffi::Buffer<ffi::S32> ids, int64_t layers, const std::vector<Pool>& pools, int64_t n, int64_t copy_row_bytes) {
+ffi::Error Check(ffi::Buffer<ffi::S32> ids, int64_t layers, const std::vector<PagePool>& pools, int64_t n, int64_t copy_row_bytes) {
   const auto d = ids.dimensions();
   if (d.size() != 2 || (d[0] != 1 && d[0] != layers) || d[1] != n)
     return ffi::Error::InvalidArgument("block copy: ids must be [1 or layers, blocks]");
-  for (const Pool& p : pools)
+  for (const PagePool& p : pools)
     if (p.row_bytes > copy_row_bytes) return ffi::Error::InvalidArgument("block copy: a layer's row is wider than the copy's");
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<Pool> PoolOf(const ffi::AnyBuffer& b, int64_t rows) {
+ffi::ErrorOr<PagePool> PagePoolOf(const ffi::AnyBuffer& b, int64_t rows) {
   const auto d = b.dimensions();
   if (d.size() < 2 || d[1] != rows) return ffi::Unexpected(ffi::Error::InvalidArgument("block copy: pages must be [blocks, rows, ...]"));
   const int64_t blocks = d[0];
   const int64_t row_bytes = blocks == 0 ? 0 : static_cast<int64_t>(b.size_bytes()) / (blocks * rows);
-  return Pool{static_cast<char*>(b.untyped_data()), blocks, row_bytes};
+  return PagePool{static_cast<char*>(b.untyped_data()), blocks, row_bytes};
 }
 
 ffi::Error ScatterImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::RemainingArgs pages, ffi::RemainingRets outs) {
@@ -71,7 +71,7 @@ ffi::Error ScatterImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Rema
   const int64_t n = dd[0], layers = dd[1], rows = dd[2];
   if (static_cast<int64_t>(pages.size()) != layers || static_cast<int64_t>(outs.size()) != layers)
     return ffi::Error::InvalidArgument("block scatter: one page pool per layer");
-  std::vector<Pool> pools;
+  std::vector<PagePool> pools;
   for (int64_t l = 0; l < layers; ++l) {
     auto in = pages.get<ffi::AnyBuffer>(l);
     auto res = outs.get<ffi::AnyBuffer>(l);
@@ -80,7 +80,7 @@ ffi::Error ScatterImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Rema
     ffi::AnyBuffer& dst = **res;
     // The results alias the inputs (input_output_aliases); were XLA to give another buffer, keep the pages.
     if (dst.untyped_data() != in->untyped_data()) std::memcpy(dst.untyped_data(), in->untyped_data(), in->size_bytes());
-    auto pool = PoolOf(dst, rows);
+    auto pool = PagePoolOf(dst, rows);
     if (pool.has_error()) return pool.error();
     pools.push_back(*pool);
   }
@@ -91,7 +91,7 @@ ffi::Error ScatterImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Rema
   const int64_t id_stride = ids.dimensions()[0] == 1 ? 0 : n;
   const char* src = static_cast<const char*>(data.untyped_data());
   ForEachCopy(n, layers, rows * data_row, [&](int64_t b, int64_t l) {
-    const Pool& p = pools[l];
+    const PagePool& p = pools[l];
     const int64_t id = idp[l * id_stride + b];
     if (id < 0 || id >= p.num_blocks) return;  // padding, or a window block let go: dropped
     const char* from = src + (b * layers + l) * rows * data_row;
