@@ -3,6 +3,9 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (tests/conftest.py splits the suite by module; the Ray cluster tests
+# stay in one worker). 2 suits a 2-core machine; TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 # The first interpreter >= 3.12 we can find: python3.13/python3.12 on PATH, then pyenv's installs.
 define find_python
@@ -42,7 +45,7 @@ venv-test: $(VENV)/.stamp-test
 
 # pytest exits non-zero on failures and with 5 when it collected no tests, so neither passes as success.
 test: venv-test helm-bin
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: venv-test
 	$(VENV)/bin/ruff check .

@@ -2,10 +2,13 @@
 
 Markers (pyproject.toml): `cluster` tests deploy Serve apps on the session's local Ray cluster (or start
 `moray serve` processes); `slow` ones take more than about half a minute. `make test` runs everything;
-`pytest -m "not cluster and not slow"` is the quick loop."""
+`pytest -m "not cluster and not slow"` is the quick loop. `make test` runs two xdist workers
+(`pytest_xdist_make_scheduler` says how it splits the suite)."""
 
 import faulthandler
+import functools
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,6 +40,45 @@ def ray_serve():
     yield cluster
     serve.shutdown()
     ray.shutdown()
+
+
+RAY_GROUP = "ray"
+_RAY_FIXTURE = re.compile(r"\bray_serve\b")
+
+
+@functools.cache
+def uses_session_ray(module_path: str) -> bool:
+    """A test module that asks for the session's Ray cluster (its source names the `ray_serve` fixture)."""
+    return bool(_RAY_FIXTURE.search(Path(module_path).read_text()))
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The work unit of a test under xdist: its module, or `ray` for every module on the session's Ray."""
+    module = nodeid.split("::", 1)[0]
+    return RAY_GROUP if uses_session_ray(str(ROOT / module)) else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two xdist workers (`-n 2`): on 2 cores one pytest process kept about one core busy
+    (compiles, Ray's start-ups and process spawns left the other idle). Each module is one work unit, so its
+    module fixtures are built once; the modules on the session's Ray cluster are one unit (`xdist_scope`), so
+    a run starts one Ray cluster, and that unit goes first (it is the longest). xdist's own `loadgroup` cannot
+    do this on pytest 9.2 (it renames a node id field that pytest no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False  # the collection's order: the Ray unit first (below)
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The session-Ray modules first (xdist hands out work units in this order); a stable sort: the order within
+    and among the other modules is kept."""
+    items.sort(key=lambda item: not uses_session_ray(str(item.path)))
 
 
 _SESSION_START = time.monotonic()
