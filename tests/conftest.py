@@ -46,24 +46,32 @@ RAY_GROUP = "ray"
 _RAY_FIXTURE = re.compile(r"\bray_serve\b")
 
 
+# Modules that start Ray clusters of their own (`moray serve` processes, the benchmarks' local Ray): in the
+# `ray` unit too, so that no two Ray clusters start at once (under that load on 2 cores, Ray's start-up timed
+# out and the failover tests' streams missed their deadlines in a three-worker trial).
+OWN_RAY_MODULES = {"test_entrypoints.py", "test_bench_routing.py", "test_bench_handoff.py", "test_tracing.py"}
+
+
 @functools.cache
-def uses_session_ray(module_path: str) -> bool:
-    """A test module that asks for the session's Ray cluster (its source names the `ray_serve` fixture)."""
-    return bool(_RAY_FIXTURE.search(Path(module_path).read_text()))
+def uses_ray(module_path: str) -> bool:
+    """A test module that asks for the session's Ray cluster (its source names the `ray_serve` fixture) or
+    starts one of its own."""
+    path = Path(module_path)
+    return path.name in OWN_RAY_MODULES or bool(_RAY_FIXTURE.search(path.read_text()))
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The work unit of a test under xdist: its module, or `ray` for every module on the session's Ray."""
+    """The work unit of a test under xdist: its module, or `ray` for every module that runs Ray."""
     module = nodeid.split("::", 1)[0]
-    return RAY_GROUP if uses_session_ray(str(ROOT / module)) else module
+    return RAY_GROUP if uses_ray(str(ROOT / module)) else module
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs two xdist workers (`-n 2`): on 2 cores one pytest process kept about one core busy
     (compiles, Ray's start-ups and process spawns left the other idle). Each module is one work unit, so its
-    module fixtures are built once; the modules on the session's Ray cluster are one unit (`xdist_scope`), so
-    a run starts one Ray cluster, and that unit goes first (it is the longest). xdist's own `loadgroup` cannot
+    module fixtures are built once; the modules that run Ray are one unit (`xdist_scope`), so a run has one
+    Ray cluster at a time, and that unit goes first (it is the longest). xdist's own `loadgroup` cannot
     do this on pytest 9.2 (it renames a node id field that pytest no longer reads)."""
     from xdist.scheduler import LoadScopeScheduling
 
@@ -76,9 +84,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The session-Ray modules first (xdist hands out work units in this order); a stable sort: the order within
-    and among the other modules is kept."""
-    items.sort(key=lambda item: not uses_session_ray(str(item.path)))
+    """The Ray modules first (xdist hands out work units in this order); a stable sort: the order within and
+    among the other modules is kept."""
+    items.sort(key=lambda item: not uses_ray(str(item.path)))
 
 
 _SESSION_START = time.monotonic()
