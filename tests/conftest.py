@@ -1,9 +1,9 @@
 """Test setup: JAX on CPU with 8 virtual devices, float32; the session's one Ray cluster (`ray_serve`).
 
 Markers (pyproject.toml): `cluster` tests deploy Serve apps on the session's local Ray cluster (or start
-`moray serve` processes); `slow` ones take more than about half a minute. `make test` runs everything;
-`pytest -m "not cluster and not slow"` is the quick loop. `make test` runs two xdist workers
-(`pytest_xdist_make_scheduler` says how it splits the suite)."""
+`moray serve` processes); `slow` ones take more than about half a minute. `make test` runs everything, in
+two xdist workers (`pytest_xdist_make_scheduler` says how it splits the suite); `pytest -m "not cluster and
+not slow"` is the quick loop."""
 
 import faulthandler
 import functools
