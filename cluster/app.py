@@ -28,6 +28,8 @@ from .servers import DecodeServer, PrefillServer
 from .targeting import REQUEST_ROUTER_CLASS
 
 APP_IMPORT_PATH = "cluster.app:build_app"
+# The resource Ray gives the head node alone (ray._common.constants.HEAD_NODE_RESOURCE_NAME).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 GRPC_SERVICERS = [
     # Not the generated protos.moray.v1.moray_pb2_grpc one: requests reach the ingress undecoded (see there).
     "cluster.grpc_service.add_MorayServicer_to_server",
@@ -120,6 +122,16 @@ def _versioned(deployment, version: str):
         return deployment
 
 
+def frontend_actor_options(cfg: ClusterConfig) -> dict[str, Any]:
+    """Ray options of a front-end replica: no CPU reserved (it waits on sockets and handles). With direct
+    ingress the replicas are the listeners, so they run on the head node, where clients (and the Helm
+    chart's Service, which selects the head pod) find them; behind Serve's proxies any node will do."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if cfg.server.ingress == "direct":
+        options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    return options
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     cfg = parse_cluster_config(args)
     cfg_dict = replica_args(cfg)
@@ -148,7 +160,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     frontend = _versioned(
         Frontend.options(
             name="Frontend",
-            ray_actor_options={"num_cpus": 0},
+            ray_actor_options=frontend_actor_options(cfg),
             max_ongoing_requests=1000,
             logging_config=serve_logging(cfg),
             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

@@ -13,9 +13,11 @@ error instead of a replica that serves nothing. A replica being stopped closes i
 lets its open requests finish. Serve's proxy cancels a request whose client went away; `cancel_on_disconnect`
 does the same here (the pipeline then aborts it on its worker).
 
-What the proxy did that this does not: `/-/healthz` and `/-/routes` (Moray's `/health` stays), and the
-route prefix (the app answers at `/`). The replicas listen on the nodes they run on, so a load balancer or a
-Kubernetes Service must reach those nodes. gRPC servers set SO_REUSEPORT by default, so a port another gRPC
+What the proxy did that this does too: `/-/healthz` (200 `success`, 503 once the replica stops), which
+KubeRay probes on the head pod before its Service sends traffic there. What it did that this does not:
+`/-/routes` (Moray's `/health` stays), and the route prefix (the app answers at `/`). The replicas listen on
+the nodes they run on: the front ends of a direct cluster are placed on the head node (cluster/app.py), so a
+load balancer or a Kubernetes Service reaches them there. gRPC servers set SO_REUSEPORT by default, so a port another gRPC
 server on the node holds is shared with it, not refused (HTTP servers do not: a taken HTTP port is an error).
 """
 
@@ -104,6 +106,24 @@ def cancel_on_disconnect(app):
     return wrapped
 
 
+PROXY_HEALTH_PATH = "/-/healthz"
+
+
+def proxy_health(app, stopping):
+    """ASGI middleware: `GET /-/healthz` answered as Serve's proxy answers it (KubeRay labels the head pod
+    for its Service from it), 503 once `stopping()`; every other request goes to `app`."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != PROXY_HEALTH_PATH:
+            return await app(scope, receive, send)
+        status, body = (503, b"This node is being drained.") if stopping() else (200, b"success")
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
+
+
 def _add_health_check(frontend, server) -> None:
     """grpc.health.v1.Health/Check (the method Kubernetes' gRPC probes and grpc_health_probe call)."""
     from grpc_health.v1 import health_pb2
@@ -123,8 +143,9 @@ class DirectIngress:
         import uvicorn
 
         self.http_socket = reuse_port_socket(server.host, server.http_port)
+        self.stopping = False
         config = uvicorn.Config(
-            cancel_on_disconnect(http_app),
+            proxy_health(cancel_on_disconnect(http_app), lambda: self.stopping),
             log_level="warning",
             access_log=False,
             lifespan="off",  # the replica's constructor is the app's start-up
@@ -159,6 +180,7 @@ class DirectIngress:
     def close(self) -> None:
         """Stops accepting connections and gives open requests STOP_GRACE_S to finish; returns at once (any
         thread may call it)."""
+        self.stopping = True
         self.http.should_exit = True
         with contextlib.suppress(RuntimeError):  # the loop is closed already: the process is ending
             asyncio.run_coroutine_threadsafe(self.grpc.stop(STOP_GRACE_S), self._loop)

@@ -69,6 +69,28 @@ def test_the_front_end_serves_http_itself(app, ray_serve):
     assert status == 200 and body["decode_workers"] == 1
     status, text = http_json(app.base + "/metrics", key=None)
     assert status == 200 and "moray_request_failures" in text
+    # Serve's proxy health path, which KubeRay probes on the head pod before its Service sends traffic there
+    assert http_json(app.base + "/-/healthz", key=None) == (200, "success")
+
+
+def test_direct_front_ends_run_on_the_head_node(app):
+    """The Helm chart's Service selects the head pod: direct front ends must be there. The resource that
+    pins them is the one Ray gives its head node (a renamed one would leave them unschedulable)."""
+    import ray
+    from ray._private.state import actors  # the GCS's actor table (the state API needs the dashboard)
+
+    from cluster.app import HEAD_NODE_RESOURCE, frontend_actor_options
+    from cluster.config import parse_cluster_config
+
+    (head,) = [n for n in ray.nodes() if n["Alive"] and HEAD_NODE_RESOURCE in n["Resources"]]
+    alive = [a for a in actors().values() if a["State"] == "ALIVE"]
+    front_ends = [a for a in alive if app.name in a["Name"] and a["Name"].split("#")[1:2] == ["Frontend"]]
+    assert front_ends and {a["Address"]["NodeID"] for a in front_ends} == {head["NodeID"]}
+    config = parse_cluster_config(app.config)
+    assert frontend_actor_options(config) == {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    assert frontend_actor_options(config.model_copy(update={"server": config.server.model_copy(update={"ingress": "serve"})})) == {
+        "num_cpus": 0
+    }
 
 
 def test_the_front_end_serves_grpc_itself(app):
@@ -123,6 +145,31 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(app):
     stats = wait_for_idle_workers(app.name)
     assert stats["DecodeServer"].num_running == 0 and stats["DecodeServer"].num_free_blocks == stats["DecodeServer"].num_total_blocks
     assert time.monotonic() - left < 30
+
+
+def test_the_proxy_health_path_turns_503_once_the_replica_stops():
+    import asyncio
+
+    from cluster.direct_ingress import proxy_health
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def call(wrapped, path):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(wrapped({"type": "http", "path": path, "method": "GET"}, None, send))
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    stopping = False
+    wrapped = proxy_health(app, lambda: stopping)
+    assert call(wrapped, "/-/healthz") == (200, b"success") and call(wrapped, "/v1/models") == (204, b"")
+    stopping = True
+    assert call(wrapped, "/-/healthz") == (503, b"This node is being drained.")
 
 
 def test_listeners_share_a_port_and_name_a_taken_one():

@@ -484,6 +484,24 @@ def test_serve_config_matches_moray_serve_config():
         assert chart == expected
 
 
+def test_direct_ingress_runs_no_proxy_and_keeps_the_head_service():
+    """cluster.server.ingress: direct: no Serve proxy may hold the serving ports (the front ends, placed on
+    the head, listen on them), exactly as `moray serve-config` writes it; the Service still selects the head
+    pod that KubeRay labels from its /-/healthz, which the front ends answer (tests/test_direct_ingress.py)."""
+    from cluster.app import serve_config as moray_serve_config
+    from cluster.config import parse_cluster_config
+
+    docs = render([CHART / "examples" / "v7x-multi-host.yaml"], ["cluster.server.ingress=direct", "serve.proxyLocation=EveryNode"])
+    chart = serve_config(docs)
+    expected = moray_serve_config(parse_cluster_config(chart["applications"][0]["args"]))
+    assert chart["proxy_location"] == expected["proxy_location"] == "Disabled"
+    (svc,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "t-moray"]
+    assert svc["spec"]["selector"]["moray.dev/role"] == "head" and svc["spec"]["selector"]["ray.io/serve"] == "true"
+    head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert (ports["serve"], ports["serve-grpc"]) == (chart["http_options"]["port"], chart["grpc_options"]["port"])
+
+
 def _tpu_sets(tpu_type: str, topology: str) -> list[str]:
     return [
         f"cluster.prefill.resources.tpu.type={tpu_type}",

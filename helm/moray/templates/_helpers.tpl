@@ -218,7 +218,8 @@ Secrets never appear in serveConfigV2: it is stored in clear text in the RayServ
 
 {{/*
 The Serve config (serveConfigV2) as YAML: what cluster.app.serve_config (`moray serve-config`) writes for
-the same ClusterConfig, except proxy_location (serve.proxyLocation; see values.yaml).
+the same ClusterConfig, except proxy_location (serve.proxyLocation; Disabled with cluster.server.ingress:
+direct; see values.yaml).
 */}}
 {{- define "moray.serveConfig" -}}
 {{- $args := include "moray.clusterArgs" . | fromJson -}}
@@ -229,7 +230,9 @@ the same ClusterConfig, except proxy_location (serve.proxyLocation; see values.y
 {{- end -}}
 {{- $http := dict "host" (default "0.0.0.0" $server.host) "port" (int (default 8000 $server.http_port)) "request_timeout_s" (default 600.0 $server.request_timeout_s) -}}
 {{- $grpc := dict "port" (int (default 9000 $server.grpc_port)) "grpc_servicer_functions" .Values.serve.grpcServicerFunctions -}}
-{{- $cfg := dict "proxy_location" .Values.serve.proxyLocation "http_options" $http "grpc_options" $grpc "applications" (list $app) -}}
+{{- /* direct ingress: the front ends (placed on the head) listen on the serving ports; no proxy may hold them */ -}}
+{{- $proxy := ternary "Disabled" .Values.serve.proxyLocation (eq ($server.ingress | default "serve") "direct") -}}
+{{- $cfg := dict "proxy_location" $proxy "http_options" $http "grpc_options" $grpc "applications" (list $app) -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
