@@ -23,10 +23,10 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from bench import scratch_dir
 from bench.report import add_report_argument, write_result
 
 
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     rng = np.random.default_rng(args.seed)
-    model_dir = args.model or make_model(Path(tempfile.mkdtemp(prefix="moray-eplb-")) / "m", "qwen3_moe", "small", seed=args.seed)
+    model_dir = args.model or make_model(Path(scratch_dir("moray-eplb-")) / "m", "qwen3_moe", "small", seed=args.seed)
     _, cfg = load_config(model_dir)
     layers = sum(cfg.moe_layers)
     biases = [routing_bias(layers, cfg.num_experts, args.zipf, rng) for _ in range(2)]

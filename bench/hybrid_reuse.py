@@ -35,10 +35,10 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 
+from bench import scratch_dir
 from bench.serve import Item
 
 WORKLOADS = ("system-tools", "branching", "multi-turn")
@@ -266,7 +266,7 @@ def run(args) -> int:
 
     args.block_size = args.block_size if args.block_size != 8 else 16  # the routing bench's default is for its tiny pools
     args.kv_blocks = args.kv_blocks if args.kv_blocks != 64 else 1024  # 8 agents' conversations at once
-    tmp = tempfile.mkdtemp(prefix="moray-bench-hybrid-")
+    tmp = scratch_dir("moray-bench-hybrid-")
     models = {arch: str(make_model(os.path.join(tmp, arch), arch, "tiny", seed=0)) for arch in {a for a, _ in ENGINES.values()}}
     tokenizers = {arch: Tokenizer.from_dir(m) for arch, m in models.items()}
     ref = tokenizers["qwen3_5_moe"]

@@ -28,9 +28,9 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 
+from bench import scratch_dir
 from bench.report import add_report_argument, report_if_asked
 from bench.serve import Item, Result, conversation, one_request, pct
 
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         from workers.models.make_model import make_model
 
-        tmp = tempfile.mkdtemp(prefix="moray-bench-routing-")
+        tmp = scratch_dir("moray-bench-routing-")
         model = str(make_model(os.path.join(tmp, "tiny"), "qwen3_moe", "tiny", seed=0))
     seg = TextSegments(model, random.Random(args.seed), args.block_size)
     workloads = {w: make_workload(w, args.requests, args.seed, seg, args.block_size) for w in args.workloads}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from bench import scratch_dir
 
 PEERS = ("sglang-router",)
 
@@ -145,7 +146,7 @@ def _start_workers(cluster: "PeerCluster", model: str, workers: int, engine: dic
 
 def start(model: str, workers: int, engine: dict, policy: str = "cache_aware", timeout_s: float = 900) -> PeerCluster:
     """Starts `workers` single-worker Moray servers (concurrently) and sglang-router over them."""
-    tmp = Path(tempfile.mkdtemp(prefix="moray-bench-peer-"))
+    tmp = Path(scratch_dir("moray-bench-peer-"))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     env.pop("RAY_ADDRESS", None)
     cluster = PeerCluster(url="", worker_urls=[])

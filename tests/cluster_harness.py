@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import json
-import shutil
 import socket
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -14,11 +11,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import scratch_dir
+
 # One persistent XLA cache for every replica the session starts: the cluster tests' apps run the same few tiny
 # models on the same shapes, so only the first replica of each compiles (measured: the hybrid cluster module
 # 77 s without, 38 s once warm). A fresh directory per session: nothing carries over between runs.
-XLA_CACHE = tempfile.mkdtemp(prefix="moray-tests-xla-")
-atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
+XLA_CACHE = scratch_dir("moray-tests-xla-")
 
 TEST_ENGINE = {
     "block_size": 8,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
-import tempfile
 from dataclasses import replace
+
+from bench import scratch_dir
 
 
 def small_engine_args(cache_name: str) -> dict:
@@ -18,7 +19,7 @@ def small_engine_args(cache_name: str) -> dict:
         max_model_len=160,
         token_buckets=[64],
         page_buckets=[20],
-        compilation_cache_dir=tempfile.mkdtemp(prefix=f"moray-{cache_name}-xla-"),
+        compilation_cache_dir=scratch_dir(f"moray-{cache_name}-xla-"),
         warmup=False,
     )
 

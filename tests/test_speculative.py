@@ -11,13 +11,13 @@ accept path (whole runs of drafts) and the reject path run on every model."""
 from __future__ import annotations
 
 import json
-import tempfile
 
 import jsonschema
 import numpy as np
 import pytest
 from engine_harness import ENGINE_ARGS, kv_handoff, prompts
 
+from bench import scratch_dir
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams, StructuredOutputs
 from workers.engine.kv_events import KVEventKind
 from workers.engine.speculative import NgramProposer, accepted_length, ngram_propose
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 # The speed gate (speculate only where it measured faster) is timing-driven: off where counts are checked.
 SPEC = {"num_speculative_tokens": 3, "adaptive": False}
 # One persistent XLA cache for the module: its later engines load the programs its first ones compiled.
-ARGS = {**ENGINE_ARGS, "compilation_cache_dir": tempfile.mkdtemp(prefix="moray-spec-xla-")}
+ARGS = {**ENGINE_ARGS, "compilation_cache_dir": scratch_dir("moray-spec-xla-")}
 
 
 class Oracle:

@@ -7,11 +7,11 @@ the window, a handoff into and out of the other layout."""
 from __future__ import annotations
 
 import random
-import tempfile
 
 import numpy as np
 import pytest
 
+from bench import scratch_dir
 from workers.engine.host_tier import HOST_TIER, HostKVTier
 from workers.engine.kv_events import KVEventKind, KVEventPublisher
 from workers.engine.request import Request
@@ -301,7 +301,7 @@ def gemma(tmp_path_factory):
 
 
 # One persistent XLA cache for the module: engines of the same layout load the programs the first compiled.
-XLA_CACHE = tempfile.mkdtemp(prefix="moray-window-xla-")
+XLA_CACHE = scratch_dir("moray-window-xla-")
 
 
 def engine_args(**extra):
