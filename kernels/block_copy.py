@@ -71,5 +71,16 @@ def _id_rows(ids):
     return jnp.asarray(ids, jnp.int32)[None]
 
 
+def gather_blocks_first_async(kv_pages, ids, width: int | None = None):
+    """`gather_blocks_first` and a 32x32 product of the ids (discard it). XLA:CPU runs a program its cost
+    model prices under 1,000 flops inline on the thread that dispatches it, and a gather is priced at ~3
+    flops per id: a copy of a few MiB would block the dispatching thread (the engine's) for milliseconds.
+    The product (~65k flops, microseconds) puts it on XLA's own threads like any step."""
+    rows = _id_rows(ids)
+    x = jnp.resize(rows[0].astype(jnp.float32), (32, 32))
+    return gather_blocks_first(kv_pages, ids, width), x @ x
+
+
 gather_blocks_first_jit = jax.jit(gather_blocks_first, static_argnames=("width",))
+gather_blocks_first_async_jit = jax.jit(gather_blocks_first_async, static_argnames=("width",))
 scatter_blocks_first_jit = jax.jit(scatter_blocks_first, donate_argnums=(0,), static_argnames=("impl",))

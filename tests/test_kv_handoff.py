@@ -52,6 +52,27 @@ def test_handoff_in_chunks_equals_single_engine(model_dir, reverse):
     assert decode.kv.num_free_blocks == decode.kv.pool.num_blocks
 
 
+def test_an_export_copied_in_pieces_hands_off_exactly(model_dir):
+    """The export's copy is dispatched in pieces (a few MiB each; 3 blocks here): each piece is cut into its
+    own chunks (none straddles two), every block arrives, and the decode side continues as one engine."""
+    from engine_harness import move_kv
+
+    prefill, decode, single = engine(model_dir, "p0"), engine(model_dir, "d0"), engine(model_dir, "s0")
+    prefill.runner.export_piece_blocks = 3
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = prompts(1, seed=31, lo=57, hi=58)[0]  # 8 blocks of 8: pieces of 3, 3 and 2
+    prefill.add_request("r", prompt, params.model_copy(update={"max_tokens": 1}), hold_kv=True)
+    first = run_to_end(prefill, "r")
+    staged = prefill.staged["r"]
+    assert [(start, piece.shape[0] >= min(3, 8 - start)) for start, piece in staged.pieces] == [(0, True), (3, True), (6, True)]
+    decode.add_request("r", prompt, params, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens, staged.window_start_block))
+    chunks = move_kv(prefill, decode, "r", chunk_bytes=1 << 30)  # chunks as large as a piece allows
+    assert [(c.header.block_start, c.header.block_end) for c in chunks] == [(0, 3), (3, 6), (6, 8)]
+    rest = run_to_end(decode, "r")
+    single.add_request("r", prompt, params)
+    assert first.token_ids + rest.token_ids == run(single, "r")[-1].token_ids
+
+
 def test_seeded_sampling_continues_across_the_handoff(model_dir):
     prefill, decode, single = engine(model_dir, "p0"), engine(model_dir, "d0"), engine(model_dir, "s0")
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)

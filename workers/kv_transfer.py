@@ -107,16 +107,22 @@ class KVExport:
 
     @staticmethod
     def build(staged: StagedKV, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> KVExport:
-        """Waits for the staged copy (blocking: call it off the event loop and off the engine thread) and
-        cuts it into chunks. Whole-block chunks are views of the host copy: no extra pass over memory."""
-        rid, n, b = staged.request_id, staged.num_blocks, staged.block_start
+        """Waits for the staged copy piece by piece (blocking: call it off the event loop and off the engine
+        thread; a piece is checksummed while later ones are still being copied) and cuts each piece into
+        chunks. Whole-block chunks are views of the host copy: no extra pass over memory."""
+        rid, n = staged.request_id, staged.num_blocks
         chunks = []
-        if n:
-            host = np.asarray(staged.blocks)[:n]  # waits for the device->host copy
+        starts = [first for first, _ in staged.pieces] + [n]
+        for (first, piece), end in zip(staged.pieces, starts[1:]):
+            count = min(piece.shape[0], end - first, n - first)  # a piece's rows past its blocks are padding
+            if count <= 0:
+                continue
+            host = np.asarray(piece)[:count]  # waits for this piece's device->host copy
             num_layers = host.shape[1]
             block_layer_nbytes = host[0, 0].nbytes
-            skip = max(0, staged.window_start_block - b)  # this part's blocks whose sliding layers were let go of
-            for b0, b1, l0, l1 in plan_chunks(n, num_layers, block_layer_nbytes, chunk_bytes, staged.window_layers, skip):
+            b = staged.block_start + first
+            skip = max(0, staged.window_start_block - b)  # this piece's blocks whose sliding layers were let go of
+            for b0, b1, l0, l1 in plan_chunks(count, num_layers, block_layer_nbytes, chunk_bytes, staged.window_layers, skip):
                 data = host[b0:b1] if (l0, l1) == (0, num_layers) else np.ascontiguousarray(host[b0:b1, l0:l1])
                 chunks.append(KVChunk.of(rid, len(chunks), "kv", b + b0, b + b1, l0, l1, data))
         if staged.state is not None:

@@ -61,14 +61,14 @@ class StagedKV:
     """A finished `hold_kv` request's KV on its way to the host (`workers/kv_transfer.py` takes it from
     here): the engine dispatched the copies and freed the blocks.
 
-    `blocks`: device array [padded blocks, layers, page, 2*Hkv, D] whose first `num_blocks` are the
-    prompt's blocks from `block_start` on (one engine over several hosts: the part this host holds; None
-    if it holds none); `state`: the device copy of a hybrid model's state slot (on one host only),
-    `pack_state` packs it flat."""
+    `pieces`: the copy of the prompt's `num_blocks` blocks from `block_start` on (one engine over several
+    hosts: the part this host holds; none if it holds none), as (first block, device array [padded blocks,
+    layers, page, 2*Hkv, D] whose leading rows are the piece's blocks) in order; `state`: the device copy of
+    a hybrid model's state slot (on one host only), `pack_state` packs it flat."""
 
     request_id: str
     num_blocks: int
-    blocks: jax.Array | None
+    pieces: list[tuple[int, jax.Array]]
     block_start: int = 0
     state: object = None
     pack_state: object = None
@@ -382,9 +382,10 @@ class EngineCore:
         start = time.perf_counter()
         for request_id, request in list(self.scheduler.held.items()):
             num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
-            offset, part = self.runner.stage_export(request.block_ids[:num_blocks], request.window_block_ids[:num_blocks])
-            local = 0 if part is None else max(0, min(part.shape[0], num_blocks - offset))
-            staged = StagedKV(request_id, local, part, block_start=offset, staged_at=time.perf_counter())
+            offset, pieces = self.runner.stage_export(request.block_ids[:num_blocks], request.window_block_ids[:num_blocks])
+            copied = pieces[-1][0] + pieces[-1][1].shape[0] if pieces else 0
+            local = max(0, min(copied, num_blocks - offset))
+            staged = StagedKV(request_id, local, pieces, block_start=offset, staged_at=time.perf_counter())
             staged.window_start_block = next((i for i, b in enumerate(request.window_block_ids[:num_blocks]) if b != NO_BLOCK), 0)
             staged.window_layers = self.runner.window_layers
             if self.cfg.is_hybrid:
