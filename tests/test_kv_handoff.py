@@ -365,14 +365,25 @@ def test_only_the_blocks_the_decode_side_lacks_move(model_dir):
     assert tokens == [t for o in single for t in o.token_ids]
 
 
-def test_a_handoff_whose_whole_prompt_the_decode_side_has_cached_moves_nothing_and_completes(model_dir):
+@pytest.mark.parametrize("late_importer", [False, True])
+def test_a_handoff_whose_whole_prompt_the_decode_side_has_cached_moves_nothing_and_completes(model_dir, late_importer):
     """Seen in the cluster suite: the same prompt twice, its length a multiple of the block size, so the
     decode worker's prefix cache held every block: no chunk was needed, the KV was never marked ready and
-    the request waited forever."""
+    the request waited forever. `late_importer`: the importer wakes up after the request's last token (seen
+    in CI under load): it was cancelled then, and the handoff was missing from the counters."""
     import asyncio
 
     async def scenario():
         prefill, decode = worker_pair(model_dir)
+        if late_importer:
+            call = decode.engine.call
+
+            async def late_call(fn):
+                result = await call(fn)
+                await asyncio.sleep(0.5)  # the request decodes its 4 tokens and ends meanwhile
+                return result
+
+            decode.engine.call = late_call
         try:
             params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             prompt = prompts(1, seed=34, lo=48, hi=49)[0]  # 6 whole blocks of 8
@@ -382,6 +393,7 @@ def test_a_handoff_whose_whole_prompt_the_decode_side_has_cached_moves_nothing_a
                 _collect(decode.stream(DecodeRequest("r", prompt, params, "local", handoff), None, lambda: prefill.release("r"))), 60
             )
             single = [o async for o in decode.stream(DecodeRequest("s", prompt, params, "local"))]
+            await until(lambda: decode.counters.handoffs + decode.counters.import_failures > 0)  # the importer counts after the stream
             return first, handoff, outs, single, decode.counters
         finally:
             prefill.engine.shutdown()

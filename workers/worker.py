@@ -426,8 +426,11 @@ class DecodeWorker(EngineWorker):
         run = self._running.pop(request_id, None)
         if run is None:
             return
-        if run.importer is not None and not run.importer.done():
+        if run.importer is not None and not run.importer.done() and (last is None or last.finish_reason == "abort"):
             run.importer.cancel()  # its own `finally` still tells the prefill side to let go (shielded)
+        # A request that finished otherwise decoded on its KV: its importer has had the engine's last answer
+        # and only counts the handoff and releases the prefill side's copy. Cancelling it there (its wake-up
+        # can come after the last token of a short request, under load) lost the handoff from the counters.
         if run.outbox is not None:
             run.outbox.request_ended()
         if run.on_end is not None:
