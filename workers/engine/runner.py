@@ -590,8 +590,8 @@ class ModelRunner:
 
         Returns (the first block this process holds, its pieces: (first block within the part, device array
         whose leading rows are those blocks)). In one process the copy is dispatched in pieces of
-        `export_piece_blocks` blocks (a few MiB): the exporter checksums and publishes each piece while the
-        next is copied, and small copies are fast where a whole-request one is not (measured, 66 MiB on 2 CPU
+        `export_piece_blocks` blocks (a few MiB): the exporter checksums each piece while later ones are still
+        being copied, and small copies are fast where a whole-request one is not (measured, 66 MiB on 2 CPU
         cores: one copy padded to 96 MiB 25-36 ms, 11 pieces of 6 MiB 6-7 ms; a fresh buffer of tens of MiB is
         page-faulted in as it is written, small ones reuse the allocator's pages). One engine over several
         hosts makes one copy split by blocks across the hosts, so that each host exports the blocks it holds
