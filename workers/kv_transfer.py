@@ -114,7 +114,7 @@ class KVExport:
         chunks = []
         starts = [first for first, _ in staged.pieces] + [n]
         for (first, piece), end in zip(staged.pieces, starts[1:]):
-            count = min(piece.shape[0], end - first, n - first)  # a piece's rows past its blocks are padding
+            count = min(piece.shape[0], end - first)  # a piece's rows past its blocks are padding
             if count <= 0:
                 continue
             host = np.asarray(piece)[:count]  # waits for this piece's device->host copy
