@@ -9,7 +9,9 @@ parallel over all 8) decode the same batch of streams step for step: one as load
 Per window of `--window-steps` steps: tokens per EP rank counted by the engines themselves (physical slots,
 `ModelRunner.read_expert_loads`), the worst layer's max/mean over the ranks, the routed tokens, and the
 median step time (reported only: 8 virtual devices on a few cores measure total work, not the busiest
-rank). Collective bytes per link level of one decode step: read from the compiled step program (its
+rank). Per rebalance: what the swap cost the streams, the swap step and the next one beyond two ordinary
+steps, in steps (`rebalance_stall`; the issue's bound is one; the engines compile on first use, so a step
+program compiled right at a swap would count too). Collective bytes per link level of one decode step: read from the compiled step program (its
 collectives, each device pair's bytes put on the slowest mesh axis they differ on, as `moray bench
 collectives` does); a replica map sends tokens to other slots, not more of them, so both engines' figures
 agree but for a few hundred bytes of routing metadata (measured: 705,536 vs 705,024 bytes over the host
@@ -97,15 +99,19 @@ def run_engine(args, model_dir, eplb: dict | None, biases, prompts) -> dict:
         engine.add_request(f"r{i}", p, params)
     ep = getattr(model.experts, "ep_size", 1)
     prev = engine.runner.read_expert_loads()
-    windows = []
+    windows, swaps = [], []
     for w in range(args.windows):
         if args.drift_at and w == args.drift_at:
             set_bias(model, biases[1])
-        steps = []
-        for _ in range(args.window_steps):
+        steps, swapped_at = [], []
+        for i in range(args.window_steps):
+            before = engine.balancer.num_rebalances if engine.balancer else 0
             t0 = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t0)
+            if engine.balancer and engine.balancer.num_rebalances > before:
+                swapped_at.append(i)
+        swaps += [rebalance_stall(w, steps, i) for i in swapped_at]
         cur = engine.runner.read_expert_loads()
         window, prev = cur - prev, cur
         per_rank = window.reshape(window.shape[0], ep, -1).sum(-1)
@@ -122,7 +128,23 @@ def run_engine(args, model_dir, eplb: dict | None, biases, prompts) -> dict:
         _log(f"{config.worker_id} window {w}: max/mean {windows[-1]['rank_max_over_mean']:.3f}, {windows[-1]['routed_tokens']} routed")
     if engine.balancer:
         engine.balancer.close()
-    return {"ep_size": ep, "windows": windows, "link_bytes_per_step": decode_link_bytes(engine)}
+    return {"ep_size": ep, "windows": windows, "rebalances": swaps, "link_bytes_per_step": decode_link_bytes(engine)}
+
+
+def rebalance_stall(window: int, steps: list[float], i: int) -> dict:
+    """What one swap cost the streams: the step that swapped the placement in (it dispatches the expert
+    copies before launching) and the next one (the first whose program waits for them and reads the new
+    weights), beyond two ordinary steps of the window, in steps. The issue's bound: at most one step."""
+    median = statistics.median(steps)
+    around = steps[i : i + 2]
+    extra = sum(around) - len(around) * median
+    return {
+        "window": window,
+        "step_in_window": i,
+        "step_ms": [round(t * 1e3, 3) for t in around],
+        "median_step_ms": round(median * 1e3, 3),
+        "extra_steps": round(max(extra, 0.0) / median, 3),
+    }
 
 
 def decode_link_bytes(engine) -> dict:
@@ -177,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         "with_max_over_mean_after_drift": [w["rank_max_over_mean"] for w in result["with"]["windows"][args.drift_at :]]
         if args.drift_at
         else None,
+        "rebalances": len(result["with"]["rebalances"]),
+        "rebalance_extra_steps_max": max((r["extra_steps"] for r in result["with"]["rebalances"]), default=None),
     }
     write_result(args, "eplb", result)
     return 0

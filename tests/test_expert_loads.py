@@ -145,3 +145,16 @@ def test_bench_eplb_runs_and_balancing_helps(tmp_path, tiny):
     assert links["collectives"] > 0 and all(b > 0 for b in links["by_level"].values()) and len(links["by_level"]) == 2
     for level, moved in plain["by_level"].items():
         assert moved <= links["by_level"][level] <= moved * 1.01
+    # Every swap's cost to the streams is reported: one entry per rebalance the engine counted.
+    swaps = data["with"]["rebalances"]
+    assert data["without"]["rebalances"] == [] and len(swaps) == with_[-1]["rebalances_so_far"] == data["summary"]["rebalances"]
+    assert all(1 <= len(s["step_ms"]) <= 2 and s["extra_steps"] >= 0 for s in swaps)
+    assert data["summary"]["rebalance_extra_steps_max"] == max(s["extra_steps"] for s in swaps)
+
+
+def test_a_swap_costs_what_its_two_steps_take_beyond_the_median():
+    from bench.eplb import rebalance_stall
+
+    steps = [1e-3, 1e-3, 1e-3, 3e-3, 2e-3, 1e-3]
+    assert rebalance_stall(0, steps, 3)["extra_steps"] == 3.0  # 5 ms for two 1 ms steps
+    assert rebalance_stall(0, steps, 5) == {"window": 0, "step_in_window": 5, "step_ms": [1.0], "median_step_ms": 1.0, "extra_steps": 0.0}
