@@ -232,7 +232,9 @@ def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_
     before = decode.heartbeat.remote().result(timeout_s=60)
     for prompt, want in zip(EXPORT_PROMPTS, expected):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        status, out = http_json(app.base + "/v1/completions", body)
+        # Without warmup, the first requests compile both replicas' step programs (the prefill one over two
+        # processes): on a slow 2-core machine with the other xdist worker busy that took more than 120 s.
+        status, out = http_json(app.base + "/v1/completions", body, timeout=420)
         assert status == 200, out
         assert out["choices"][0]["text"] == want.text, arch
     after = decode.heartbeat.remote().result(timeout_s=60)
