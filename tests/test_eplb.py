@@ -141,3 +141,41 @@ def test_redundant_experts_in_other_families_and_packed_experts(arch, tmp_path):
     model = load_parallel_model(d, ParallelConfig(mesh="2x4", moe={"dispatch": "hierarchical"}), dtype="float32", show_progress=False)
     apply_placement(model.weights, placement, model.mesh)
     np.testing.assert_allclose(prompt_logits(model, PROMPTS), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("sources,slots,ep", [(24, 24, 8), (16, 24, 8), (12, 12, 1), (32, 40, 4)])
+def test_slot_moves_bring_every_slot_its_row_and_send_only_what_moves(sources, slots, ep):
+    """The move program's plan, replayed in numpy as each rank's pool (its own rows, then what the rank k
+    before it sent in exchange k): every new slot gets the source row asked for; a row that stays on its rank
+    is not sent; each exchange is at most a power of two of rows wide."""
+    from workers.models.moe_parallel import slot_moves
+
+    rng = np.random.default_rng(sources + slots + ep)
+    rows = rng.integers(0, sources, (3, slots))
+    rows[0, : slots // ep] = np.arange(slots // ep) % (sources // ep)  # some slots keep rows of their own rank
+    local, sends = slot_moves(rows, sources, ep)
+    per, new_per = sources // ep, slots // ep
+    width = sends.shape[1] // max(ep * (ep - 1), 1)
+    data = rng.normal(size=(3, sources))
+    for layer in range(3):
+        for d in range(ep):
+            own = data[layer, d * per : (d + 1) * per]
+            got = []
+            for k in range(1, ep):
+                q = (d - k) % ep
+                picks = sends[layer].reshape(ep, -1)[q, (k - 1) * width : k * width]
+                got.append(data[layer, q * per + picks])
+            pool = np.concatenate([own, *got])
+            want = data[layer, rows[layer, d * new_per : (d + 1) * new_per]]
+            assert np.array_equal(pool[local[layer, d * new_per : (d + 1) * new_per]], want)
+    crossing = {(layer, int(src), r // new_per) for layer in range(3) for r, src in enumerate(rows[layer]) if src // per != r // new_per}
+    most = max(
+        (
+            sum(1 for (l, s, d) in crossing if l == layer and s // per == q and (d - q) % ep == k)
+            for layer in range(3)
+            for q in range(ep)
+            for k in range(1, ep)
+        ),
+        default=0,
+    )
+    assert width == (0 if most == 0 else 1 << (most - 1).bit_length())

@@ -106,14 +106,18 @@ def test_rebalancing_in_the_middle_of_16_streams_changes_no_token(tiny):
     """Redundant slots on the 2x4 EP mesh, re-placed every 4 steps from the counted loads while 16 streams
     decode: every stream's greedy tokens equal a run without balancing; the placements really moved experts
     (hot experts replicated) and a manual rebalance works too."""
+    from workers.models.moe_parallel import _move_slots
+
     parallel = {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}}
     batch = prompts(16, seed=21, lo=5, hi=40)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLM(str(tiny), parallel=parallel, **ARGS).generate(batch, greedy)
     llm = LLM(str(tiny), parallel=parallel, eplb={"num_redundant_experts": 8, "period_steps": 4}, **ARGS)
+    compiled = _move_slots.cache_info().misses
     balanced = llm.generate(batch, greedy)
     balancer = llm.engine.balancer
     assert balancer.num_rebalances >= 2 and balancer.placement.logcnt.max() > 1
+    assert _move_slots.cache_info().misses == compiled  # every move program was compiled when the engine started
     assert llm.engine.stats().expert_rebalances == balancer.num_rebalances
     assert [o.token_ids for o in balanced] == [o.token_ids for o in plain]
     assert llm.engine.rebalance_experts(wait=True) and balancer.num_rebalances >= 3

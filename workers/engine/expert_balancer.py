@@ -5,8 +5,9 @@ The model is loaded with `num_redundant_experts` extra physical slots per MoE la
 over the EP ranks like the experts), so the step programs' shapes never change after start-up. Every
 `period_steps` steps (or on `EngineCore.rebalance_experts()`), the logical loads routed since the last
 rebalance go to `eplb.rebalance_experts` on a background thread; at the next step boundary after it
-returns, the experts are copied into their new slots on the device (one gather per MoE layer, dispatched
-before the next step, which therefore reads the new weights) and the replica maps swapped. A step in
+returns, the experts are copied into their new slots on the device (`moe_parallel.move_experts`: one program
+for every MoE layer, compiled for every exchange width when the balancer starts, dispatched before the next
+step, which therefore reads the new weights) and the replica maps swapped. A step in
 flight keeps the arrays it was launched with, so no request waits more than the copies take, and a
 replicated expert computes the same numbers in any slot: streams are unchanged by a rebalance.
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from workers.models import LoadedModel
 from workers.models.eplb import Placement, rebalance_experts
-from workers.models.moe_parallel import moe_blocks, place_experts
+from workers.models.moe_parallel import compile_expert_moves, moe_blocks, move_experts
 
 from .config import EplbConfig
 
@@ -72,6 +73,7 @@ class ExpertBalancer:
         self.placement = Placement(identity, identity[:, :, None], np.ones_like(identity))
         self._swap(self._place(np.ones((self.num_layers, self.num_experts))))
         self.num_rebalances = 0  # the start-up placement is no rebalance
+        compile_expert_moves(moe_blocks(model.weights), model.mesh)
 
     # ---------------------------------------------------------------- in the engine thread
 
@@ -120,10 +122,22 @@ class ExpertBalancer:
     def _swap(self, placement: Placement) -> None:
         """Moves every MoE layer's experts from the current slots into the new ones (device gathers, in
         dispatch order before the next step) and installs the new replica maps."""
-        for layer, block in enumerate(moe_blocks(self.model.weights)):
-            # New slot r takes the expert phy2log[r] from its first current slot.
-            rows = self.placement.log2phy[layer, placement.phy2log[layer], 0]
-            place_experts(block, rows, placement.log2phy[layer], placement.logcnt[layer], self.model.mesh, self.max_replicas)
+        rows = source_slots(self.placement, placement, self.ep_size)
+        move_experts(moe_blocks(self.model.weights), rows, placement.log2phy, placement.logcnt, self.model.mesh, self.max_replicas)
         self.placement = placement
         self.num_rebalances += 1
         log.info("eplb: placement %d swapped in (%d slots, most replicas %d)", self.num_rebalances, self.num_slots, placement.logcnt.max())
+
+
+def source_slots(current: Placement, new: Placement, ep_size: int) -> np.ndarray:
+    """Where each new slot's expert is copied from [L, R]: the slot itself when it already holds that expert,
+    else a current replica on the same EP rank, else its first replica (the fewest bytes across ranks)."""
+    layers, slots = new.phy2log.shape
+    per_rank, current_per_rank = slots // ep_size, current.phy2log.shape[1] // ep_size
+    rows = np.empty((layers, slots), np.int64)
+    for layer in range(layers):
+        for r, expert in enumerate(new.phy2log[layer]):
+            replicas = [int(s) for s in current.log2phy[layer, expert] if s >= 0]
+            local = [s for s in replicas if s // current_per_rank == r // per_rank]
+            rows[layer, r] = r if r in replicas and slots == current.phy2log.shape[1] else (local or replicas)[0]
+    return rows

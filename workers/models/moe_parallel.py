@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -229,15 +229,123 @@ def place_experts(block, rows, log2phy, logcnt, mesh: Mesh, width: int | None = 
     (a device gather keeping the experts' sharding; packed experts move with their scales), and installs the
     replica maps (log2phy [E, max replicas], -1 padding read as slot 0 and never chosen; zero-padded to
     `width` columns so that later placements keep the step programs' shapes)."""
-    index = jnp.asarray(rows, jnp.int32)
-    move = lambda leaf: jax.device_put(jnp.take(leaf, index, axis=0), leaf.sharding)  # noqa: E731
-    block.gate_up, block.down = jax.tree.map(move, block.gate_up), jax.tree.map(move, block.down)
+    move_experts([block], np.asarray(rows)[None], np.asarray(log2phy)[None], np.asarray(logcnt)[None], mesh, width)
+
+
+def move_experts(blocks: list, rows: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray, mesh: Mesh, width: int | None = None) -> None:
+    """`place_experts` for several MoE layers at once (rows [L, R], log2phy [L, E, k], logcnt [L, E]): one
+    program, dispatched without waiting for its copies (they run on the device ahead of the next step), the old
+    slots donated to it (so the dispatch waits for a step in flight that still reads them: on CPU 44-94 ms). A row that stays on its EP rank is
+    copied there; a moved row crosses once, to the one rank that needs it (`slot_moves`), where a gather of the
+    sharded array would send every rank's experts to every rank (a random permutation of 24 slots over 2x4 CPU
+    devices: 230 -> 140 ms)."""
+    experts = _ExpertLeaves(blocks, mesh)
+    local, sends = slot_moves(np.asarray(rows), experts.num_slots, experts.ep)
+    experts.run(local, sends)
     maps = np.maximum(np.asarray(log2phy), 0)
     if width is not None:
-        maps = np.pad(maps[:, :width], ((0, 0), (0, width - min(width, maps.shape[1]))))
+        maps = np.pad(maps[:, :, :width], ((0, 0), (0, 0), (0, width - min(width, maps.shape[2]))))
     replicated = NamedSharding(mesh, PartitionSpec())
-    block.log2phy = jax.device_put(jnp.asarray(maps, jnp.int32), replicated)
-    block.logcnt = jax.device_put(jnp.asarray(logcnt, jnp.int32), replicated)
+    maps = jax.device_put(np.asarray(maps, np.int32), replicated)
+    counts = jax.device_put(np.asarray(logcnt, np.int32), replicated)
+    for i, block in enumerate(blocks):
+        block.log2phy, block.logcnt = maps[i], counts[i]
+
+
+def compile_expert_moves(blocks: list, mesh: Mesh) -> None:
+    """Compiles the move program for every exchange width a placement can need (each run once as a no-op:
+    every slot keeps its expert), so that a rebalance while serving never waits for a compilation."""
+    experts = _ExpertLeaves(blocks, mesh)
+    per_rank = experts.num_slots // experts.ep
+    keep = np.tile(np.arange(experts.num_slots) % per_rank, (len(blocks), 1)).astype(np.int32)
+    most = 1 << max(per_rank - 1, 0).bit_length() if experts.ep > 1 else 0
+    for width in [0] + [1 << i for i in range(most.bit_length())]:
+        experts.run(keep, np.zeros((len(blocks), experts.ep * (experts.ep - 1) * width), np.int32))
+
+
+class _ExpertLeaves:
+    """The MoE blocks' expert leaves as the move program sees them: split over the EP ranks along axis 0."""
+
+    def __init__(self, blocks: list, mesh: Mesh):
+        self.blocks, self.mesh = blocks, mesh
+        pairs = [(block.gate_up, block.down) for block in blocks]
+        self.flat, self.tree = jax.tree.flatten(pairs)
+        self.layer_of = tuple(i for i, pair in enumerate(pairs) for _ in jax.tree.leaves(pair))
+        self.specs = tuple(getattr(leaf.sharding, "spec", PartitionSpec()) for leaf in self.flat)
+        self.ep_axis = self.specs[0][0] if len(self.specs[0]) else None
+        if any((spec[0] if len(spec) else None) != self.ep_axis for spec in self.specs):
+            raise ValueError(f"expert leaves are split over different mesh axes along their slots: {self.specs}")
+        axes = (self.ep_axis,) if isinstance(self.ep_axis, str) else tuple(self.ep_axis or ())
+        self.ep = math.prod(mesh.shape[a] for a in axes)
+        self.num_slots = self.flat[0].shape[0]
+
+    def run(self, local: np.ndarray, sends: np.ndarray) -> None:
+        width = sends.shape[1] // max(self.ep * (self.ep - 1), 1)
+        # The old slots are donated when the new ones can take their place (not at load: E -> R slots).
+        donate = local.shape[1] == self.num_slots
+        program = _move_slots(self.mesh, self.specs, self.ep_axis, self.layer_of, self.ep, width, donate)
+        by_rank = NamedSharding(self.mesh, PartitionSpec(None, self.ep_axis))
+        self.flat = program(self.flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
+        self.num_slots = local.shape[1]
+        for block, (gate_up, down) in zip(self.blocks, jax.tree.unflatten(self.tree, self.flat)):
+            block.gate_up, block.down = gate_up, down
+
+
+def slot_moves(rows: np.ndarray, num_sources: int, ep: int) -> tuple[np.ndarray, np.ndarray]:
+    """Plans `new slot r <- current slot rows[l, r]` per EP rank: new slot r lives on rank r // (R / ep),
+    current slot s on rank s // S (S = num_sources / ep; the loaded weights have fewer slots than a placement).
+    A row moving from rank q to rank d travels in the exchange with shift k = (d - q) mod ep (every rank sends
+    to the rank k after it), in up to W rows per exchange: W the most any rank sends in one exchange in any
+    layer, rounded up to a power of two (a few program shapes serve every placement). Returns `local` [L, R]:
+    where each new slot reads in its rank's pool = its S current slots, then the W rows received in the
+    exchange with shift 1, 2, ..., ep-1; and `sends` [L, ep*(ep-1)*W]: each rank's (ep-1)*W local rows to
+    send (padded with row 0)."""
+    layers, slots = rows.shape
+    per_rank, new_per_rank = num_sources // ep, slots // ep
+    sent: dict[tuple[int, int, int], dict[int, int]] = {}  # (layer, sender, shift) -> {source slot: position}
+    moves = []
+    local = np.empty((layers, slots), np.int32)
+    for layer in range(layers):
+        for r, src in enumerate(rows[layer]):
+            src, q, d = int(src), int(src) // per_rank, r // new_per_rank
+            if q == d:
+                local[layer, r] = src % per_rank
+                continue
+            shift = (d - q) % ep
+            rows_sent = sent.setdefault((layer, q, shift), {})
+            moves.append((layer, r, shift, rows_sent.setdefault(src, len(rows_sent))))
+    most = max((len(v) for v in sent.values()), default=0)
+    width = 0 if most == 0 else 1 << (most - 1).bit_length()
+    for layer, r, shift, k in moves:
+        local[layer, r] = per_rank + (shift - 1) * width + k
+    sends = np.zeros((layers, ep, max(ep - 1, 0) * width), np.int32)
+    for (layer, q, shift), rows_sent in sent.items():
+        for src, k in rows_sent.items():
+            sends[layer, q, (shift - 1) * width + k] = src % per_rank
+    return local, sends.reshape(layers, -1)
+
+
+@lru_cache(maxsize=32)
+def _move_slots(mesh: Mesh, specs: tuple, ep_axis, layer_of: tuple[int, ...], ep: int, width: int, donate: bool):
+    """The per-device copy: for each shift k, the rows bound for the rank k after this one sent there
+    (`ppermute`: each moved row crosses once, to where it is needed), then every new slot taken from this
+    rank's own slots or from what it received."""
+    exchanges = [[(q, (q + k) % ep) for q in range(ep)] for k in range(1, ep)] if width else []
+
+    def body(flat, local, sends):
+        out = []
+        for leaf, layer in zip(flat, layer_of):
+            received = [
+                jax.lax.ppermute(jnp.take(leaf, sends[layer, k * width : (k + 1) * width], axis=0), ep_axis, perm)
+                for k, perm in enumerate(exchanges)
+            ]
+            pool = jnp.concatenate([leaf, *received]) if received else leaf
+            out.append(jnp.take(pool, local[layer], axis=0))
+        return out
+
+    by_rank = PartitionSpec(None, ep_axis)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(list(specs), by_rank, by_rank), out_specs=list(specs), check_vma=False)
+    return jax.jit(mapped, donate_argnums=0 if donate else ())
 
 
 def apply_placement(weights, placement, mesh: Mesh):
