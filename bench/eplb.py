@@ -11,8 +11,8 @@ Per window of `--window-steps` steps: tokens per EP rank counted by the engines 
 median step time (reported only: 8 virtual devices on a few cores measure total work, not the busiest
 rank). Per rebalance: what the swap cost the streams, the swap step and the next one beyond two ordinary
 steps, in steps (`rebalance_stall`; the issue's bound is one; the engines compile on first use, so a step
-program compiled right at a swap would count too). Collective bytes per link level of one decode step: read from the compiled step program (its
-collectives, each device pair's bytes put on the slowest mesh axis they differ on, as `moray bench
+program compiled right at a swap would count too). Collective bytes per link level of one decode step:
+read from the compiled step program (its collectives, each device pair's bytes put on the slowest mesh axis they differ on, as `moray bench
 collectives` does); a replica map sends tokens to other slots, not more of them, so both engines' figures
 agree but for a few hundred bytes of routing metadata (measured: 705,536 vs 705,024 bytes over the host
 link at batch 8). JSON to stdout / `--json`, plots with `--report`. No jax at import time

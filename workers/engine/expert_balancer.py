@@ -120,7 +120,7 @@ class ExpertBalancer:
         return rebalance_experts(loads, self.num_slots, groups, self.num_nodes, self.ep_size)
 
     def _swap(self, placement: Placement) -> None:
-        """Moves every MoE layer's experts from the current slots into the new ones (device gathers, in
+        """Moves every MoE layer's experts from the current slots into the new ones (one move program, in
         dispatch order before the next step) and installs the new replica maps."""
         rows = source_slots(self.placement, placement, self.ep_size)
         move_experts(moe_blocks(self.model.weights), rows, placement.log2phy, placement.logcnt, self.model.mesh, self.max_replicas)
@@ -130,8 +130,8 @@ class ExpertBalancer:
 
 
 def source_slots(current: Placement, new: Placement, ep_size: int) -> np.ndarray:
-    """Where each new slot's expert is copied from [L, R]: the slot itself when it already holds that expert,
-    else a current replica on the same EP rank, else its first replica (the fewest bytes across ranks)."""
+    """Where each new slot's expert is copied from [L, R]: a current replica on the slot's own EP rank (copied
+    there, nothing crosses), else its first replica."""
     layers, slots = new.phy2log.shape
     per_rank, current_per_rank = slots // ep_size, current.phy2log.shape[1] // ep_size
     rows = np.empty((layers, slots), np.int64)
@@ -139,5 +139,5 @@ def source_slots(current: Placement, new: Placement, ep_size: int) -> np.ndarray
         for r, expert in enumerate(new.phy2log[layer]):
             replicas = [int(s) for s in current.log2phy[layer, expert] if s >= 0]
             local = [s for s in replicas if s // current_per_rank == r // per_rank]
-            rows[layer, r] = r if r in replicas and slots == current.phy2log.shape[1] else (local or replicas)[0]
+            rows[layer, r] = (local or replicas)[0]
     return rows

@@ -234,11 +234,11 @@ def place_experts(block, rows, log2phy, logcnt, mesh: Mesh, width: int | None = 
 
 def move_experts(blocks: list, rows: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray, mesh: Mesh, width: int | None = None) -> None:
     """`place_experts` for several MoE layers at once (rows [L, R], log2phy [L, E, k], logcnt [L, E]): one
-    program, dispatched without waiting for its copies (they run on the device ahead of the next step), the old
-    slots donated to it (so the dispatch waits for a step in flight that still reads them: on CPU 44-94 ms). A row that stays on its EP rank is
-    copied there; a moved row crosses once, to the one rank that needs it (`slot_moves`), where a gather of the
-    sharded array would send every rank's experts to every rank (a random permutation of 24 slots over 2x4 CPU
-    devices: 230 -> 140 ms)."""
+    program, dispatched without waiting for its copies (they run on the device ahead of the next step), the
+    old slots donated to it (so the dispatch waits for a step in flight that still reads them: on CPU 44-94
+    ms). A row that stays on its EP rank is copied there; a moved row crosses once, to the one rank that needs
+    it (`slot_moves`), where a gather of the sharded array would send every rank's experts to every rank (a
+    random permutation of 24 slots over 2x4 CPU devices: 230 -> 140 ms)."""
     experts = _ExpertLeaves(blocks, mesh)
     local, sends = slot_moves(np.asarray(rows), experts.num_slots, experts.ep)
     experts.run(local, sends)
