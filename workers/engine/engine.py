@@ -662,7 +662,7 @@ class EngineCore:
         come back from the next call. Without it, each call waits for its own step."""
         start = time.perf_counter()
         if self.balancer is not None:
-            self.balancer.on_step(self.runner.read_expert_loads)  # read only when a rebalance is due
+            self.balancer.on_step(self.runner.expert_loads_array)  # read only when a rebalance is due
         deltas = self._schedule_prelude()
         sched = self._schedule()
         launched = self._run(sched) if sched.scheduled else None

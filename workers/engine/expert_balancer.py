@@ -4,23 +4,26 @@ loads the engine counts.
 The model is loaded with `num_redundant_experts` extra physical slots per MoE layer (R = E + spare, split
 over the EP ranks like the experts), so the step programs' shapes never change after start-up. Every
 `period_steps` steps (or on `EngineCore.rebalance_experts()`), the logical loads routed since the last
-rebalance go to `eplb.rebalance_experts` on a background thread; at the next step boundary after it
-returns, the experts are copied into their new slots on the device (`moe_parallel.move_experts`: one program
-for every MoE layer, compiled for every exchange width when the balancer starts, dispatched before the next
-step, which therefore reads the new weights) and the replica maps swapped. A step in
-flight keeps the arrays it was launched with, so no request waits more than the copies take, and a
-replicated expert computes the same numbers in any slot: streams are unchanged by a rebalance.
+rebalance go to `eplb.rebalance_experts` on a background thread (which also waits for the counts' copy
+from the device: the engine thread never does). Then the move, `layers_per_move` MoE layers at a time: a
+group's experts are copied into new arrays in their new slots (`moe_parallel.copy_experts`: one program
+per group, compiled when the balancer starts) while steps keep running on the current ones, and at the
+first step boundary where the copy is done, the group's arrays and replica maps are swapped in (a
+reference swap: the next step reads them) and the next group's copy starts. A step in flight keeps the
+arrays it was launched with, and a replicated expert computes the same numbers in any slot: streams are
+unchanged by a rebalance, and no step waits for a copy.
 
 An engine over several hosts runs the same balancer on every host, fed the same calls (the period counts
 the replayed steps, a manual trigger is a replicated call, the loads are replicated on every host): each
-host computes the same placement, and swaps it in at the same step, `SWAP_AFTER_STEPS` steps after the
-request (waiting for the computation there if it is late), never at "whenever it is ready", which would
-differ between hosts and desynchronise their collectives.
+host computes the same placement and starts and swaps every group at the same steps, counted from the
+request (`SWAP_AFTER_STEPS`, `MOVE_STEPS`; a swap whose computation or copy is late waits for it there),
+never at "whenever it is ready", which would differ between hosts and desynchronise their collectives.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 
 import jax
@@ -28,15 +31,34 @@ import numpy as np
 
 from workers.models import LoadedModel
 from workers.models.eplb import Placement, rebalance_experts
-from workers.models.moe_parallel import compile_expert_moves, moe_blocks, move_experts
+from workers.models.moe_parallel import compile_expert_moves, copy_experts, install_experts, moe_blocks
 
 from .config import EplbConfig
 
 log = logging.getLogger("moray.engine")
 
-# Multi-host: the step after whose end a requested placement is swapped in, counted from the request (a
-# placement takes milliseconds for hundreds of experts; the wait there is the rare late one).
+# Multi-host: the step after whose end a requested placement's first copy starts, counted from the request
+# (a placement takes milliseconds for hundreds of experts; the wait there is the rare late one), and the
+# steps between starting a group's copy and swapping it in.
 SWAP_AFTER_STEPS = 4
+MOVE_STEPS = 2
+
+
+@dataclasses.dataclass
+class _Move:
+    """A rebalance under way: the placement, where each new slot's expert comes from, the groups of MoE
+    layers still to copy, and the group being copied (its new arrays, and the step at which a multi-host
+    engine swaps it in)."""
+
+    placement: Placement
+    rows: np.ndarray  # [L, R] source slot of each new slot
+    groups: list[list[int]]
+    layers: list[int] = dataclasses.field(default_factory=list)
+    leaves: list[jax.Array] = dataclasses.field(default_factory=list)
+    swap_at: int = 0
+
+    def copied(self) -> bool:
+        return all(leaf.is_ready() for leaf in self.leaves)
 
 
 class ExpertBalancer:
@@ -64,44 +86,61 @@ class ExpertBalancer:
         self._steps = 0
         self._base: np.ndarray | None = None  # physical counts when the current window started
         self._pending: concurrent.futures.Future | None = None
-        self._swap_at: int | None = None  # multi-host: the step count at which the pending one is swapped in
+        self._swap_at: int | None = None  # multi-host: the step count at which the pending one starts moving
+        self._move: _Move | None = None
         self.lockstep = jax.process_count() > 1
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moray-eplb")
         # Start-up: every expert once, the spare slots to the first experts (no loads yet); loaded weights
         # are in logical order, so the identity map is the current placement.
         identity = np.tile(np.arange(self.num_experts), (self.num_layers, 1))
-        self.placement = Placement(identity, identity[:, :, None], np.ones_like(identity))
-        self._swap(self._place(np.ones((self.num_layers, self.num_experts))))
+        self.placement = self._padded(Placement(identity, identity[:, :, None], np.ones_like(identity)))
+        self._start(self._place(np.ones((self.num_layers, self.num_experts))))
+        self.wait()
         self.num_rebalances = 0  # the start-up placement is no rebalance
-        compile_expert_moves(moe_blocks(model.weights), model.mesh)
+        blocks = moe_blocks(model.weights)
+        for size in {len(group) for group in self._groups()}:
+            compile_expert_moves(blocks[:size], model.mesh)
+
+    @property
+    def moving(self) -> bool:
+        """Whether a rebalance is under way (its placement being computed or its experts being moved)."""
+        return self._pending is not None or self._move is not None
 
     # ---------------------------------------------------------------- in the engine thread
 
-    def on_step(self, physical_counts) -> None:
-        """At a step boundary: swap in a placement that is ready; start one every `period_steps`."""
+    def on_step(self, device_counts) -> None:
+        """At a step boundary: swap in a group whose copy is done and start the next; start moving a placement
+        that is ready; start computing one every `period_steps` (`device_counts()`: the counts on the device)."""
         self._steps += 1
-        if self._pending is not None and (self._steps >= self._swap_at if self.lockstep else self._pending.done()):
-            self.wait()
+        if self._move is not None:
+            self._advance(self._move)
+        elif self._pending is not None and (self._steps >= self._swap_at if self.lockstep else self._pending.done()):
+            placement, self._pending = self._pending.result(), None
+            self._start(placement)
         period = self.config.period_steps
-        if period and self._steps % period == 0 and self._pending is None:
-            self.request(physical_counts())
+        if period and self._steps % period == 0 and not self.moving:
+            self.request(device_counts())
 
-    def request(self, physical: np.ndarray | None) -> bool:
-        """Starts computing a placement from the loads since the last one (on the background thread); False
-        when one is already being computed or nothing was counted yet."""
-        if self._pending is not None or physical is None:
+    def request(self, physical) -> bool:
+        """Starts computing a placement from the loads since the last one (on the background thread, which
+        also waits for `physical`, the counts per physical slot, host or device array); False when a rebalance
+        is already under way or nothing was counted yet."""
+        if self.moving or physical is None:
             return False
-        window = physical if self._base is None else physical - self._base
-        self._base = physical
-        self._pending = self._pool.submit(self._place, self.logical_loads(window))
+        if isinstance(physical, jax.Array) and physical.is_fully_addressable:
+            physical.copy_to_host_async()
+        self._pending = self._pool.submit(self._place_window, physical)
         self._swap_at = self._steps + SWAP_AFTER_STEPS
         return True
 
     def wait(self) -> None:
-        """Swaps in the placement being computed, if any (manual trigger, tests)."""
+        """Completes the rebalance under way, if any (manual trigger, tests): its placement, then every group's
+        copy swapped in at once (the next step waits for the copies)."""
         if self._pending is not None:
             placement, self._pending = self._pending.result(), None
-            self._swap(placement)
+            self._start(placement)
+        while self._move is not None:
+            self._swap_group(self._move)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -115,18 +154,65 @@ class ExpertBalancer:
             np.add.at(out[layer], self.placement.phy2log[layer], physical[layer])
         return out
 
+    def _place_window(self, physical) -> Placement:
+        """On the background thread: the placement for the loads counted since the last request."""
+        physical = np.asarray(physical).astype(np.int64)
+        window = physical if self._base is None else physical - self._base
+        self._base = physical
+        return self._place(self.logical_loads(window))
+
     def _place(self, loads: np.ndarray) -> Placement:
         groups = self.num_groups if self.num_groups % self.num_nodes == 0 else 1
-        return rebalance_experts(loads, self.num_slots, groups, self.num_nodes, self.ep_size)
+        return self._padded(rebalance_experts(loads, self.num_slots, groups, self.num_nodes, self.ep_size))
 
-    def _swap(self, placement: Placement) -> None:
-        """Moves every MoE layer's experts from the current slots into the new ones (one move program, in
-        dispatch order before the next step) and installs the new replica maps."""
-        rows = source_slots(self.placement, placement, self.ep_size)
-        move_experts(moe_blocks(self.model.weights), rows, placement.log2phy, placement.logcnt, self.model.mesh, self.max_replicas)
-        self.placement = placement
+    def _padded(self, placement: Placement) -> Placement:
+        """The placement with its replica map at the fixed width (so that layers of two placements mix)."""
+        extra = self.max_replicas - placement.log2phy.shape[2]
+        log2phy = np.pad(placement.log2phy, ((0, 0), (0, 0), (0, extra)), constant_values=-1)
+        return Placement(placement.phy2log, log2phy, placement.logcnt)
+
+    # ---------------------------------------------------------------- the move
+
+    def _groups(self) -> list[list[int]]:
+        size = self.config.layers_per_move
+        return [list(range(i, min(i + size, self.num_layers))) for i in range(0, self.num_layers, size)]
+
+    def _start(self, placement: Placement) -> None:
+        move = _Move(placement, source_slots(self.placement, placement, self.ep_size), self._groups())
+        self._move = move
+        self._copy_next(move)
+
+    def _copy_next(self, move: _Move) -> None:
+        """Dispatches the next group's copy (it runs on the device beside the steps)."""
+        move.layers = move.groups.pop(0)
+        blocks = moe_blocks(self.model.weights)
+        move.leaves = copy_experts([blocks[i] for i in move.layers], move.rows[move.layers], self.model.mesh)
+        move.swap_at = self._steps + MOVE_STEPS
+
+    def _advance(self, move: _Move) -> None:
+        if self._steps >= move.swap_at if self.lockstep else move.copied():
+            self._swap_group(move)
+
+    def _swap_group(self, move: _Move) -> None:
+        """Puts the group being copied in place, with its replica maps; starts the next group's copy, or
+        ends the move."""
+        layers, new = move.layers, move.placement
+        blocks = moe_blocks(self.model.weights)
+        install_experts(
+            [blocks[i] for i in layers], move.leaves, new.log2phy[layers], new.logcnt[layers], self.model.mesh, self.max_replicas
+        )
+        current = self.placement
+        if current.phy2log.shape != new.phy2log.shape:  # start-up (in `wait`): the loaded E slots become R
+            current = new
+        phy2log, log2phy, logcnt = current.phy2log.copy(), current.log2phy.copy(), current.logcnt.copy()
+        phy2log[layers], log2phy[layers], logcnt[layers] = new.phy2log[layers], new.log2phy[layers], new.logcnt[layers]
+        self.placement = Placement(phy2log, log2phy, logcnt)
+        if move.groups:
+            self._copy_next(move)
+            return
+        self._move = None
         self.num_rebalances += 1
-        log.info("eplb: placement %d swapped in (%d slots, most replicas %d)", self.num_rebalances, self.num_slots, placement.logcnt.max())
+        log.info("eplb: placement %d swapped in (%d slots, most replicas %d)", self.num_rebalances, self.num_slots, new.logcnt.max())
 
 
 def source_slots(current: Placement, new: Placement, ep_size: int) -> np.ndarray:

@@ -376,6 +376,14 @@ class ModelRunner:
                 self._load_snapshot = None
         return self._load_host
 
+    def expert_loads_array(self) -> jax.Array | None:
+        """The counts of `read_expert_loads` on the device, this host's copy (None before the first step):
+        for a reader that must not wait for the step in flight (it reads them on another thread)."""
+        loads = self.expert_loads
+        if loads is not None and not loads.is_fully_addressable:  # multi-host: replicated, any local shard is all of it
+            loads = loads.addressable_shards[0].data
+        return loads
+
     def read_expert_loads(self) -> np.ndarray:
         """Tokens routed to each (MoE layer, expert) since the runner started, padding excluded: int64 [MoE
         layers, experts]. Counted on the device every step; this is the only host read (call it every few
@@ -385,10 +393,7 @@ class ModelRunner:
 
             blocks = moe_blocks(self.model.weights)
             return np.zeros((len(blocks), blocks[0].gate_up.shape[0] if blocks else 0), np.int64)
-        loads = self.expert_loads
-        if not loads.is_fully_addressable:  # multi-host: replicated, any local shard is all of it
-            loads = loads.addressable_shards[0].data
-        return np.asarray(loads).astype(np.int64)
+        return np.asarray(self.expert_loads_array()).astype(np.int64)
 
     def _step_args(self, inputs: StepInputs) -> tuple:
         """The step program's per-step arguments (after the weights and the cache)."""

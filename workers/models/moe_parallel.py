@@ -233,15 +233,30 @@ def place_experts(block, rows, log2phy, logcnt, mesh: Mesh, width: int | None = 
 
 
 def move_experts(blocks: list, rows: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray, mesh: Mesh, width: int | None = None) -> None:
-    """`place_experts` for several MoE layers at once (rows [L, R], log2phy [L, E, k], logcnt [L, E]): one
-    program, dispatched without waiting for its copies (they run on the device ahead of the next step), the
-    old slots donated to it (so the dispatch waits for a step in flight that still reads them: on CPU 44-94
-    ms). A row that stays on its EP rank is copied there; a moved row crosses once, to the one rank that needs
-    it (`slot_moves`), where a gather of the sharded array would send every rank's experts to every rank (a
-    random permutation of 24 slots over 2x4 CPU devices: 230 -> 140 ms)."""
+    """`place_experts` for several MoE layers at once (rows [L, R], log2phy [L, E, k], logcnt [L, E]):
+    `copy_experts` then `install_experts`, at once (the copies run on the device ahead of the next step)."""
+    install_experts(blocks, copy_experts(blocks, rows, mesh), log2phy, logcnt, mesh, width)
+
+
+def copy_experts(blocks: list, rows: np.ndarray, mesh: Mesh) -> list[jax.Array]:
+    """Dispatches the copy of the blocks' experts into new slots (new slot r of layer l <- current slot
+    rows[l, r]) as one program, into new arrays, and returns them without waiting (`install_experts` puts
+    them in place). Nothing is donated: steps keep reading the current slots while the copy runs, at the
+    cost of the moved layers' experts twice over until it is installed (`ExpertBalancer` moves `layers_per_move` layers
+    at a time). A row that stays on its EP rank is copied there; a moved row crosses once, to the one rank
+    that needs it (`slot_moves`), where a gather of the sharded array would send every rank's experts to
+    every rank (a random permutation of 24 slots over 2x4 CPU devices: 230 -> 140 ms)."""
     experts = _ExpertLeaves(blocks, mesh)
-    local, sends = slot_moves(np.asarray(rows), experts.num_slots, experts.ep)
-    experts.run(local, sends)
+    return experts.copy(*slot_moves(np.asarray(rows), experts.num_slots, experts.ep))
+
+
+def install_experts(
+    blocks: list, leaves: list[jax.Array], log2phy: np.ndarray, logcnt: np.ndarray, mesh: Mesh, width: int | None = None
+) -> None:
+    """Puts `copy_experts`' arrays in the blocks and installs the replica maps (log2phy [L, E, k], -1 padding
+    read as slot 0 and never chosen; zero-padded to `width` columns so that later placements keep the step
+    programs' shapes). The next step launched reads them (waiting for the copy if it is still running)."""
+    _ExpertLeaves(blocks, mesh).install(leaves)
     maps = np.maximum(np.asarray(log2phy), 0)
     if width is not None:
         maps = np.pad(maps[:, :, :width], ((0, 0), (0, 0), (0, width - min(width, maps.shape[2]))))
@@ -253,14 +268,15 @@ def move_experts(blocks: list, rows: np.ndarray, log2phy: np.ndarray, logcnt: np
 
 
 def compile_expert_moves(blocks: list, mesh: Mesh) -> None:
-    """Compiles the move program for every exchange width a placement can need (each run once as a no-op:
-    every slot keeps its expert), so that a rebalance while serving never waits for a compilation."""
+    """Compiles the copy program for the blocks (a group of layers moved together) for every exchange
+    width a placement can need (each run once as a no-op: every slot keeps its expert), so that a rebalance
+    while serving never waits for a compilation."""
     experts = _ExpertLeaves(blocks, mesh)
     per_rank = experts.num_slots // experts.ep
     keep = np.tile(np.arange(experts.num_slots) % per_rank, (len(blocks), 1)).astype(np.int32)
     most = 1 << max(per_rank - 1, 0).bit_length() if experts.ep > 1 else 0
     for width in [0] + [1 << i for i in range(most.bit_length())]:
-        experts.run(keep, np.zeros((len(blocks), experts.ep * (experts.ep - 1) * width), np.int32))
+        experts.copy(keep, np.zeros((len(blocks), experts.ep * (experts.ep - 1) * width), np.int32))
 
 
 class _ExpertLeaves:
@@ -279,15 +295,14 @@ class _ExpertLeaves:
         self.ep = math.prod(mesh.shape[a] for a in axes)
         self.num_slots = self.flat[0].shape[0]
 
-    def run(self, local: np.ndarray, sends: np.ndarray) -> None:
+    def copy(self, local: np.ndarray, sends: np.ndarray) -> list[jax.Array]:
         width = sends.shape[1] // max(self.ep * (self.ep - 1), 1)
-        # The old slots are donated when the new ones can take their place (not at load: E -> R slots).
-        donate = local.shape[1] == self.num_slots
-        program = _move_slots(self.mesh, self.specs, self.ep_axis, self.layer_of, self.ep, width, donate)
+        program = _move_slots(self.mesh, self.specs, self.ep_axis, self.layer_of, self.ep, width)
         by_rank = NamedSharding(self.mesh, PartitionSpec(None, self.ep_axis))
-        self.flat = program(self.flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
-        self.num_slots = local.shape[1]
-        for block, (gate_up, down) in zip(self.blocks, jax.tree.unflatten(self.tree, self.flat)):
+        return program(self.flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
+
+    def install(self, leaves: list[jax.Array]) -> None:
+        for block, (gate_up, down) in zip(self.blocks, jax.tree.unflatten(self.tree, leaves)):
             block.gate_up, block.down = gate_up, down
 
 
@@ -326,7 +341,7 @@ def slot_moves(rows: np.ndarray, num_sources: int, ep: int) -> tuple[np.ndarray,
 
 
 @lru_cache(maxsize=32)
-def _move_slots(mesh: Mesh, specs: tuple, ep_axis, layer_of: tuple[int, ...], ep: int, width: int, donate: bool):
+def _move_slots(mesh: Mesh, specs: tuple, ep_axis, layer_of: tuple[int, ...], ep: int, width: int):
     """The per-device copy: for each shift k, the rows bound for the rank k after this one sent there
     (`ppermute`: each moved row crosses once, to where it is needed), then every new slot taken from this
     rank's own slots or from what it received."""
@@ -345,7 +360,7 @@ def _move_slots(mesh: Mesh, specs: tuple, ep_axis, layer_of: tuple[int, ...], ep
 
     by_rank = PartitionSpec(None, ep_axis)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(list(specs), by_rank, by_rank), out_specs=list(specs), check_vma=False)
-    return jax.jit(mapped, donate_argnums=0 if donate else ())
+    return jax.jit(mapped)
 
 
 def apply_placement(weights, placement, mesh: Mesh):
