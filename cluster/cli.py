@@ -26,7 +26,7 @@ def _token_ids(text: str) -> list[int]:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from workers.models.make_model import make_model
 
-    out = make_model(args.out, args.arch, args.preset, seed=args.seed)
+    out = make_model(args.out, args.arch, args.preset, seed=args.seed, mtp=args.mtp)
     print(out)
     return 0
 
@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=MAKE_MODEL_ARCHS, default="qwen3_moe")
     p.add_argument("--preset", choices=["tiny", "small", "bench"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="with a multi-token-prediction head (deepseek_v3, qwen3_5_moe, qwen3_next; speculative method mtp)",
+    )
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("logits", help="write the prompt logits of token-id prompts as float32 .npy")

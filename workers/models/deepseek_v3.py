@@ -138,7 +138,9 @@ def mla_plan(prefix: str, cfg: ModelConfig) -> MLAWeights:
     )
 
 
-def plan(cfg: ModelConfig) -> ModelWeights:
+def plan(cfg: ModelConfig, first_layer: int = 0) -> ModelWeights:
+    """`first_layer`: the stored index of layer 0 (the multi-token-prediction layer's is num_hidden_layers, mtp.py)."""
+
     def mlp_for_layer(n: int, prefix: str):
         if not cfg.moe_layers[n]:
             return mlp_plan(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size)
@@ -154,7 +156,7 @@ def plan(cfg: ModelConfig) -> ModelWeights:
             router_bias=WeightSpec(Tensor(f"{prefix}.mlp.gate.e_score_correction_bias", (cfg.num_experts,)), ("router",)),
         )
 
-    return model_plan(cfg, mlp_for_layer, attention_plan_fn=mla_plan)
+    return model_plan(cfg, mlp_for_layer, attention_plan_fn=mla_plan, first_layer=first_layer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,9 +239,21 @@ def moe_sigmoid_grouped(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Call
     return moe_block(x, w, route, experts)
 
 
-def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None, attention_fn=None):
+def forward(
+    weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None, attention_fn=None, **extra
+):
+    """`extra`: `decoder_forward`'s inputs_embeds / hidden_out (the multi-token-prediction head, mtp.py)."""
     return decoder_forward(
-        weights, cfg, tokens, positions, cache, moe_sigmoid_grouped, logits_indices, experts, attention_fn=attention_fn or mla_attention
+        weights,
+        cfg,
+        tokens,
+        positions,
+        cache,
+        moe_sigmoid_grouped,
+        logits_indices,
+        experts,
+        attention_fn=attention_fn or mla_attention,
+        **extra,
     )
 
 

@@ -410,28 +410,41 @@ def decoder_forward(
     experts: Callable | None = None,
     linear_mixer: LinearMixerFn | None = None,
     attention_fn: Callable[..., Array] | None = None,
+    inputs_embeds: Array | None = None,
+    hidden_out: str | None = None,
 ):
-    """Returns float32 logits and the updated cache.
+    """Returns float32 logits and the updated cache (and with `hidden_out` the hidden states).
 
     Logits are [B, T, vocab], or [len(logits_indices), vocab] for those rows of the flattened batch
     only (the engine needs one row per sequence, and the LM head is the largest matmul of a step).
     `experts` (e.g. an expert-parallel executor) is handed to `moe_fn` in place of `routed_experts`.
-    `linear_mixer` runs the linear-attention layers of hybrid models.
+    `linear_mixer` runs the linear-attention layers of hybrid models. `inputs_embeds` replaces the token
+    embeddings (a multi-token-prediction head's own input, `mtp.py`). `hidden_out` also returns every
+    token's last hidden state, [B, T, hidden]: "normed" after the final norm (what the LM head reads),
+    "residual" before it.
     """
     if experts is not None:
         moe_fn = partial(moe_fn, experts=experts)
-    x = weights.embed[tokens]
+    x = weights.embed[tokens] if inputs_embeds is None else inputs_embeds
     rope = rope_cos_sin(cfg, positions)
     cache = jax.tree.map(lambda a: a, cache)  # a shallow copy whose per-layer lists we may replace
     for layer, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer_{layer}"):
             x = decoder_block(x, lw, cfg, layer, rope, positions, cache, moe_fn, linear_mixer, attention_fn)
+    hidden = None
+    if hidden_out == "residual":
+        hidden = x
+    elif hidden_out == "normed":
+        hidden = x = norm(x, weights.final_norm, cfg)
+    elif hidden_out is not None:
+        raise ValueError(f"hidden_out must be 'normed' or 'residual', not {hidden_out!r}")
     if logits_indices is not None:
         x = x.reshape(-1, x.shape[-1])[logits_indices]
-    x = norm(x, weights.final_norm, cfg)
+    if hidden_out != "normed":
+        x = norm(x, weights.final_norm, cfg)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     if isinstance(head, QuantizedWeight):  # an LM head the checkpoint's quantization_config did not ignore
         logits = quantized_matmul(x, head)
     else:
         logits = dense_matmul(x, head)
-    return logits, cache
+    return (logits, cache) if hidden_out is None else (logits, cache, hidden)

@@ -6,6 +6,7 @@ Hugging Face writes), so what we write is by construction what we load; transfor
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -398,9 +399,14 @@ def write_safetensors(out: Path, tensors: Iterator[tuple[str, np.ndarray]], tota
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int = 0) -> Path:
-    """A random checkpoint of `arch` at a named preset, or (attention-only families) any `Preset`."""
+def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int = 0, mtp: bool = False) -> Path:
+    """A random checkpoint of `arch` at a named preset, or (attention-only families) any `Preset`. `mtp`: with
+    a multi-token-prediction head as the family stores it (deepseek_v3, qwen3_5_moe, qwen3_next; mtp.py)."""
+    from . import mtp as mtp_head
     from .tokenizer import train_byte_level_bpe  # tokenizer training is only needed here
+
+    if mtp and arch not in mtp_head.FAMILIES:
+        raise ValueError(f"{arch} has no multi-token-prediction head (only {', '.join(mtp_head.FAMILIES)})")
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
@@ -432,6 +438,9 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
         raw = gemma4_config(p, gemma_preset, eos, pad)
     else:
         raw = hf_config(arch, p, eos, pad)
+    if mtp:
+        text = raw.get("text_config", raw)
+        text["num_nextn_predict_layers" if arch == "deepseek_v3" else "mtp_num_hidden_layers"] = 1
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -439,7 +448,12 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
     cfg = family.config_from_hf(raw)
     plan = family.plan(cfg)
     fused = arch in FUSED_EXPERT_ARCHS
+    tensors = random_tensors(cfg, plan, seed, p.initializer_range, fused)
+    if mtp:
+        _, _, head = mtp_head.plan(family, cfg, raw)
+        plan = (plan, head)
+        tensors = itertools.chain(tensors, random_tensors(cfg, head, seed + 1, p.initializer_range, fused))
     total = sum(1 for spec in plan_leaves(plan) for _ in _tensors(spec.source, fused))
-    write_safetensors(out, random_tensors(cfg, plan, seed, p.initializer_range, fused), total, p.max_shard_bytes)
+    write_safetensors(out, tensors, total, p.max_shard_bytes)
     log.info("wrote %s/%s checkpoint to %s in %.1fs", arch, preset, out, time.perf_counter() - start)
     return out

@@ -133,13 +133,16 @@ def model_plan(
     linear_plan: Callable[[str, ModelConfig], LinearAttentionWeights] = linear_attention_plan,
     prefix: str = "model",
     attention_plan_fn: Callable[[str, ModelConfig], object] = attention_plan,
+    first_layer: int = 0,
 ) -> ModelWeights:
     """The decoder stack under `prefix`; attention (`self_attn`) from `attention_plan_fn` (MLA's differs),
-    hybrid models' linear-attention layers (`linear_attn`) from `linear_plan`. `lm_head` stays at the top level."""
+    hybrid models' linear-attention layers (`linear_attn`) from `linear_plan`. `lm_head` stays at the top level.
+    Layer n is stored as `{prefix}.layers.{first_layer + n}` (DeepSeek-V3 stores its multi-token-prediction
+    layer after the decoder's, mtp.py)."""
     h, zc = cfg.hidden_size, cfg.zero_centered_norm
     layers = []
     for n in range(cfg.num_layers):
-        p = f"{prefix}.layers.{n}"
+        p = f"{prefix}.layers.{first_layer + n}"
         if cfg.is_linear_layer(n):
             mixer = linear_plan(f"{p}.linear_attn", cfg)
         else:

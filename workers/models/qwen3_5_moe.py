@@ -66,15 +66,21 @@ def shared_expert_moe_plan(prefix: str, cfg: ModelConfig) -> MoEWeights:
     )
 
 
-def plan(cfg: ModelConfig) -> ModelWeights:
+def plan(cfg: ModelConfig, prefix: str | None = None) -> ModelWeights:
+    """`prefix`: where the decoder layers are stored (`mtp` for the multi-token-prediction head's, mtp.py)."""
+
     def mlp_for_layer(n: int, prefix: str):
         if not cfg.moe_layers[n]:
             return mlp_plan(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size)
         return shared_expert_moe_plan(f"{prefix}.mlp", cfg)
 
-    prefix = "model.language_model" if cfg.model_type in COMPOSITE_TYPES else "model"
+    if prefix is None:
+        prefix = "model.language_model" if cfg.model_type in COMPOSITE_TYPES else "model"
     return model_plan(cfg, mlp_for_layer, linear_attention_plan, prefix)
 
 
-def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None):
-    return decoder_forward(weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices, experts, linear_mixer=gated_deltanet)
+def forward(weights: ModelWeights, cfg: ModelConfig, tokens, positions, cache, logits_indices=None, experts=None, **extra):
+    """`extra`: `decoder_forward`'s inputs_embeds / hidden_out (the multi-token-prediction head, mtp.py)."""
+    return decoder_forward(
+        weights, cfg, tokens, positions, cache, moe_softmax_topk, logits_indices, experts, linear_mixer=gated_deltanet, **extra
+    )
