@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from engine_harness import ENGINE_ARGS, prompts
 from safetensors.numpy import load_file, save_file
 
+from workers.engine import LLM, SamplingParams
 from workers.models import load_model
 from workers.models import mtp as mtp_head
 from workers.models.config import ModelLoadError
@@ -136,3 +138,70 @@ def test_a_checkpoint_without_the_head_is_refused_by_name(tmp_path):
     (plain / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     with pytest.raises(ModelLoadError, match=r"model\.layers\.\d+\.(enorm|hnorm|eh_proj)"):
         mtp_head.load(plain, target.family, target.cfg, target.mesh, target.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's speculative method mtp (workers/engine/mtp_proposer.py).
+
+ENGINE = {**ENGINE_ARGS, "warmup": False}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def test_greedy_output_with_mtp_equals_greedy_output_without(checkpoint):
+    """A mixed batch (prompts longer than a step's budget: chunked prefill) decodes the same tokens with the
+    head proposing 3 drafts a step as without speculation, and the head did propose."""
+    _, model_dir = checkpoint
+    batch = prompts(6, seed=11, lo=5, hi=90)
+    plain = LLM(str(model_dir), **ENGINE).generate(batch, GREEDY)
+    llm = LLM(str(model_dir), speculative={"method": "mtp", "num_speculative_tokens": 3}, **ENGINE)
+    spec = llm.generate(batch, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def reference_drafts(target, head, known: list[int], k: int) -> list[int]:
+    """The head's k greedy drafts after `known`, run on one contiguous cache: positions 0..n-2 read the
+    target's hidden states and the true next tokens; then each chained position its own last draft."""
+    n = len(known)
+    _, _, hidden = target.family.forward(
+        target.weights, target.cfg, np.array([known[:-1]]), np.arange(n - 1)[None], target.new_cache(1, n), hidden_out="normed"
+    )
+    cache = KVCache.zeros(head.cfg, 1, n + k, target.dtype)
+    logits, cache, chained = head.forward(target.weights, np.array([known[1:]]), np.arange(n - 1)[None], hidden, cache)
+    drafts = [int(np.argmax(np.asarray(logits)[0, -1]))]
+    last = chained[:, -1:]
+    for j in range(1, k):
+        logits, cache, last = head.forward(target.weights, np.array([[drafts[-1]]]), np.array([[n - 2 + j]]), last, cache)
+        drafts.append(int(np.argmax(np.asarray(logits)[0, -1])))
+    return drafts
+
+
+def test_the_heads_drafts_follow_the_accepted_tokens(checkpoint):
+    """Every proposal equals the head run offline on the request's true tokens, also after steps that
+    accepted several drafts and after steps run without speculation (two steps of three run plain: the head
+    catches up on them at the next proposal): the proposer is made to verify the true
+    continuation (so every draft is accepted) and the head's own drafts are recorded; the head's KV written
+    by chained steps at unknown tokens is rewritten, and output stays the plain greedy tokens."""
+    _, model_dir = checkpoint
+    prompt = prompts(1, seed=5, lo=20, hi=30)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)  # (the offline reference runs eagerly)
+    plain = LLM(str(model_dir), **ENGINE).generate([prompt], greedy)[0].token_ids
+    truth = prompt + list(plain)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(model_dir), speculative=spec, **ENGINE)
+    speculator = llm.engine.speculator
+    proposer, seen = speculator.proposer, []
+    heads_own = proposer.propose_all
+
+    def true_continuation(wanted):
+        drafts = heads_own(wanted)
+        seen.extend((list(r.all_token_ids), d) for (r, _), d in zip(wanted, drafts))
+        return [truth[r.num_tokens : r.num_tokens + len(d)] for (r, _), d in zip(wanted, drafts)]
+
+    proposer.propose_all = true_continuation
+    speculator.wants = lambda batch: llm.engine._step_counter % 3 == 0
+    assert llm.generate([prompt], greedy)[0].token_ids == plain
+    assert speculator.stats.num_accepted_tokens >= speculator.stats.num_draft_tokens - 3 > 0  # all but the last overshoot
+    assert len(seen) >= 2 and all(d for _, d in seen)
+    for known, drafts in seen:
+        assert drafts == reference_drafts(llm.engine.model, proposer.head, known, len(drafts)), len(known)

@@ -173,11 +173,12 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram", "draft", "draft_model"] = Field(
+    method: Literal["ngram", "draft", "draft_model", "mtp"] = Field(
         default="ngram",
         description="ngram: prompt lookup (the longest suffix of the sequence seen earlier in it proposes what followed it); "
         "draft (vLLM: draft_model): a smaller model with the same tokenizer (`model`) proposes greedily, run by the same "
-        "worker; mtp is not implemented yet",
+        "worker; mtp: the checkpoint's own multi-token-prediction head (DeepSeek-V3, Qwen3.5, Qwen3-Next) proposes "
+        "greedily, chained for k > 1",
     )
     model: str | None = Field(default=None, description="draft: the draft model's checkpoint directory")
     num_speculative_tokens: int = Field(default=3, ge=1, le=16, description="most tokens proposed per request and step")
@@ -207,6 +208,8 @@ class SpeculativeConfig(BaseModel):
             self.method = "draft"
         if self.method == "draft" and not self.model:
             raise ValueError("speculative: method draft needs `model` (the draft checkpoint directory)")
+        if self.method == "mtp" and self.model:
+            raise ValueError("speculative: method mtp reads its head from the served checkpoint; `model` is for method draft")
         return self
 
 

@@ -272,7 +272,10 @@ class DataParallelRunner(ModelRunner):
             pools = ([self.rank_sharding] * self.cfg.num_state_layers,) * 2
         # Logits replicated: every process of a multi-host engine samples the same tokens.
         self._step = jax.jit(
-            self._step_impl, donate_argnums=(1, 2), out_shardings=(replicated, pages, pools, replicated), static_argnames=("decode_only",)
+            self._step_impl,
+            donate_argnums=(1, 2),
+            out_shardings=(replicated, pages, pools, replicated, replicated),
+            static_argnames=("decode_only",),
         )
 
     def _new_pages(self, page_shapes):
@@ -302,6 +305,7 @@ class DataParallelRunner(ModelRunner):
         logits_indices,
         states,
         window=None,
+        hidden=None,
         decode_only=False,
     ):
         self.num_traces += 1
@@ -317,7 +321,8 @@ class DataParallelRunner(ModelRunner):
             cache = DataParallelHybridCache(*meta, list(conv), list(rec), *states, decode_only=decode_only)
         counter = RoutingCounter(self.model.experts, slot_mapping >= 0, self.cfg.num_experts)
         logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
-        return logits, cache.pages, None if state_pools is None else (cache.conv, cache.recurrent), counter.loads()
+        # No hidden states out: a multi-token-prediction head runs on one device only (mtp_proposer.py).
+        return logits, cache.pages, None if state_pools is None else (cache.conv, cache.recurrent), counter.loads(), None
 
     def rank_of(self, block_ids: list[int]) -> int:
         return block_ids[0] // self.blocks_per_rank

@@ -27,6 +27,7 @@ from .expert_balancer import ExpertBalancer
 from .host_tier import HostKVTier
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
+from .mtp_proposer import MTPProposer
 from .output_processor import OutputProcessor, RequestOutput  # noqa: F401 - RequestOutput: the offline result type
 from .request import Request, RequestStatus
 from .retention import SessionAwareLRU
@@ -88,6 +89,9 @@ class _InFlight:
     drafts: list[list[int]]
     # Prompt logprobs the step computed: (request, first position predicted, its tokens, device arrays).
     prompt: list[tuple[Request, int, list[int], object]] = field(default_factory=list)
+    # Speculative method mtp: the step's hidden states and, per scheduled request, (request, first row, first
+    # position, positions computed), for the head to catch up on once the step's tokens are known.
+    hidden_feed: tuple | None = None
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -749,7 +753,13 @@ class EngineCore:
             rows.append(j)
             j += len(d) + 1
         self._step_counter += 1
-        return _InFlight(requests, sampled, rows, drafts, prompt)
+        feed = None
+        if self.runner.hidden_out is not None:
+            feed = (
+                self.runner.last_hidden,
+                [(it.request, int(inputs.cu_q_lens[i]), it.start, it.num_new_tokens) for i, it in enumerate(sched.scheduled)],
+            )
+        return _InFlight(requests, sampled, rows, drafts, prompt, feed)
 
     def _prompt_row_logprobs(self, sched: SchedulerOutput, inputs, logits) -> list:
         """Dispatches the logprobs of the prompt positions this step computed for requests that want them."""
@@ -775,6 +785,13 @@ class EngineCore:
                 self.outputs.fill_prompt_logprobs(
                     request.request_id, first, prompt_logprob_entries(arrays, next_ids, request.prompt_logprobs)
                 )
+        try:
+            return self._process_tokens(inflight)
+        finally:
+            if inflight.hidden_feed is not None:  # after the tokens: the head reads which drafts were accepted
+                self.speculator.proposer.feed(*inflight.hidden_feed)
+
+    def _process_tokens(self, inflight: _InFlight) -> list[TokenDelta]:
         if not inflight.requests:
             return []
         sampled = jax.device_get(inflight.sampled)
@@ -888,8 +905,10 @@ class EngineCore:
         proposer = None
         if config.speculative.method == "draft":  # refuses meshes itself (the draft runs on one device)
             proposer = DraftModelProposer(config, self.kv, self.max_model_len, self.runner.num_blocks, self.cfg, config.model)
-            if config.warmup:
-                proposer.warmup()
+        elif config.speculative.method == "mtp":  # likewise (the head runs on one device)
+            proposer = MTPProposer(config, self.kv, self.max_model_len, self.runner.num_blocks, self.model)
+        if proposer is not None and config.warmup:
+            proposer.warmup()
         return Speculator(config.speculative, proposer)
 
     def _allowed_bitmask(self, params: list[SamplingParams], grammars: list, bucket: int) -> np.ndarray | None:

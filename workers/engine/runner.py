@@ -97,6 +97,8 @@ class StepInputs:
     # A sliding-window cache group (window_cache.py): its layers' slots and page table; None otherwise.
     window_slot_mapping: np.ndarray | None = None  # i32[N]
     window_page_indices: np.ndarray | None = None  # i32[S, P]
+    # A multi-token-prediction head's step (mtp_proposer.py): the hidden state read at each token, [1, N, H].
+    hidden: jax.Array | None = None
 
     def put_tokens(self, row: int, offset: int, request, start: int, k: int, prev_tokens: jax.Array | None) -> None:
         """Input tokens [start, start + k) of `request` at tokens[row, offset:]; a last one the host does
@@ -147,6 +149,10 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         # Speculative decoding: a sequence may need a logits row per draft plus one.
         self.rows_per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
+        # A multi-token-prediction head reads every token's last hidden state: the step returns them too
+        # (`last_hidden`, [1, N, H] after the final norm).
+        self.hidden_out = "normed" if config.speculative is not None and config.speculative.method == "mtp" else None
+        self.last_hidden: jax.Array | None = None
         max_pages = math.ceil(max_model_len / config.block_size)
         self.token_buckets = config.token_buckets or powers_of_two_up_to(config.max_num_batched_tokens)
         self.page_buckets = config.page_buckets or powers_of_two_up_to(max_pages)
@@ -234,6 +240,7 @@ class ModelRunner:
         logits_indices,
         states,
         window=None,
+        hidden=None,
         decode_only=False,
     ):
         self.num_traces += 1  # runs only while tracing: counts compilations
@@ -246,10 +253,14 @@ class ModelRunner:
             cache = PagedHybridCache(*meta, list(conv), list(rec), *states, decode_only=decode_only)
         counter = RoutingCounter(self.model.experts, slot_mapping >= 0, self.cfg.num_experts)
         # A one-device program holds whole weights: the dense projections may run as CPU kernels (kernels.dense).
+        extra = {} if self.hidden_out is None else {"hidden_out": self.hidden_out}
+        if hidden is not None:
+            extra["hidden"] = hidden
         with dense.single_device(self.model.mesh.size == 1):
-            logits, cache = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter)
+            out = self.model.family.forward(weights, self.cfg, tokens, positions, cache, logits_indices, experts=counter, **extra)
+        logits, cache, hidden_states = out if self.hidden_out is not None else (*out, None)
         pools = None if state_pools is None else (cache.conv, cache.recurrent)
-        return logits, cache.pages, pools, counter.loads()
+        return logits, cache.pages, pools, counter.loads(), hidden_states
 
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
@@ -352,7 +363,7 @@ class ModelRunner:
         if inputs.state_inits:
             self.init_state_slots(inputs.state_inits)
         program = self.program(self.shape_of(inputs))
-        logits, self.kv_pages, self.state_pools, loads = program(
+        logits, self.kv_pages, self.state_pools, loads, self.last_hidden = program(
             self.model.weights, self.kv_pages, self.state_pools, *self._step_args(inputs)
         )
         self.expert_loads = loads if self.expert_loads is None else _add_jit(self.expert_loads, loads)
@@ -408,6 +419,7 @@ class ModelRunner:
             inputs.logits_indices,
             inputs.states(),
             inputs.window(),
+            inputs.hidden,
         )
 
     @staticmethod

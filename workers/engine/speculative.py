@@ -270,12 +270,7 @@ class DraftModelProposer:
         return [drafts[r.request_id] for r, _ in wanted]
 
     def _room(self, request: Request, limit: int) -> int:
-        """Drafts whose draft-step positions (the last known token's, then one per draft but the last) have
-        blocks: allocated now if the pool has them (the scheduler then finds them allocated; blocks past
-        the accepted tokens go back after the verify step)."""
-        if self.kv.allocate(request, limit) is None:  # positions up to num_tokens - 1 + limit - 1
-            return max(0, min(limit, len(request.block_ids) * self.block_size - request.num_tokens + 1))
-        return limit
+        return draft_room(self.kv, request, limit, self.block_size)
 
     def _step(self, sched) -> list[int]:
         inputs = self.runner.prepare(sched)
@@ -285,6 +280,18 @@ class DraftModelProposer:
 
     def warmup(self, show_progress: bool = False) -> None:
         self.runner.warmup(None, show_progress)
+
+
+def draft_room(kv, request: Request, limit: int, block_size: int) -> int:
+    """How many of `limit` drafts a proposer that runs its own steps at the request's positions (a draft
+    model, an MTP head) can propose: those whose positions (the last known token's, then one per draft but
+    the last: up to num_tokens - 2 + limit) have blocks, allocated now if the pool has them (the scheduler
+    then finds them allocated; blocks past the accepted tokens go back after the verify step). Counted from
+    the known tokens, not the computed ones: a hybrid request rolled back to a saved state has several
+    known tokens left to compute."""
+    if kv.allocate(request, request.num_tokens - 1 - request.num_computed_tokens + limit) is None:
+        return max(0, min(limit, len(request.block_ids) * block_size - request.num_tokens + 1))
+    return limit
 
 
 def check_same_tokenizer(target_dir: str, draft_dir: str, target_vocab: int, draft_vocab: int) -> None:
