@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from engine_harness import ENGINE_ARGS, prompts
+from engine_harness import ENGINE_ARGS, kv_handoff, prompts
 from safetensors.numpy import load_file, save_file
 
-from workers.engine import LLM, SamplingParams
+from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models import load_model
 from workers.models import mtp as mtp_head
 from workers.models.config import ModelLoadError
@@ -159,6 +159,23 @@ def test_greedy_output_with_mtp_equals_greedy_output_without(checkpoint):
     assert llm.engine.speculator.stats.num_draft_tokens > 0
 
 
+def test_a_disaggregated_decode_engine_speculates_with_the_head(checkpoint):
+    """Prefill on one engine, KV handoff, decode with the head proposing on another: the colocated greedy
+    tokens, drafts proposed (the head has not seen the prompt: it starts from the decode steps), and every
+    block back in the pool."""
+    _, model_dir = checkpoint
+    batch = prompts(3, seed=6, lo=8, hi=40)
+    want = [o.token_ids for o in LLM(str(model_dir), **ENGINE).generate(batch, GREEDY)]
+    prefill = EngineCore(EngineConfig(model=str(model_dir), worker_id="p", **ENGINE), show_progress=False)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    decode = EngineCore(EngineConfig(model=str(model_dir), worker_id="d", speculative=spec, **ENGINE), show_progress=False)
+    for i, p in enumerate(batch):
+        _, whole, _ = kv_handoff(prefill, decode, f"r{i}", p, GREEDY)
+        assert whole[0].token_ids == want[i]
+    assert decode.speculator.stats.num_draft_tokens > 0
+    assert decode.kv.num_free_blocks == decode.kv.pool.num_blocks
+
+
 def reference_drafts(target, head, known: list[int], k: int) -> list[int]:
     """The head's k greedy drafts after `known`, run on one contiguous cache: positions 0..n-2 read the
     target's hidden states and the true next tokens; then each chained position its own last draft."""
@@ -205,3 +222,14 @@ def test_the_heads_drafts_follow_the_accepted_tokens(checkpoint):
     assert len(seen) >= 2 and all(d for _, d in seen)
     for known, drafts in seen:
         assert drafts == reference_drafts(llm.engine.model, proposer.head, known, len(drafts)), len(known)
+
+
+def test_the_heads_view_of_a_request_is_its_tokens_shifted_by_one_then_the_drafts():
+    from workers.engine.mtp_proposer import _HeadTokens
+
+    tokens, drafts = [10, 11, 12, 13], [20, 21]
+    view, want = _HeadTokens(tokens, drafts), tokens[1:] + drafts
+    assert len(view) == len(want) and [view[i] for i in range(len(want))] == want
+    for start in range(len(want) + 1):
+        for stop in range(start, len(want) + 2):
+            assert view[start:stop] == want[start:stop]

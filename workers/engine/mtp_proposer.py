@@ -67,6 +67,26 @@ class MTPRunner(ModelRunner):
         return (*super()._step_args(inputs)[:-1], jax.device_put(inputs.hidden, self.token_sharding))
 
 
+class _HeadTokens:
+    """The head's view of a request's tokens, without copying them (a step reads a few): position i holds
+    the token at i + 1, then the drafts proposed so far."""
+
+    __slots__ = ("tokens", "drafts")
+
+    def __init__(self, tokens: list[int], drafts: list[int] = ()):
+        self.tokens, self.drafts = tokens, drafts
+
+    def __len__(self) -> int:
+        return len(self.tokens) - 1 + len(self.drafts)
+
+    def __getitem__(self, key):
+        known = len(self.tokens) - 1
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(len(self))
+            return self.tokens[start + 1 : min(stop, known) + 1] + list(self.drafts[max(start - known, 0) : max(stop - known, 0)])
+        return self.tokens[key + 1] if key < known else self.drafts[key - known]
+
+
 @jax.jit
 def _take_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
     return hidden[:, rows]
@@ -105,7 +125,7 @@ class MTPProposer:
             if keep == 0 or len(batch) >= self.max_seqs:
                 continue
             start += len(run_rows) - keep
-            batch.append(ScheduledRequest(_DraftView(request.block_ids, request.all_token_ids[1:]), keep, start))
+            batch.append(ScheduledRequest(_DraftView(request.block_ids, _HeadTokens(request.all_token_ids)), keep, start))
             fed_requests.append(request)
             rows.extend(run_rows[-keep:])
             budget -= keep
@@ -127,7 +147,7 @@ class MTPProposer:
             live = [r for r in proposing if limits[r.request_id] > j]
             if not live:
                 break
-            views = [_DraftView(r.block_ids, r.all_token_ids[1:] + drafts[r.request_id]) for r in live]
+            views = [_DraftView(r.block_ids, _HeadTokens(r.all_token_ids, drafts[r.request_id])) for r in live]
             step = SchedulerOutput([ScheduledRequest(v, 1, r.num_tokens - 2 + j) for v, r in zip(views, live)])
             inputs = self.runner.prepare(step)
             chain = self._run(inputs, chain, [chain_rows[r.request_id] for r in live])
