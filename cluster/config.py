@@ -289,7 +289,10 @@ class ClusterConfig(_Strict):
 
     def engine_for(self, pool: Literal["prefill", "decode"], worker_id: str) -> EngineConfig:
         overrides = getattr(self, pool).engine_overrides
-        return EngineConfig(**{**self.engine.model_dump(), **overrides, "worker_id": worker_id})
+        config = {**self.engine.model_dump(), **overrides, "worker_id": worker_id}
+        if pool == "prefill":  # it samples one token per request: a proposer (draft model, MTP head) would only cost memory
+            config["speculative"] = None
+        return EngineConfig(**config)
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -356,6 +356,8 @@ def test_demo_config_binds_loopback_and_make_serve_host_switch(tmp_path):
     assert not resolve_config(argparse.Namespace(**args, host=None, host_kv_gib=0)).engine.host_kv.enabled
     spec = resolve_config(argparse.Namespace(**args, host=None, speculative_config='{"method": "ngram", "num_speculative_tokens": 5}'))
     assert spec.engine.speculative.num_speculative_tokens == 5
+    # Only decode replicas speculate: a prefill replica samples one token per request.
+    assert spec.engine_for("decode", "d").speculative.num_speculative_tokens == 5 and spec.engine_for("prefill", "p").speculative is None
     from cluster.config import ConfigError
 
     with pytest.raises(ConfigError, match="not JSON"):
