@@ -93,7 +93,7 @@ class ExpertBalancer:
         # Start-up: every expert once, the spare slots to the first experts (no loads yet); loaded weights
         # are in logical order, so the identity map is the current placement.
         identity = np.tile(np.arange(self.num_experts), (self.num_layers, 1))
-        self.placement = self._padded(Placement(identity, identity[:, :, None], np.ones_like(identity)))
+        self.placement = Placement(identity, identity[:, :, None], np.ones_like(identity))
         self._start(self._place(np.ones((self.num_layers, self.num_experts))))
         self.wait()
         self.num_rebalances = 0  # the start-up placement is no rebalance
@@ -163,13 +163,7 @@ class ExpertBalancer:
 
     def _place(self, loads: np.ndarray) -> Placement:
         groups = self.num_groups if self.num_groups % self.num_nodes == 0 else 1
-        return self._padded(rebalance_experts(loads, self.num_slots, groups, self.num_nodes, self.ep_size))
-
-    def _padded(self, placement: Placement) -> Placement:
-        """The placement with its replica map at the fixed width (so that layers of two placements mix)."""
-        extra = self.max_replicas - placement.log2phy.shape[2]
-        log2phy = np.pad(placement.log2phy, ((0, 0), (0, 0), (0, extra)), constant_values=-1)
-        return Placement(placement.phy2log, log2phy, placement.logcnt)
+        return rebalance_experts(loads, self.num_slots, groups, self.num_nodes, self.ep_size)
 
     # ---------------------------------------------------------------- the move
 
@@ -201,16 +195,12 @@ class ExpertBalancer:
         install_experts(
             [blocks[i] for i in layers], move.leaves, new.log2phy[layers], new.logcnt[layers], self.model.mesh, self.max_replicas
         )
-        current = self.placement
-        if current.phy2log.shape != new.phy2log.shape:  # start-up (in `wait`): the loaded E slots become R
-            current = new
-        phy2log, log2phy, logcnt = current.phy2log.copy(), current.log2phy.copy(), current.logcnt.copy()
-        phy2log[layers], log2phy[layers], logcnt[layers] = new.phy2log[layers], new.log2phy[layers], new.logcnt[layers]
-        self.placement = Placement(phy2log, log2phy, logcnt)
         if move.groups:
             self._copy_next(move)
             return
-        self._move = None
+        # Only now: nothing reads the placement while a move is under way (a request waits for its end), and
+        # the move's source slots were taken from the placement before it.
+        self._move, self.placement = None, new
         self.num_rebalances += 1
         log.info("eplb: placement %d swapped in (%d slots, most replicas %d)", self.num_rebalances, self.num_slots, new.logcnt.max())
 
