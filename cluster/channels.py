@@ -5,7 +5,9 @@ workers/outbox.py); the channel's reader puts each delta on its request's queue.
 before it is started, so no delta can arrive before its queue exists.
 
 A channel opens on first use and ends by itself when the worker had nothing of ours to run for a while
-(its `closing` batch); the next request opens it again. A channel that fails (the worker died: its
+(its `closing` batch); the next request opens it again, under a new name (the front end's id and the
+channel's number): a start names the channel its request listens on, and a worker refuses one whose
+channel has ended, so a request is never started on a newer channel than the one it listens on. A channel that fails (the worker died: its
 stream raised, or ended without the `closing` batch) fails every request on it with `ChannelFailed`,
 which the pipeline treats as that worker's failure (failover, or a clean error). A channel to a worker
 that drains gives each of its requests a `Draining` marker: the request moves to another worker.
@@ -56,9 +58,10 @@ class Draining:
 class RequestTokens:
     """One request's deltas as its channel delivers them, and whatever ends it early (a failure marker)."""
 
-    __slots__ = ("_items", "_waiter", "until_done")
+    __slots__ = ("_items", "_waiter", "channel", "until_done")
 
-    def __init__(self):
+    def __init__(self, channel: str):
+        self.channel = channel  # the name of the channel that delivers them: the request's start names it
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         # Set for a consumer that wants only the whole output (a non-streamed request): deltas then pile up
@@ -90,14 +93,15 @@ class RequestTokens:
 
 
 class _Channel:
-    def __init__(self, pool: DecodePool, worker: str, channel_id: str, on_end: Callable[["_Channel"], None]):
+    def __init__(self, pool: DecodePool, worker: str, name: str, on_end: Callable[["_Channel"], None]):
         self.worker = worker
+        self.name = name
         self.subscribers: dict[str, RequestTokens] = {}
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
         self.done = False
         self.draining = False  # its requests were told to move: so is every request that subscribes later
         self._on_end = on_end
-        self._pool, self._channel_id = pool, channel_id
+        self._pool = pool
         self._stream = None
         # A fresh context: opened while serving a request, the channel would be that request's child call,
         # and Serve cancels a request's children when the request ends early (a client that leaves would
@@ -108,7 +112,7 @@ class _Channel:
         error: BaseException = StreamEndedEarly("the channel ended before its requests finished")
         idle = False
         try:
-            self._stream = self._pool.channel(self.worker, self._channel_id)
+            self._stream = self._pool.channel(self.worker, self.name)
             async for data in self._stream:
                 batch = TokenDeltaBatch.decode(data)
                 if not self.opened.done():
@@ -155,6 +159,7 @@ class DecodeChannels:
         self.pool = pool
         self.channel_id = channel_id  # this front-end replica: what the workers know it by
         self._channels: dict[str, _Channel] = {}
+        self._opened = 0  # channels opened so far: the next one's number
 
     async def subscribe(self, worker: str, request_id: str) -> RequestTokens:
         """A queue that gets the request's deltas (and a `ChannelFailed` if the channel breaks), once the
@@ -162,21 +167,26 @@ class DecodeChannels:
         while True:
             channel = self._channels.get(worker)
             if channel is None or channel.done:
-                channel = self._channels[worker] = _Channel(self.pool, worker, self.channel_id, self._ended)
+                # A new name for each: a start sent for the channel that ended must not begin on this one
+                # (its request listens on the old one, which told it the channel closed: it would start again).
+                self._opened += 1
+                name = f"{self.channel_id}.{self._opened}"
+                channel = self._channels[worker] = _Channel(self.pool, worker, name, self._ended)
             await asyncio.shield(channel.opened)
             if not channel.done:  # it may have ended (idle) in the meantime: then open it again
-                tokens = channel.subscribers[request_id] = RequestTokens()
+                tokens = channel.subscribers[request_id] = RequestTokens(channel.name)
                 if channel.draining:  # routed here just before the drain was known
                     tokens.put_nowait(Draining(worker))
                 return tokens
 
-    async def refused(self, worker: str, timeout_s: float = 5.0) -> None:
-        """The worker refused a start on the channel: it closed it (idle), its `closing` batch on the way.
-        Waits for that batch so that the next `subscribe` opens a new channel; without the wait every retry
-        subscribed to the stale one, was refused at once, and the request failed after a few (seen in a full
-        run under load). A batch that does not come within `timeout_s` ends the channel from this side."""
+    async def refused(self, worker: str, name: str, timeout_s: float = 5.0) -> None:
+        """The worker refused a start on the channel `name`: it closed it (idle), its `closing` batch on the
+        way. Waits for that batch so that the next `subscribe` opens a new channel; without the wait every
+        retry subscribed to the stale one, was refused at once, and the request failed after a few (seen in a
+        full run under load). A batch that does not come within `timeout_s` ends the channel from this side.
+        A newer channel to the worker (opened meanwhile by another request) is left alone."""
         channel = self._channels.get(worker)
-        if channel is None or channel.done:
+        if channel is None or channel.done or channel.name != name:
             return
         await asyncio.wait({channel.reader}, timeout=timeout_s)  # not cancelled on a timeout
         if not channel.done:

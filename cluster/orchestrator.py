@@ -428,16 +428,17 @@ class Orchestrator:
         output tokens the client has already (a migrated request). When the worker drains and `movable()`,
         it stops here with a `_Failure` whose `drained` is set (the request is aborted there)."""
         worker = decision.decode_worker
-        request = DecodeRequest(request_id, prompt, params, self.channels.channel_id, handoff, session_id, tracing.inject(span), resume)
+        trace_context = tracing.inject(span)
         started = finished = False
         try:
             for _ in range(_REOPENS):
                 tokens = await _until(self._subscribe(worker, request_id), deadline, "decode")
+                request = DecodeRequest(request_id, prompt, params, tokens.channel, handoff, session_id, trace_context, resume)
                 try:
                     await _until(self.decode.start(worker, request), deadline, "decode")
                 except ChannelClosed:  # the channel closed (idle) between opening and this start: again
                     self.channels.unsubscribe(worker, request_id)
-                    await _until(self.channels.refused(worker), deadline, "decode")
+                    await _until(self.channels.refused(worker, tokens.channel), deadline, "decode")
                     continue
                 except (RequestTimedOut, asyncio.CancelledError):
                     started = True  # it may have reached the worker: abort it there to be sure

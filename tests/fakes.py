@@ -146,6 +146,7 @@ class FakeEngineWorker:
         self.tokens_out = 0  # decode deltas sent
         self.linger_s = 2.0  # an idle channel's life (workers' channel_linger_s)
         self.closing_delay_s = 0.0  # how long its `closing` batch takes to reach the front end
+        self.start_delay_s = 0.0  # how long a decode start takes to reach the worker
 
     @property
     def dead(self) -> asyncio.Event:
@@ -229,8 +230,11 @@ class FakeEngineWorker:
 
     async def start(self, request, fetch_chunk=None, release=None, on_end=None, on_import=None) -> None:
         self.requests.append(request)
+        await asyncio.sleep(self.start_delay_s)
         if self.dead.is_set():
             raise ActorDiedError()
+        if request.request_id in self._running:  # as the real engine refuses it (a 400 at the front end)
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         outbox = self.channels.get(request.channel)
         if outbox is None or outbox.closed:
             raise ChannelClosed(request.channel)

@@ -152,7 +152,36 @@ def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channe
     second, old, now = run(main())
     assert second.status_code == 200, second.body
     assert body_of(second)["usage"]["completion_tokens"] == 3
-    assert len(now) == 1 and now[0] is not old  # it ran on a new channel under the same id
+    assert len(now) == 2 and now[0] is old and not now[1].closed  # it ran on a new channel
+
+
+def test_a_start_sent_before_its_channel_closed_never_begins_on_the_channel_opened_after(model_dir):
+    """A request listens on a channel whose idle close is on its way, and its start is slower still (a
+    loaded machine): by the time the start arrives, the next request opened a new channel. The start must be
+    refused (its request was told its channel closed and opens the new one itself); it used to begin on
+    the new channel, the request then started again on the same worker, and the client got a 400 "request id
+    ... is already in use" (a full run's bench routing, bench serve and scale-down tests, all at once)."""
+    d0 = FakeWorker("d0")
+    d0.linger_s, d0.closing_delay_s = 0.05, 0.2
+
+    async def main():
+        s = await make_serving(model_dir, [], [d0])
+        first = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert first.status_code == 200, first.body
+        await until(lambda: d0.channels and all(o.closed for o in d0.channels.values()))  # closed, not yet told
+        d0.start_delay_s, d0.linger_s = 0.4, 2.0  # the next channel stays open while the start is on its way
+        late = asyncio.create_task(s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 40})))
+        await until(lambda: len(d0.requests) == 2)  # its start is on its way
+        await until(lambda: not s.frontend.pipeline.channels.open_workers())  # the front end knows it closed
+        d0.start_delay_s = 0.0
+        other = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 4}))
+        return await late, other
+
+    late, other = run(main())
+    assert late.status_code == 200 and other.status_code == 200, (late.body, other.body)
+    assert body_of(late)["choices"][0]["text"] == "".join(f"t{i} " for i in range(40))
+    assert body_of(other)["usage"]["completion_tokens"] == 4
+    assert len(d0.started) == len(set(d0.started)) == 3 and d0.aborted == [], (d0.started, d0.aborted)  # each ran once
 
 
 def test_a_request_lost_by_a_live_worker_moves_without_marking_the_worker_failed(model_dir):

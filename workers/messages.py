@@ -133,7 +133,8 @@ class PrefillHandoff:
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     """A request for a decode worker. Without a handoff the worker prefills the prompt (and `resume`) itself.
-    Its deltas go out on `channel` (the front-end replica that sent it)."""
+    Its deltas go out on `channel` (the name of the front-end replica's channel it listens on: a worker
+    starts it only while that very channel is open)."""
 
     request_id: str
     prompt: list[int]
