@@ -72,6 +72,31 @@ def test_bad_shapes_are_refused():
         rebalance_experts(ZIPF, 64, 3, 1, DEVICES)
 
 
+def test_a_replicated_experts_tokens_go_round_its_replicas_in_decode_and_in_a_prompt():
+    """`physical_ids`: 8 sequences decode 9 steps (3 x 3: a sequence moves on every 3 steps), each keeping its
+    batch row and choosing expert 0 (3 replicas) every step: each sequence's tokens visit every replica equally (they used to stay on the one
+    of its row, an imbalance no placement sees); within a step the 8 spread over the replicas; a 12-token
+    prompt's tokens split evenly but for its ends; every assignment lands on a slot of its own expert."""
+    import jax.numpy as jnp
+
+    from workers.models.layers import physical_ids
+
+    log2phy = jnp.asarray([[0, 4, 5], [1, -1, -1], [2, -1, -1], [3, -1, -1]])
+    logcnt = jnp.asarray([3, 1, 1, 1])
+    rows, steps = 8, 9
+    ids = jnp.asarray([[0, 1]] * rows)
+    per_step = [np.asarray(physical_ids(ids, log2phy, logcnt, jnp.full((rows, 1), 30 + s)))[:, 0] for s in range(steps)]
+    for seq in range(rows):
+        visited = np.bincount([int(step[seq]) for step in per_step], minlength=6)[[0, 4, 5]]
+        assert visited.tolist() == [3, 3, 3], (seq, visited)
+    for step in per_step:
+        assert max(np.bincount(step, minlength=6)[[0, 4, 5]]) - min(np.bincount(step, minlength=6)[[0, 4, 5]]) <= 1
+    prompt = np.asarray(physical_ids(jnp.asarray([[0, 2]] * 12), log2phy, logcnt, jnp.arange(12)[None, :] + 7))
+    split = np.bincount(prompt[:, 0], minlength=6)[[0, 4, 5]]
+    assert split.sum() == 12 and split.max() - split.min() <= 2, split  # a run of 3 round all 3; a part-run at each end
+    assert set(prompt[:, 1].tolist()) == {2}
+
+
 # ---------------------------------------------------------------------------------------------
 # Redundant experts in the model: the placement applied to the weights, the dispatch through the replica map.
 

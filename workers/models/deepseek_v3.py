@@ -227,7 +227,9 @@ def mla_attention_expanded(x: Array, w: MLAWeights, cfg: ModelConfig, rope, posi
     return linear(out.reshape(b, t, cfg.num_heads * m.v_head_dim), w.o)
 
 
-def moe_sigmoid_grouped(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callable | None = None) -> Array:
+def moe_sigmoid_grouped(
+    x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callable | None = None, positions: Array | None = None
+) -> Array:
     """Group-limited sigmoid routing (computed per token, before any dispatch) -> routed experts, plus the
     always-on shared experts."""
 
@@ -236,7 +238,7 @@ def moe_sigmoid_grouped(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Call
         k, groups, kept = cfg.num_experts_per_tok, cfg.num_expert_groups, cfg.topk_expert_groups
         return route_sigmoid_group_topk(logits, w.router_bias, k, groups, kept, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
-    return moe_block(x, w, route, experts)
+    return moe_block(x, w, route, experts, positions)
 
 
 def forward(

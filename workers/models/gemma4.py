@@ -395,7 +395,7 @@ def geglu_mlp(x: Array, w: MLPWeights) -> Array:
     return linear(gelu_tanh(gate) * up, w.down)
 
 
-def routed(h: Array, w: Gemma4Experts, cfg: ModelConfig, experts: Callable | None) -> Array:
+def routed(h: Array, w: Gemma4Experts, cfg: ModelConfig, experts: Callable | None, positions: Array | None = None) -> Array:
     """The expert block beside the dense MLP: routed from the block's input h [B, T, H]."""
     shape = h.shape
     flat = h.reshape(-1, shape[-1])
@@ -407,7 +407,7 @@ def routed(h: Array, w: Gemma4Experts, cfg: ModelConfig, experts: Callable | Non
     x = gemma_norm(flat, w.pre_norm, cfg.rms_norm_eps)
     ids = ids.astype(jnp.int32)
     if w.log2phy is not None:
-        ids = physical_ids(ids, w.log2phy, w.logcnt)
+        ids = physical_ids(ids, w.log2phy, w.logcnt, positions)
     out = (experts or routed_experts)(x, ids, weights.astype(x.dtype), w.gate_up, w.down, activation=cfg.expert_activation)
     return out.reshape(shape)
 
@@ -418,7 +418,7 @@ def block(x: Array, lw: Gemma4Layer, cfg: ModelConfig, layer: int, rope, positio
     m = geglu_mlp(gemma_norm(h, lw.pre_ff_norm, eps), lw.mlp)
     if lw.experts is not None:
         e = lw.experts
-        m = gemma_norm(m, e.post_norm_mlp, eps) + gemma_norm(routed(h, e, cfg, experts), e.post_norm, eps)
+        m = gemma_norm(m, e.post_norm_mlp, eps) + gemma_norm(routed(h, e, cfg, experts, positions), e.post_norm, eps)
     h = h + gemma_norm(m, lw.post_ff_norm, eps)
     if lw.per_layer_input is not None:
         p = lw.per_layer_input

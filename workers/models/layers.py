@@ -320,7 +320,7 @@ def swiglu_mlp(x: Array, w: MLPWeights) -> Array:
     return linear(jax.nn.silu(gate) * up, w.down)
 
 
-def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callable | None = None) -> Array:
+def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callable | None = None, positions: Array | None = None) -> Array:
     """Softmax router -> top-k (optionally renormalised) -> routed experts (+ gated shared expert).
 
     `experts` replaces `routed_experts` (same arguments), e.g. `moe_parallel.ExpertParallel` to run
@@ -333,27 +333,42 @@ def moe_softmax_topk(x: Array, w: MoEWeights, cfg: ModelConfig, experts: Callabl
             logits = logits + w.routing_bias.astype(logits.dtype)
         return route_softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
-    return moe_block(x, w, route, experts)
+    return moe_block(x, w, route, experts, positions)
 
 
-def physical_ids(ids: Array, log2phy: Array, logcnt: Array) -> Array:
-    """Logical expert ids [T, k] -> physical slots: token t's assignment to expert e goes to replica
-    t mod logcnt[e]. The rule depends only on the batch, so every device splits a replicated expert's tokens
-    the same way and each assignment runs exactly once. (By token, not by flat assignment index t * k + j:
-    a hot expert is mostly its tokens' first choice, j = 0, and with k a multiple of the replica count every
-    such assignment would land on replica 0.)"""
+def physical_ids(ids: Array, log2phy: Array, logcnt: Array, positions: Array | None = None) -> Array:
+    """Logical expert ids [T, k] -> physical slots: token t (at sequence position p) sends its assignment to
+    expert e to replica (t + p // n) mod n, n = logcnt[e]. The rule depends only on the batch, so every
+    device splits a replicated expert's tokens the same way and each assignment runs exactly once.
+    - By token, not by flat assignment index t * k + j: a hot expert is mostly its tokens' first choice,
+      j = 0, and with k a multiple of the replica count every such assignment would land on replica 0.
+    - The position term moves a decoding sequence to the next replica every n steps. By row alone, a
+      sequence kept its batch row, so its tokens went to one replica for its whole life: sequences that
+      keep choosing an expert (greedy text that repeats itself) loaded its replicas unevenly, which no
+      placement sees (`bench eplb`: windowed max/mean 1.14-1.16 with balancing). Within a prompt t and p
+      advance together and p // n adds one every n tokens: its tokens still go round every replica."""
     t = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
-    return log2phy[ids, t % logcnt[ids]]
+    count = logcnt[ids]
+    if positions is not None:
+        t = t + positions.reshape(-1, 1).astype(jnp.int32) // count
+    return log2phy[ids, t % count]
 
 
-def moe_block(x: Array, w: MoEWeights, route: Callable[[Array], tuple[Array, Array]], experts: Callable | None = None) -> Array:
+def moe_block(
+    x: Array,
+    w: MoEWeights,
+    route: Callable[[Array], tuple[Array, Array]],
+    experts: Callable | None = None,
+    positions: Array | None = None,
+) -> Array:
     """The MoE every family shares once it has routed: `route(tokens [T, hidden]) -> (weights, ids)` per
-    token, then the routed experts, plus the shared expert (gated by sigmoid(shared_gate) when it has one)."""
+    token, then the routed experts, plus the shared expert (gated by sigmoid(shared_gate) when it has one).
+    `positions` (x's [B, T]) spread a replicated expert's tokens over its replicas (`physical_ids`)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, ids = route(flat)
     if w.log2phy is not None:
-        ids = physical_ids(ids, w.log2phy, w.logcnt)
+        ids = physical_ids(ids, w.log2phy, w.logcnt, positions)
     out = (experts or routed_experts)(flat, ids, weights.astype(flat.dtype), w.gate_up, w.down)
     if w.shared is not None:
         shared = swiglu_mlp(flat, w.shared)
@@ -364,7 +379,7 @@ def moe_block(x: Array, w: MoEWeights, route: Callable[[Array], tuple[Array, Arr
 # ---------------------------------------------------------------------------------------------
 # The decoder stack every family runs; a family supplies its block's MLP choice.
 
-MlpFn = Callable[[Array, "MLPWeights | MoEWeights", ModelConfig], Array]
+MlpFn = Callable[..., Array]  # (x, MoEWeights, cfg, experts=None, positions=None): moe_softmax_topk's shape
 # A linear-attention token mixer: (x, weights, cfg, cache, state_layer) -> [B, T, hidden]
 # (`linear_attention.gated_deltanet`).
 LinearMixerFn = Callable[..., Array]
@@ -395,7 +410,7 @@ def decoder_block(
     else:
         h = x + (attention_fn or attention)(normed, lw.attn, cfg, rope, positions, cache, layer)
     normed = norm(h, lw.post_attn_norm, cfg)
-    mlp_out = moe_fn(normed, lw.mlp, cfg) if cfg.moe_layers[layer] else swiglu_mlp(normed, lw.mlp)
+    mlp_out = moe_fn(normed, lw.mlp, cfg, positions=positions) if cfg.moe_layers[layer] else swiglu_mlp(normed, lw.mlp)
     return h + mlp_out
 
 
