@@ -2,7 +2,9 @@
 
 Models: the trained target MoE and draft of `workers/models/train_tiny.py` (trained once on the Python
 standard library's source, ~8 minutes on 2 cores, then cached); `--quick` takes the test-sized pair
-(seconds). Random weights accept nothing, so they are never used here.
+(seconds). With `--methods mtp` the target is instead train_tiny's DeepSeek-V3 MoE trained with its
+multi-token-prediction head (no draft model shares its tokenizer: `draft` cannot run beside it unless
+--target and --draft are given). Random weights accept nothing, so they are never used here.
 
 Workloads (greedy, `--max-tokens` each, EOS ignored so every run decodes the same number of tokens):
 - code: continuations of Python files the models never saw (standard-library modules outside the
@@ -67,7 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, help="target checkpoint (default: the trained target, trained if not cached)")
     p.add_argument("--draft", type=Path, help="draft checkpoint for --methods draft (default: the trained draft)")
     p.add_argument("--quick", action="store_true", help="the test-sized trained pair (trains in seconds): a smoke run")
-    p.add_argument("--methods", default="ngram,draft", help="comma-separated: ngram, draft (default both)")
+    p.add_argument(
+        "--methods",
+        default="ngram,draft",
+        help="comma-separated: ngram, draft, mtp (default ngram,draft; mtp runs on the trained MTP target)",
+    )
     p.add_argument("--k", type=int_list, default=[1, 3], help="num_speculative_tokens values (default 1,3)")
     p.add_argument("--batches", type=int_list, default=[1, 4, 8, 16, 32], help="decode batch sizes (default 1,4,8,16,32)")
     p.add_argument("--workloads", default="code,chat", help="comma-separated: code, chat (default both)")
@@ -198,16 +204,23 @@ def verify_cost(engine, prompts: list[list[int]], k: int, steps: int = 12) -> di
 
 
 def run(args) -> int:
+    from workers.models import train_tiny
     from workers.models.tokenizer import Tokenizer
-    from workers.models.train_tiny import DRAFT, TARGET, TEST_DRAFT, TEST_TARGET, trained_model
+    from workers.models.train_tiny import DRAFT, TEST_DRAFT, trained_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
-        if m not in ("ngram", "draft"):
-            raise SystemExit(f"unknown method {m!r} (ngram, draft)")
+        if m not in ("ngram", "draft", "mtp"):
+            raise SystemExit(f"unknown method {m!r} (ngram, draft, mtp)")
+    if {"draft", "mtp"} <= set(methods) and not (args.target and args.draft):
+        raise SystemExit("--methods with both draft and mtp needs --target (with a head) and --draft (same tokenizer)")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     _progress("models (training them once if not cached)")
-    target = args.target or trained_model(TEST_TARGET if args.quick else TARGET)
+    if "mtp" in methods:
+        default_target = train_tiny.TEST_MTP_TARGET if args.quick else train_tiny.MTP_TARGET
+    else:
+        default_target = train_tiny.TEST_TARGET if args.quick else train_tiny.TARGET
+    target = args.target or trained_model(default_target)
     draft = args.draft or (trained_model(TEST_DRAFT if args.quick else DRAFT) if "draft" in methods else None)
     tokenizer = Tokenizer.from_dir(target)
     configs = {"none": None}

@@ -6,6 +6,7 @@ Hugging Face writes), so what we write is by construction what we load; transfor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -399,9 +400,12 @@ def write_safetensors(out: Path, tensors: Iterator[tuple[str, np.ndarray]], tota
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int = 0, mtp: bool = False) -> Path:
+def make_model(
+    out_dir: str | Path, arch: str, preset: str | Preset, seed: int = 0, mtp: bool = False, initializer_range: float | None = None
+) -> Path:
     """A random checkpoint of `arch` at a named preset, or (attention-only families) any `Preset`. `mtp`: with
-    a multi-token-prediction head as the family stores it (deepseek_v3, qwen3_5_moe, qwen3_next; mtp.py)."""
+    a multi-token-prediction head as the family stores it (deepseek_v3, qwen3_5_moe, qwen3_next; mtp.py).
+    `initializer_range` replaces the preset's (a checkpoint to be trained starts smaller than a test's)."""
     from . import mtp as mtp_head
     from .tokenizer import train_byte_level_bpe  # tokenizer training is only needed here
 
@@ -424,6 +428,8 @@ def make_model(out_dir: str | Path, arch: str, preset: str | Preset, seed: int =
         p, mla_preset = DEEPSEEK_PRESETS[preset]
     if arch == "gemma4":
         p, gemma_preset = GEMMA4_PRESETS[preset]
+    if initializer_range is not None:
+        p = dataclasses.replace(p, initializer_range=initializer_range)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
