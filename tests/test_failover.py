@@ -132,19 +132,26 @@ def test_a_stream_that_ends_unfinished_is_a_failed_worker(model_dir):
     assert a_events[-2]["error"]["code"] == "worker_failed"
 
 
+async def served_until_the_idle_close(model_dir, d0, closing_delay_s: float):
+    """The front end over `d0` after one request, once d0 closed its idle channel (its `closing` batch
+    takes `closing_delay_s` to reach the front end)."""
+    d0.linger_s, d0.closing_delay_s = 0.05, closing_delay_s
+    s = await make_serving(model_dir, [], [d0])
+    first = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+    assert first.status_code == 200, first.body
+    await until(lambda: d0.channels and all(o.closed for o in d0.channels.values()))  # closed, not yet told
+    return s
+
+
 def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channel(model_dir):
     """The worker closed its idle channel and its `closing` batch is still on the way (a loaded machine):
     the next request's starts are refused. It waits for that batch and opens a new channel; it used to
     subscribe to the stale channel again at once and fail after three refusals (a 503 with
     "failed (ChannelIdleClosed)" in test_cluster's structured outputs, in a full run)."""
     d0 = FakeWorker("d0")
-    d0.linger_s, d0.closing_delay_s = 0.05, 0.5
 
     async def main():
-        s = await make_serving(model_dir, [], [d0])
-        first = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
-        assert first.status_code == 200, first.body
-        await until(lambda: d0.channels and all(o.closed for o in d0.channels.values()))  # closed, not yet told
+        s = await served_until_the_idle_close(model_dir, d0, 0.5)
         (old,) = d0.channels.values()
         second = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 3}))
         return second, old, list(d0.channels.values())
@@ -162,13 +169,9 @@ def test_a_start_sent_before_its_channel_closed_never_begins_on_the_channel_open
     the new channel, the request then started again on the same worker, and the client got a 400 "request id
     ... is already in use" (a full run's bench routing, bench serve and scale-down tests, all at once)."""
     d0 = FakeWorker("d0")
-    d0.linger_s, d0.closing_delay_s = 0.05, 0.2
 
     async def main():
-        s = await make_serving(model_dir, [], [d0])
-        first = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
-        assert first.status_code == 200, first.body
-        await until(lambda: d0.channels and all(o.closed for o in d0.channels.values()))  # closed, not yet told
+        s = await served_until_the_idle_close(model_dir, d0, 0.2)
         d0.start_delay_s, d0.linger_s = 0.4, 2.0  # the next channel stays open while the start is on its way
         late = asyncio.create_task(s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 40})))
         await until(lambda: len(d0.requests) == 2)  # its start is on its way
