@@ -6,12 +6,11 @@ Hugging Face writes), so what we write is by construction what we load; transfor
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -429,7 +428,7 @@ def make_model(
     if arch == "gemma4":
         p, gemma_preset = GEMMA4_PRESETS[preset]
     if initializer_range is not None:
-        p = dataclasses.replace(p, initializer_range=initializer_range)
+        p = replace(p, initializer_range=initializer_range)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
