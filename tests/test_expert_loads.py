@@ -128,9 +128,10 @@ def test_rebalancing_in_the_middle_of_16_streams_changes_no_token(tiny):
 
 
 def test_a_rebalance_copies_in_the_background_and_swaps_one_group_of_layers_at_a_time(tiny):
-    """A placement's experts are copied while steps run on the current ones: the step boundary that starts
-    a group's copy swaps nothing in, a later one whose copy is done swaps in that group (its arrays and its
-    replica maps) and starts the next; the move ends after the last group."""
+    """A placement's experts are copied while steps run on the current ones, one part (gate_up, then down) of
+    a group at a time: the step boundary that starts a part's copy swaps nothing in; once the last part's copy
+    is done, the next boundary swaps in that group (its arrays and its replica maps) and starts the next; the
+    move ends after the last group."""
     from workers.models.moe_parallel import moe_blocks
 
     parallel = {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}}
@@ -143,14 +144,20 @@ def test_a_rebalance_copies_in_the_background_and_swaps_one_group_of_layers_at_a
     start = arrays()
     assert balancer.request(llm.engine.runner.expert_loads_array()) and balancer.moving
     balancer._pending.result()
-    balancer.on_step(lambda: None)  # the placement is ready: the first group's copy starts, nothing is swapped
+    assert balancer.num_parts == 2
+    balancer.on_step(lambda: None)  # the placement is ready: the first group's gate_up copy starts
     assert all(same(a, b) for a, b in zip(arrays(), start)) and balancer.moving and balancer.num_rebalances == 0
+    assert len(balancer._move.parts) == 1
     jax.block_until_ready(balancer._move.leaves)
-    balancer.on_step(lambda: None)  # copied: the first layer swapped in, the second one's copy starts
+    balancer.on_step(lambda: None)  # copied: its down copy starts, still nothing swapped
+    assert all(same(a, b) for a, b in zip(arrays(), start)) and len(balancer._move.parts) == 2
+    jax.block_until_ready(balancer._move.leaves)
+    balancer.on_step(lambda: None)  # both parts copied: the first layer swapped in, the second one's copy starts
     now = arrays()
     assert all(a is not b for a, b in zip(now[0], start[0])) and same(now[1], start[1]) and balancer.moving
-    jax.block_until_ready(balancer._move.leaves)
-    balancer.on_step(lambda: None)
+    for _ in range(2):
+        jax.block_until_ready(balancer._move.leaves)
+        balancer.on_step(lambda: None)
     assert all(a is not b for a, b in zip(arrays()[1], start[1]))
     assert not balancer.moving and balancer.num_rebalances == 1
 

@@ -6,17 +6,20 @@ over the EP ranks like the experts), so the step programs' shapes never change a
 `period_steps` steps (or on `EngineCore.rebalance_experts()`), the logical loads routed since the last
 rebalance go to `eplb.rebalance_experts` on a background thread (which also waits for the counts' copy
 from the device: the engine thread never does). Then the move, `layers_per_move` MoE layers at a time: a
-group's experts are copied into new arrays in their new slots (`moe_parallel.copy_experts`: one program
-per group, compiled when the balancer starts) while steps keep running on the current ones, and at the
-first step boundary where the copy is done, the group's arrays and replica maps are swapped in (a
-reference swap: the next step reads them) and the next group's copy starts. A step in flight keeps the
+group's experts are copied into new arrays in their new slots one part at a time (gate_up, then down, and a
+packed weight's scales: `moe_parallel.copy_experts`, one program per part, compiled when the balancer
+starts; a step launched while one runs shares the devices with it, so a smaller program costs it less)
+while steps keep running on the current ones. At each step boundary where the part's copy is done the next
+part's starts; after the last, the group's arrays and replica maps are swapped in together (a reference
+swap: the next step reads them) and the next group's copy starts. A step in flight keeps the
 arrays it was launched with, and a replicated expert computes the same numbers in any slot: streams are
 unchanged by a rebalance, and no step waits for a copy.
 
 An engine over several hosts runs the same balancer on every host, fed the same calls (the period counts
 the replayed steps, a manual trigger is a replicated call, the loads are replicated on every host): each
 host computes the same placement and starts and swaps every group at the same steps, counted from the
-request (`SWAP_AFTER_STEPS`, `MOVE_STEPS`; a swap whose computation or copy is late waits for it there),
+request (`SWAP_AFTER_STEPS`, and `MOVE_STEPS` per part; a swap whose computation or copy is late waits
+for it there),
 never at "whenever it is ready", which would differ between hosts and desynchronise their collectives.
 """
 
@@ -31,7 +34,7 @@ import numpy as np
 
 from workers.models import LoadedModel
 from workers.models.eplb import Placement, rebalance_experts
-from workers.models.moe_parallel import compile_expert_moves, copy_experts, install_experts, moe_blocks
+from workers.models.moe_parallel import compile_expert_moves, copy_experts, install_experts, moe_blocks, num_expert_parts
 
 from .config import EplbConfig
 
@@ -39,7 +42,7 @@ log = logging.getLogger("moray.engine")
 
 # Multi-host: the step after whose end a requested placement's first copy starts, counted from the request
 # (a placement takes milliseconds for hundreds of experts; the wait there is the rare late one), and the
-# steps between starting a group's copy and swapping it in.
+# steps between starting a part's copy and the next part's (or, after the last part, the swap).
 SWAP_AFTER_STEPS = 4
 MOVE_STEPS = 2
 
@@ -47,18 +50,24 @@ MOVE_STEPS = 2
 @dataclasses.dataclass
 class _Move:
     """A rebalance under way: the placement, where each new slot's expert comes from, the groups of MoE
-    layers still to copy, and the group being copied (its new arrays, and the step at which a multi-host
-    engine swaps it in)."""
+    layers still to copy, and the group being copied (its new arrays part by part, the last part's still
+    being copied, and the step at which a multi-host engine moves on)."""
 
     placement: Placement
     rows: np.ndarray  # [L, R] source slot of each new slot
     groups: list[list[int]]
     layers: list[int] = dataclasses.field(default_factory=list)
-    leaves: list[jax.Array] = dataclasses.field(default_factory=list)
+    parts: list[list[jax.Array]] = dataclasses.field(default_factory=list)  # per part copied so far: one per layer
     swap_at: int = 0
 
     def copied(self) -> bool:
-        return all(leaf.is_ready() for leaf in self.leaves)
+        return all(leaf.is_ready() for leaf in self.parts[-1])
+
+    @property
+    def leaves(self) -> list[jax.Array]:
+        """The group's new arrays in the blocks' order (each layer's parts together), as `install_experts`
+        takes them."""
+        return [part[i] for i in range(len(self.layers)) for part in self.parts]
 
 
 class ExpertBalancer:
@@ -94,6 +103,7 @@ class ExpertBalancer:
         # are in logical order, so the identity map is the current placement.
         identity = np.tile(np.arange(self.num_experts), (self.num_layers, 1))
         self.placement = Placement(identity, identity[:, :, None], np.ones_like(identity))
+        self.num_parts = num_expert_parts(moe_blocks(model.weights)[0])
         self._start(self._place(np.ones((self.num_layers, self.num_experts))))
         self.wait()
         self.num_rebalances = 0  # the start-up placement is no rebalance
@@ -140,7 +150,7 @@ class ExpertBalancer:
             placement, self._pending = self._pending.result(), None
             self._start(placement)
         while self._move is not None:
-            self._swap_group(self._move)
+            self._next(self._move)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -177,19 +187,29 @@ class ExpertBalancer:
         self._copy_next(move)
 
     def _copy_next(self, move: _Move) -> None:
-        """Dispatches the next group's copy (it runs on the device beside the steps)."""
-        move.layers = move.groups.pop(0)
+        """Dispatches the copy of the next part of the group (of the next group after the last part); it runs
+        on the device beside the steps."""
+        if not move.parts or len(move.parts) == self.num_parts:
+            move.layers, move.parts = move.groups.pop(0), []
         blocks = moe_blocks(self.model.weights)
-        move.leaves = copy_experts([blocks[i] for i in move.layers], move.rows[move.layers], self.model.mesh)
+        layers = move.layers
+        move.parts.append(copy_experts([blocks[i] for i in layers], move.rows[layers], self.model.mesh, len(move.parts)))
         move.swap_at = self._steps + MOVE_STEPS
 
     def _advance(self, move: _Move) -> None:
         if self._steps >= move.swap_at if self.lockstep else move.copied():
+            self._next(move)
+
+    def _next(self, move: _Move) -> None:
+        """The part being copied is done: the next part's copy starts, or (after the last) the group is swapped in."""
+        if len(move.parts) < self.num_parts:
+            self._copy_next(move)
+        else:
             self._swap_group(move)
 
     def _swap_group(self, move: _Move) -> None:
-        """Puts the group being copied in place, with its replica maps; starts the next group's copy, or
-        ends the move."""
+        """Puts the group just copied in place, with its replica maps; starts the next group's copy, or ends
+        the move."""
         layers, new = move.layers, move.placement
         blocks = moe_blocks(self.model.weights)
         install_experts(

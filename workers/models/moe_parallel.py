@@ -238,16 +238,24 @@ def move_experts(blocks: list, rows: np.ndarray, log2phy: np.ndarray, logcnt: np
     install_experts(blocks, copy_experts(blocks, rows, mesh), log2phy, logcnt, mesh, width)
 
 
-def copy_experts(blocks: list, rows: np.ndarray, mesh: Mesh) -> list[jax.Array]:
+def copy_experts(blocks: list, rows: np.ndarray, mesh: Mesh, part: int | None = None) -> list[jax.Array]:
     """Dispatches the copy of the blocks' experts into new slots (new slot r of layer l <- current slot
     rows[l, r]) as one program, into new arrays, and returns them without waiting (`install_experts` puts
     them in place). Nothing is donated: steps keep reading the current slots while the copy runs, at the
     cost of the moved layers' experts twice over until it is installed (`ExpertBalancer` moves `layers_per_move` layers
     at a time). A row that stays on its EP rank is copied there; a moved row crosses once, to the one rank
     that needs it (`slot_moves`), where a gather of the sharded array would send every rank's experts to
-    every rank (a random permutation of 24 slots over 2x4 CPU devices: 230 -> 140 ms)."""
+    every rank (a random permutation of 24 slots over 2x4 CPU devices: 230 -> 140 ms).
+
+    `part`: only that one of each block's expert arrays (`num_expert_parts`; gate_up, down, and a packed
+    weight's scales), one array per block: smaller programs, each beside fewer steps."""
     experts = _ExpertLeaves(blocks, mesh)
-    return experts.copy(*slot_moves(np.asarray(rows), experts.num_slots, experts.ep))
+    return experts.copy(*slot_moves(np.asarray(rows), experts.num_slots, experts.ep), part)
+
+
+def num_expert_parts(block) -> int:
+    """How many arrays hold one MoE block's experts (gate_up and down, and their scales when packed)."""
+    return len(jax.tree.leaves((block.gate_up, block.down)))
 
 
 def install_experts(
@@ -268,15 +276,16 @@ def install_experts(
 
 
 def compile_expert_moves(blocks: list, mesh: Mesh) -> None:
-    """Compiles the copy program for the blocks (a group of layers moved together) for every exchange
-    width a placement can need (each run once as a no-op: every slot keeps its expert), so that a rebalance
-    while serving never waits for a compilation."""
+    """Compiles the copy program of each part (`copy_experts`) for the blocks (a group of layers moved
+    together) for every exchange width a placement can need (each run once as a no-op: every slot keeps its
+    expert), so that a rebalance while serving never waits for a compilation."""
     experts = _ExpertLeaves(blocks, mesh)
     per_rank = experts.num_slots // experts.ep
     keep = np.tile(np.arange(experts.num_slots) % per_rank, (len(blocks), 1)).astype(np.int32)
     most = 1 << max(per_rank - 1, 0).bit_length() if experts.ep > 1 else 0
-    for width in [0] + [1 << i for i in range(most.bit_length())]:
-        experts.copy(keep, np.zeros((len(blocks), experts.ep * (experts.ep - 1) * width), np.int32))
+    for part in range(experts.per_block):
+        for width in [0] + [1 << i for i in range(most.bit_length())]:
+            experts.copy(keep, np.zeros((len(blocks), experts.ep * (experts.ep - 1) * width), np.int32), part)
 
 
 class _ExpertLeaves:
@@ -287,6 +296,7 @@ class _ExpertLeaves:
         pairs = [(block.gate_up, block.down) for block in blocks]
         self.flat, self.tree = jax.tree.flatten(pairs)
         self.layer_of = tuple(i for i, pair in enumerate(pairs) for _ in jax.tree.leaves(pair))
+        self.per_block = len(self.flat) // len(pairs)  # the same layout in every block
         self.specs = tuple(getattr(leaf.sharding, "spec", PartitionSpec()) for leaf in self.flat)
         self.ep_axis = self.specs[0][0] if len(self.specs[0]) else None
         if any((spec[0] if len(spec) else None) != self.ep_axis for spec in self.specs):
@@ -295,11 +305,15 @@ class _ExpertLeaves:
         self.ep = math.prod(mesh.shape[a] for a in axes)
         self.num_slots = self.flat[0].shape[0]
 
-    def copy(self, local: np.ndarray, sends: np.ndarray) -> list[jax.Array]:
+    def copy(self, local: np.ndarray, sends: np.ndarray, part: int | None = None) -> list[jax.Array]:
+        """The new arrays: all of them, or `part` of each block's (leaf `part` of its (gate_up, down))."""
+        chosen = range(len(self.flat)) if part is None else range(part, len(self.flat), self.per_block)
+        flat = [self.flat[i] for i in chosen]
+        specs, layer_of = tuple(self.specs[i] for i in chosen), tuple(self.layer_of[i] for i in chosen)
         width = sends.shape[1] // max(self.ep * (self.ep - 1), 1)
-        program = _move_slots(self.mesh, self.specs, self.ep_axis, self.layer_of, self.ep, width)
+        program = _move_slots(self.mesh, specs, self.ep_axis, layer_of, self.ep, width)
         by_rank = NamedSharding(self.mesh, PartitionSpec(None, self.ep_axis))
-        return program(self.flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
+        return program(flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
 
     def install(self, leaves: list[jax.Array]) -> None:
         for block, (gate_up, down) in zip(self.blocks, jax.tree.unflatten(self.tree, leaves)):
