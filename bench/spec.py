@@ -206,7 +206,6 @@ def verify_cost(engine, prompts: list[list[int]], k: int, steps: int = 12) -> di
 def run(args) -> int:
     from workers.models import train_tiny
     from workers.models.tokenizer import Tokenizer
-    from workers.models.train_tiny import DRAFT, TEST_DRAFT, trained_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
@@ -220,8 +219,9 @@ def run(args) -> int:
         default_target = train_tiny.TEST_MTP_TARGET if args.quick else train_tiny.MTP_TARGET
     else:
         default_target = train_tiny.TEST_TARGET if args.quick else train_tiny.TARGET
-    target = args.target or trained_model(default_target)
-    draft = args.draft or (trained_model(TEST_DRAFT if args.quick else DRAFT) if "draft" in methods else None)
+    target = args.target or train_tiny.trained_model(default_target)
+    draft_spec = train_tiny.TEST_DRAFT if args.quick else train_tiny.DRAFT
+    draft = args.draft or (train_tiny.trained_model(draft_spec) if "draft" in methods else None)
     tokenizer = Tokenizer.from_dir(target)
     configs = {"none": None}
     for m in methods:

@@ -296,7 +296,7 @@ class _ExpertLeaves:
         pairs = [(block.gate_up, block.down) for block in blocks]
         self.flat, self.tree = jax.tree.flatten(pairs)
         self.layer_of = tuple(i for i, pair in enumerate(pairs) for _ in jax.tree.leaves(pair))
-        self.per_block = len(self.flat) // len(pairs)  # the same layout in every block
+        self.per_block = num_expert_parts(blocks[0])  # the same layout in every block
         self.specs = tuple(getattr(leaf.sharding, "spec", PartitionSpec()) for leaf in self.flat)
         self.ep_axis = self.specs[0][0] if len(self.specs[0]) else None
         if any((spec[0] if len(spec) else None) != self.ep_axis for spec in self.specs):

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .config import read_config_json
 from .make_model import Preset, make_model, write_safetensors
 from .model import load_config
 from .weights import Concat, OneOf, Rows, Stack, Tensor, is_spec, plan_leaves
@@ -130,7 +131,7 @@ def train(spec: TrainSpec, out: Path, show_progress: bool = True) -> dict:
     if spec.mtp:
         from . import mtp
 
-        head_cfg, where, head_plan = mtp.plan(family, cfg, json.loads((out / "config.json").read_text()))
+        head_cfg, where, head_plan = mtp.plan(family, cfg, read_config_json(out))
         head = (head_cfg, where, head_plan)
     params = _initial_params(out)
     # ~10 characters of text per token the training reads: windows rarely repeat, and a short run does not
