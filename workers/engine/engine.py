@@ -892,12 +892,14 @@ class EngineCore:
     def _measure_speculation(self, sched: SchedulerOutput, deltas: list[TokenDelta], seconds: float) -> None:
         """Feeds the speculator's speed gate: a call delivers the tokens of the step launched by the call
         before (asynchronously or not), so its tokens and time count for that step's mode, if that step
-        only decoded (a prefill chunk's time says nothing about decoding)."""
+        only decoded (a prefill chunk's time says nothing about decoding). The mode of the step this call
+        launched tells the gate whether the measured one sat between two of its own mode."""
         last, self._last_launch = self._last_launch, None
         if sched.scheduled and all(item.num_new_tokens - item.num_spec == 1 for item in sched.scheduled):
             self._last_launch = (len(sched.scheduled), self._speculating)
         if last is not None and self.speculator.gate is not None:
-            self.speculator.gate.observe(last[0], last[1], sum(len(d.token_ids) for d in deltas), seconds)
+            following = self._last_launch[1] if self._last_launch is not None else None
+            self.speculator.gate.observe(last[0], last[1], sum(len(d.token_ids) for d in deltas), seconds, following)
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         if config.speculative is None:

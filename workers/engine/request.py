@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from .sampling_params import SamplingParams
 
 
@@ -58,6 +60,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float = 1.0  # recent share of its drafts accepted (an exponential average)
     spec_draft_len: int = 0  # a draft model's KV holds this many of its first tokens (speculative.DraftModelProposer)
+    # The n-gram proposer's copy of the tokens as an array, extended as they grow (speculative.NgramProposer).
+    spec_token_array: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32), repr=False, compare=False)
+    spec_token_array_len: int = 0
     # Top-k of each prompt position's logprobs, computed from the steps that prefill it (None: not wanted).
     prompt_logprobs: int | None = None
     _all_tokens: list[int] = field(default_factory=list, repr=False)
