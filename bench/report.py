@@ -144,6 +144,7 @@ HEADLINES["spec"] = (
     "workloads.*.*.*.acceptance_rate",
     "workloads.*.*.*.mean_acceptance_length",
     "workloads.*.*.*.fraction_of_bound",
+    "workloads.*.*.*.fraction_of_engine_step_bound",
     "summary.*.*",
 )
 HEADLINES["eplb"] = ("summary.*", "summary.*.*")
