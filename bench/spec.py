@@ -133,7 +133,11 @@ def _engine(model: Path, args, speculative: dict | None, **overrides):
         token_buckets=[8, 32, 128, max(512, max_b * 8)],
         page_buckets=[4, 16, 64],
         kv_cache_memory_bytes=64 << 20,
-        warmup=False,
+        # Every program compiled before timing, here and not on a background thread: a proposer's shapes
+        # (a head catching up after the speed gate kept speculation off) first met in a timed run, or
+        # compiled beside it, cost that run a compile.
+        warmup=True,
+        background_compile=False,
         speculative=speculative,
         compilation_cache_dir=None,
         **overrides,
