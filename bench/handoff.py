@@ -2,7 +2,8 @@
 
 A prefill worker and a decode worker (the real `workers.worker` classes, each with its own engine, both in
 this process, sharing its CPUs) hand requests over through Ray's object store (`cluster/kv_transport.py`,
-a local Ray started here), as a cluster's replicas do. Three parts, each in the JSON and the --report:
+a local Ray started here), as a cluster's replicas do (`--transport shared_memory`: through a shared-memory
+arena instead; `both`: the transfer part with each). Three parts, each in the JSON and the --report:
 
 - `transfer`, per handoff of a fresh `--prompt-tokens` prompt (no prefix anywhere): KV bytes; the prefill
   side's export (engine dispatch of the copy -> chunks published: host copy, chunking, XXH3, ray.put);
@@ -41,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length of the transfer handoffs")
     p.add_argument("--handoffs", type=int, default=5, help="transfer handoffs measured (after one warm-up)")
     p.add_argument("--chunk-mib", type=float, default=8.0, help="KV chunk size (kv_transfer.chunk_mib)")
+    p.add_argument(
+        "--transport",
+        choices=["object_store", "shared_memory", "both"],
+        default="object_store",
+        help="kv_transfer.transport; both: the transfer part with each, alternating handoffs, in this run (the other "
+        "parts with object_store)",
+    )
     p.add_argument("--rate-prompt-tokens", type=int, default=256, help="prompt length of the prefill-rate requests")
     p.add_argument("--rate-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8, help="prefill-rate requests in flight")
@@ -94,49 +102,54 @@ def memcpy_gbps(nbytes: int) -> float:
 # ------------------------------------------------------------------------------------------ parts
 
 
-async def transfer(args, prefill, decode, rng, vocab) -> dict:
+async def transfer_each(args, prefill, decode, transports: dict, rng, vocab) -> dict:
+    """The transfer part over each transport, a handoff with each in turn (the machine's drift shared)."""
+    rows: dict[str, list[dict]] = {name: [] for name in transports}
+    for i in range(args.handoffs + 1):  # the first compiles what the rest reuse
+        for name, transport in transports.items():
+            prefill.transport = decode.transport = transport
+            row = await transfer_one(prefill, decode, f"{name}-t{i}", random_prompt(rng, args.prompt_tokens, vocab))
+            if i > 0:
+                rows[name].append(row)
+    copy = memcpy_gbps(int(statistics.median(r["bytes"] for r in next(iter(rows.values())))))
+    out = {}
+    for name, got in rows.items():
+        summary = {k: statistics.median(r[k] for r in got) for k in got[0]}
+        out[name] = {
+            "transport": name,
+            "prompt_tokens": args.prompt_tokens,
+            "chunk_mib": args.chunk_mib,
+            "handoffs": got,
+            "median": summary,
+            "memcpy_gbps": copy,
+            "fraction_of_memcpy": summary["gbps"] / copy,
+            "import_failures": decode.counters.import_failures,
+        }
+    return out
+
+
+async def transfer_one(prefill, decode, rid: str, prompt: list[int]) -> dict:
+    """One handoff of `prompt` (fresh: no prefix anywhere), timed on both sides."""
     from workers.engine import SamplingParams
     from workers.messages import DecodeRequest, PrefillRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    rows = []
-    for i in range(args.handoffs + 1):  # the first compiles what the rest reuse
-        prompt = random_prompt(rng, args.prompt_tokens, vocab)
-        rid = f"t{i}"
-        dispatch_before = prefill.engine.core.export_dispatch_seconds
-        handoff = await prefill.prefill(PrefillRequest(rid, prompt, params))
-        dispatch = prefill.engine.core.export_dispatch_seconds - dispatch_before
-        outs = [
-            o async for o in decode.stream(DecodeRequest(rid, prompt, params, "bench", handoff), None, lambda r=rid: prefill.release(r))
-        ]
-        assert outs[-1].finished, outs[-1]
-        moved = decode.counters.history[-1]
-        if i == 0:
-            continue
-        total = handoff.export_time_s + moved["seconds"]
-        rows.append(
-            {
-                "bytes": moved["bytes"],
-                "chunks": moved["chunks"],
-                "export_s": handoff.export_time_s,
-                "import_s": moved["seconds"],
-                "first_chunk_to_ready_s": moved["seconds"] - (moved["first_chunk_seconds"] or 0.0),
-                "handoff_s": total,
-                "gbps": moved["bytes"] / total / 1e9,
-                "prefill_engine_thread_s": dispatch,
-            }
-        )
-    nbytes = int(statistics.median(r["bytes"] for r in rows))
-    copy = memcpy_gbps(nbytes)
-    summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    dispatch_before = prefill.engine.core.export_dispatch_seconds
+    handoff = await prefill.prefill(PrefillRequest(rid, prompt, params))
+    dispatch = prefill.engine.core.export_dispatch_seconds - dispatch_before
+    outs = [o async for o in decode.stream(DecodeRequest(rid, prompt, params, "bench", handoff), None, lambda: prefill.release(rid))]
+    assert outs[-1].finished, outs[-1]
+    moved = decode.counters.history[-1]
+    total = handoff.export_time_s + moved["seconds"]
     return {
-        "prompt_tokens": args.prompt_tokens,
-        "chunk_mib": args.chunk_mib,
-        "handoffs": rows,
-        "median": summary,
-        "memcpy_gbps": copy,
-        "fraction_of_memcpy": summary["gbps"] / copy,
-        "import_failures": decode.counters.import_failures,
+        "bytes": moved["bytes"],
+        "chunks": moved["chunks"],
+        "export_s": handoff.export_time_s,
+        "import_s": moved["seconds"],
+        "first_chunk_to_ready_s": moved["seconds"] - (moved["first_chunk_seconds"] or 0.0),
+        "handoff_s": total,
+        "gbps": moved["bytes"] / total / 1e9,
+        "prefill_engine_thread_s": dispatch,
     }
 
 
@@ -232,17 +245,23 @@ async def second_token(args, prefill, decode, rng, vocab) -> dict:
 
 
 async def measure(args) -> dict:
-    from cluster.kv_transport import ObjectStoreTransport
+    from cluster.kv_transport import build_transport
     from workers.worker import DecodeWorker, PrefillWorker
 
     chunk_bytes = int(args.chunk_mib * (1 << 20))
-    prefill = PrefillWorker(engine_config(args, "p0"), transport=ObjectStoreTransport(), chunk_bytes=chunk_bytes)
-    decode = DecodeWorker(engine_config(args, "d0"), transport=ObjectStoreTransport())
+    names = ["object_store", "shared_memory"] if args.transport == "both" else [args.transport]
+    transports = {name: build_transport(name, shared_memory_bytes=1 << 30) for name in names}
+    prefill = PrefillWorker(engine_config(args, "p0"), transport=transports[names[0]], chunk_bytes=chunk_bytes)
+    decode = DecodeWorker(engine_config(args, "d0"), transport=transports[names[0]])
     vocab = prefill.engine.core.cfg.vocab_size
     rng = random.Random(args.seed)
     try:
-        print(f"transfer: {args.handoffs} handoffs of {args.prompt_tokens}-token prompts", flush=True)
-        results = {"transfer": await transfer(args, prefill, decode, rng, vocab)}
+        print(f"transfer: {args.handoffs} handoffs of {args.prompt_tokens}-token prompts over {', '.join(names)}", flush=True)
+        by_transport = await transfer_each(args, prefill, decode, transports, rng, vocab)
+        results = {"transfer": by_transport[names[0]]}
+        if len(names) > 1:
+            results["transfer_by_transport"] = by_transport
+        prefill.transport = decode.transport = transports[names[0]]
         print("prefill rate: exported vs discarded", flush=True)
         results["prefill_rate"] = await prefill_rate(args, prefill, rng, vocab)
         print(f"time to the second token at concurrency {args.ttst_concurrency}", flush=True)
@@ -270,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
         "bandwidth_fraction_of_memcpy": {"value": t["fraction_of_memcpy"], "target": 0.3, "kv_bytes": t["median"]["bytes"]},
         "prefill_rate_exported_over_discarded": {"value": results["prefill_rate"]["exported_over_discarded"], "target": 0.9},
     }
+    for name, other in results.get("transfer_by_transport", {}).items():
+        if other is not t:
+            results["targets"][f"bandwidth_fraction_of_memcpy_{name}"] = {"value": other["fraction_of_memcpy"], "target": 0.3}
     if "1" in results["second_token"]:
         results["targets"]["ttst_disaggregated_over_colocated_c1"] = {
             "value": results["second_token"]["1"]["ttst_disaggregated_over_colocated"],
@@ -277,12 +299,14 @@ def run(args: argparse.Namespace) -> int:
         }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
-    m = t["median"]
-    print(
-        f"handoff: {m['bytes'] / (1 << 20):.1f} MiB in {m['handoff_s'] * 1e3:.1f} ms ({m['gbps']:.2f} GB/s, "
-        f"{t['fraction_of_memcpy']:.0%} of memcpy {t['memcpy_gbps']:.1f} GB/s); prefill engine thread "
-        f"{m['prefill_engine_thread_s'] * 1e3:.2f} ms per handoff"
-    )
+    for name, tr in results.get("transfer_by_transport", {"": t}).items():
+        m = tr["median"]
+        print(
+            f"handoff{' over ' + name if name else ''}: {m['bytes'] / (1 << 20):.1f} MiB in {m['handoff_s'] * 1e3:.1f} ms "
+            f"(export {m['export_s'] * 1e3:.1f}, import {m['import_s'] * 1e3:.1f}; {m['gbps']:.2f} GB/s, "
+            f"{tr['fraction_of_memcpy']:.0%} of memcpy {tr['memcpy_gbps']:.1f} GB/s); prefill engine thread "
+            f"{m['prefill_engine_thread_s'] * 1e3:.2f} ms per handoff"
+        )
     print(f"prefill rate exported/discarded: {results['prefill_rate']['exported_over_discarded']:.2f}")
     for c, r in results["second_token"].items():
         print(

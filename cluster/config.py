@@ -243,10 +243,24 @@ class ObservabilityConfig(_Strict):
 class KVTransferConfig(_Strict):
     """How a prompt's KV moves from a prefill to a decode worker (`workers/kv_transfer.py`)."""
 
-    transport: Literal["object_store"] = Field(
+    def build_transport(self):
+        """This config's transport for a prefill or decode worker on this host (cluster/kv_transport.py)."""
+        from .kv_transport import build_transport
+
+        return build_transport(self.transport, int(self.inline_kib * 1024), int(self.shared_memory_mib * (1 << 20)))
+
+    transport: Literal["object_store", "shared_memory"] = Field(
         default="object_store",
         description="object_store: Ray's object store (any Ray cluster; chunks bypass the replicas' request queues). "
-        "A direct device-to-device path plugs in here (cluster/kv_transport.py)",
+        "shared_memory: prefill and decode replicas on one node; each prefill process writes its exports into a "
+        "shared-memory arena the decode side reads in place (a decode replica on another node prefills locally "
+        "instead). A direct device-to-device path plugs in here (cluster/kv_transport.py)",
+    )
+    shared_memory_mib: float = Field(
+        default=1024,
+        gt=0,
+        description="shared_memory: each prefill process's arena (memory is used as exports first touch it); an export "
+        "that does not fit goes through the object store",
     )
     chunk_mib: float = Field(default=8.0, gt=0, le=1024, description="KV chunk size; a smaller request moves as one chunk")
     chunks_in_flight: int = Field(default=4, ge=1, le=64, description="chunks a decode worker fetches at once per request")

@@ -80,7 +80,9 @@ class FollowerChannel:
 class EngineFollowerActor:
     def __init__(self, config: EngineConfig, kv_transfer: KVTransferConfig | None = None):
         self.follower = EngineFollower(config)
-        self.transport = None if kv_transfer is None else build_transport(kv_transfer.transport, int(kv_transfer.inline_kib * 1024))
+        # A follower host's part goes through the object store: the decode replica may be on any node (a
+        # shared-memory arena is read only on its own node).
+        self.transport = None if kv_transfer is None else build_transport("object_store", int(kv_transfer.inline_kib * 1024))
 
     def apply(self, ops: list[Op]) -> int:
         return self.follower.apply(ops)

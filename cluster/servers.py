@@ -20,7 +20,6 @@ from workers.worker import DecodeWorker, EngineWorker, PrefillWorker
 from . import logs, tracing
 from .config import ClusterConfig, parse_cluster_config
 from .handles import PrefillPool, WrongReplica, detached
-from .kv_transport import build_transport
 from .reporting import WorkerReporter
 
 log = logging.getLogger("moray.cluster")
@@ -103,7 +102,7 @@ class PrefillServer(_WorkerServer):
         return PrefillWorker(
             engine_config,
             hold_timeout_s=t.hold_timeout_s,
-            transport=build_transport(t.transport, int(t.inline_kib * 1024)),
+            transport=t.build_transport(),
             chunk_bytes=int(t.chunk_mib * (1 << 20)),
             peers=self.followers,  # a replica over several hosts: each host exports its part
             engine=engine,
@@ -134,7 +133,7 @@ class DecodeServer(_WorkerServer):
             lambda cfg, engine: DecodeWorker(
                 cfg,
                 stream_interval_s=self.config.stream_interval_ms / 1000,
-                transport=build_transport(self.config.kv_transfer.transport),
+                transport=self.config.kv_transfer.build_transport(),
                 chunks_in_flight=self.config.kv_transfer.chunks_in_flight,
                 handoff_timeout_s=self.config.kv_transfer.timeout_s,
                 engine=engine,

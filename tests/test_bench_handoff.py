@@ -35,3 +35,30 @@ def test_prefill_rate_never_repeats_a_prompt():
     assert len(worker.prompts) == 10 * 6  # 2 warm-up rounds and 3 measured ones, each mode once per round
     assert len(set(worker.prompts)) == len(worker.prompts)
     assert result["requests"] == 6 and len(result["runs"]["exported"]) == 3
+
+
+def test_the_transfer_part_times_each_transport_in_one_run(tmp_path):
+    """`--transport both`: handoffs over the object store and over shared memory in turn, real Ray, every
+    handoff moved (no local prefill), a figure per transport and a target for each."""
+    import json
+
+    import ray
+
+    from cluster.cli import main as moray
+    from workers.models.make_model import make_model
+
+    model = make_model(tmp_path / "m", "qwen3_moe", "tiny", seed=1)
+    out = tmp_path / "h.json"
+    argv = ["bench", "handoff", "--model", str(model), "--json", str(out), "--prompt-tokens", "200", "--handoffs", "2"]
+    argv += ["--transport", "both", "--rate-requests", "2", "--ttst-concurrency", "1", "--ttst-rounds", "1"]
+    try:
+        assert moray(argv) == 0
+    finally:
+        ray.shutdown()
+    result = json.loads(out.read_text())
+    by = result["transfer_by_transport"]
+    assert set(by) == {"object_store", "shared_memory"} and result["transfer"] == by["object_store"]
+    for name, t in by.items():
+        assert len(t["handoffs"]) == 2 and t["import_failures"] == 0 and t["median"]["bytes"] > 0, name
+    assert by["object_store"]["median"]["bytes"] == by["shared_memory"]["median"]["bytes"]
+    assert "bandwidth_fraction_of_memcpy_shared_memory" in result["targets"]

@@ -514,3 +514,100 @@ def _object_lost(ref) -> bool:
         return True
     except ray.exceptions.GetTimeoutError:
         return False
+
+
+def test_shared_memory_handoff_reuses_its_arena_and_refuses_another_node(model_dir, ray_serve):
+    """Real Ray, `shared_memory` transport: a prefill worker in its own process writes its chunks into its
+    shared-memory arena and the handoff carries where; the decode worker (this process, the same node)
+    reads them in place: no local prefill, one engine's tokens. A released handoff's region is free again.
+    A handle naming another node cannot be read here: the decode worker prefills locally, same tokens.
+    The prefill process killed, a decode process that had not mapped its arena prefills locally."""
+    import asyncio
+    import dataclasses
+    import os
+
+    import ray
+
+    from cluster import kv_transport
+    from cluster.kv_transport import SharedMemoryTransport, ShmChunk
+    from workers.worker import DecodeWorker, PrefillWorker
+
+    @ray.remote(num_cpus=0)
+    class PrefillProcess:
+        def __init__(self, model: str):
+            self.transport = SharedMemoryTransport(8 << 20, inline_bytes=0)
+            self.worker = PrefillWorker(EngineConfig(model=model, worker_id="p0", **ARGS), transport=self.transport, chunk_bytes=4096)
+
+        async def prefill(self, request):
+            return await self.worker.prefill(request)
+
+        async def release(self, request_id):
+            return await self.worker.release(request_id)
+
+        def arena(self):
+            a = self.transport.arena
+            return a.fd, a.nbytes, a.free_bytes
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    p1, p2, p3 = prompts(3, seed=34, lo=40, hi=41)
+    prefill = PrefillProcess.remote(str(model_dir))
+    live = ray.get(prefill.prefill.remote(PrefillRequest("live", p1, params)), timeout=300)
+    assert live.transport == "shared_memory" and len(live.sources) == len(live.chunks) > 1
+    assert all(isinstance(h, ShmChunk) for h in live.sources)
+    fd, size, free = ray.get(prefill.arena.remote())
+    assert free == size - sum(-(-h.nbytes // 64) * 64 for h in live.chunks)
+
+    async def decode_all(pairs):
+        decode = DecodeWorker(EngineConfig(model=str(model_dir), worker_id="d0", **ARGS), transport=kv_transport.ObjectStoreTransport())
+        try:
+            outs = {}
+            for rid, prompt, handoff in pairs:
+                outs[rid] = [o async for o in decode.stream(DecodeRequest(rid, prompt, params, "local", handoff))]
+                outs[rid + "-single"] = [o async for o in decode.stream(DecodeRequest(rid + "-single", prompt, params, "local"))]
+            return outs, decode.counters
+        finally:
+            decode.engine.shutdown()
+
+    def check(outs, rid, handoff):
+        tokens = handoff.first.token_ids + [t for o in outs[rid] for t in o.token_ids]
+        assert tokens == [t for o in outs[rid + "-single"] for t in o.token_ids], rid
+
+    outs, counters = asyncio.run(decode_all([("live", p1, live)]))
+    assert counters.handoffs == 1 and counters.import_failures == 0
+    check(outs, "live", live)
+    assert ray.get(prefill.release.remote("live"))
+    assert ray.get(prefill.arena.remote())[2] == size  # its region is free again
+    # The next export reuses the arena from its start; its handles moved to another node fail to map here.
+    second = ray.get(prefill.prefill.remote(PrefillRequest("second", p2, params)), timeout=120)
+    assert second.sources[0].offset == 64 and second.sources[0].fd == fd  # after the arena's tag
+    elsewhere = dataclasses.replace(second, sources=tuple(dataclasses.replace(h, node="another-node") for h in second.sources))
+    outs, counters = asyncio.run(decode_all([("elsewhere", p2, elsewhere)]))
+    assert counters.import_failures == 1
+    check(outs, "elsewhere", elsewhere)
+    # Its owner killed, the arena goes with it (no name to leave behind); unmapped here, it cannot be read.
+    orphaned = ray.get(prefill.prefill.remote(PrefillRequest("orphaned", p3, params)), timeout=120)
+    pid = orphaned.sources[0].pid
+    ray.kill(prefill)
+    asyncio.run(until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60))
+    kv_transport._ARENAS._maps.clear()
+    outs, counters = asyncio.run(decode_all([("orphaned", p3, orphaned)]))
+    assert counters.import_failures == 1
+    check(outs, "orphaned", orphaned)
+
+
+def test_an_arenas_free_regions_merge_and_are_reused_first_fit():
+    from cluster.kv_transport import Arena
+
+    arena = Arena(1024)
+    try:
+        a, b, c = arena.allocate(100), arena.allocate(200), arena.allocate(64)
+        assert (a, b, c) == (64, 192, 448)  # 64-byte aligned, after the arena's tag
+        assert arena.allocate(1024) is None
+        arena.free(b, 200)
+        assert arena.allocate(129) == 192  # the freed region, first fit
+        arena.free(192, 129)
+        arena.free(a, 100)
+        arena.free(c, 64)
+        assert arena.free_bytes == 1024 and arena.allocate(1024) == 64  # all merged back into one
+    finally:
+        arena.close()
