@@ -123,7 +123,7 @@ async def transfer_each(args, prefill, decode, transports: dict, rng, vocab) -> 
             "median": summary,
             "memcpy_gbps": copy,
             "fraction_of_memcpy": summary["gbps"] / copy,
-            "import_failures": decode.counters.import_failures,
+            "import_failures": sum(r["import_failures"] for r in got),
         }
     return out
 
@@ -134,7 +134,7 @@ async def transfer_one(prefill, decode, rid: str, prompt: list[int]) -> dict:
     from workers.messages import DecodeRequest, PrefillRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    dispatch_before = prefill.engine.core.export_dispatch_seconds
+    dispatch_before, failures_before = prefill.engine.core.export_dispatch_seconds, decode.counters.import_failures
     handoff = await prefill.prefill(PrefillRequest(rid, prompt, params))
     dispatch = prefill.engine.core.export_dispatch_seconds - dispatch_before
     outs = [o async for o in decode.stream(DecodeRequest(rid, prompt, params, "bench", handoff), None, lambda: prefill.release(rid))]
@@ -150,6 +150,7 @@ async def transfer_one(prefill, decode, rid: str, prompt: list[int]) -> dict:
         "handoff_s": total,
         "gbps": moved["bytes"] / total / 1e9,
         "prefill_engine_thread_s": dispatch,
+        "import_failures": decode.counters.import_failures - failures_before,
     }
 
 

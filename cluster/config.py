@@ -243,12 +243,6 @@ class ObservabilityConfig(_Strict):
 class KVTransferConfig(_Strict):
     """How a prompt's KV moves from a prefill to a decode worker (`workers/kv_transfer.py`)."""
 
-    def build_transport(self):
-        """This config's transport for a prefill or decode worker on this host (cluster/kv_transport.py)."""
-        from .kv_transport import build_transport
-
-        return build_transport(self.transport, int(self.inline_kib * 1024), int(self.shared_memory_mib * (1 << 20)))
-
     transport: Literal["object_store", "shared_memory"] = Field(
         default="object_store",
         description="object_store: Ray's object store (any Ray cluster; chunks bypass the replicas' request queues). "
@@ -269,6 +263,12 @@ class KVTransferConfig(_Strict):
     )
     timeout_s: float = Field(default=30.0, gt=0, description="a transfer not done by then is abandoned: the decode worker prefills locally")
     hold_timeout_s: float = Field(default=60.0, gt=0, description="a prefill worker drops published KV nobody fetched by then")
+
+    def build_transport(self):
+        """This config's transport for a prefill or decode worker on this host (cluster/kv_transport.py)."""
+        from .kv_transport import build_transport
+
+        return build_transport(self.transport, int(self.inline_kib * 1024), int(self.shared_memory_mib * (1 << 20)))
 
 
 class ClusterConfig(_Strict):

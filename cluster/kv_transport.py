@@ -245,11 +245,6 @@ class SharedMemoryTransport(ObjectStoreTransport):
     def num_published(self) -> int:
         return len(self._regions) + super().num_published
 
-    def close(self) -> None:
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-
 
 def build_transport(name: str, inline_bytes: int = INLINE_BYTES, shared_memory_bytes: int = 1 << 30) -> KVTransport:
     if name == "object_store":

@@ -520,8 +520,8 @@ def test_shared_memory_handoff_reuses_its_arena_and_refuses_another_node(model_d
     """Real Ray, `shared_memory` transport: a prefill worker in its own process writes its chunks into its
     shared-memory arena and the handoff carries where; the decode worker (this process, the same node)
     reads them in place: no local prefill, one engine's tokens. A released handoff's region is free again.
-    A handle naming another node cannot be read here: the decode worker prefills locally, same tokens.
-    The prefill process killed, a decode process that had not mapped its arena prefills locally."""
+    A handle naming another node cannot be read here: the decode worker prefills locally, same tokens. An
+    export larger than the arena goes through the object store. The prefill process killed, a decode process that had not mapped its arena prefills locally."""
     import asyncio
     import dataclasses
     import os
@@ -529,7 +529,7 @@ def test_shared_memory_handoff_reuses_its_arena_and_refuses_another_node(model_d
     import ray
 
     from cluster import kv_transport
-    from cluster.kv_transport import SharedMemoryTransport, ShmChunk
+    from cluster.kv_transport import Arena, SharedMemoryTransport, ShmChunk
     from workers.worker import DecodeWorker, PrefillWorker
 
     @ray.remote(num_cpus=0)
@@ -547,6 +547,12 @@ def test_shared_memory_handoff_reuses_its_arena_and_refuses_another_node(model_d
         def arena(self):
             a = self.transport.arena
             return a.fd, a.nbytes, a.free_bytes
+
+        def use_arena(self, nbytes):
+            self.transport.arena = Arena(nbytes)
+
+        def fallbacks(self):
+            return self.transport.fallbacks
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     p1, p2, p3 = prompts(3, seed=34, lo=40, hi=41)
@@ -584,6 +590,14 @@ def test_shared_memory_handoff_reuses_its_arena_and_refuses_another_node(model_d
     outs, counters = asyncio.run(decode_all([("elsewhere", p2, elsewhere)]))
     assert counters.import_failures == 1
     check(outs, "elsewhere", elsewhere)
+    # An export that does not fit the arena goes through the object store.
+    ray.get(prefill.use_arena.remote(64))
+    spilled = ray.get(prefill.prefill.remote(PrefillRequest("spilled", p1[::-1], params)), timeout=120)
+    assert all(isinstance(h, ray.ObjectRef) for h in spilled.sources) and ray.get(prefill.fallbacks.remote()) == 1
+    outs, counters = asyncio.run(decode_all([("spilled", p1[::-1], spilled)]))
+    assert counters.handoffs == 1 and counters.import_failures == 0
+    check(outs, "spilled", spilled)
+    ray.get(prefill.use_arena.remote(8 << 20))
     # Its owner killed, the arena goes with it (no name to leave behind); unmapped here, it cannot be read.
     orphaned = ray.get(prefill.prefill.remote(PrefillRequest("orphaned", p3, params)), timeout=120)
     pid = orphaned.sources[0].pid
