@@ -14,7 +14,8 @@ side's fetch fails, it fetches once more, then prefills locally.
 `shared_memory` (prefill and decode replicas on one node): the prefill process copies each export into
 its own shared-memory arena (an anonymous memfd of `kv_transfer.shared_memory_mib`, created empty and
 kept: pages touched once stay, so later exports write into warm memory, where `ray.put` writes into
-fresh object-store pages: 50 against 14 ms for 66 MiB), and the handoff carries (node, process,
+fresh object-store pages: 50 against 14 ms for 66 MiB) while it builds the export (`reserve`: a chunk is
+copied in and checksummed in one pass as soon as its piece is on the host), and the handoff carries (node, process,
 descriptor, offset) handles; the decode side maps the arena read-only through /proc/<pid>/fd/<fd> and
 reads the chunk in place. A region is reused only after the decode side released the handoff or the hold
 expired (`hold_timeout_s`, longer than the decode side's own `timeout_s`, after which it no longer
@@ -34,6 +35,7 @@ import asyncio
 import bisect
 import mmap
 import os
+import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,12 +59,17 @@ class ObjectStoreTransport:
         self.inline_bytes = inline_bytes
         self._refs: dict[str, list] = {}  # request -> its chunks' references, held until unpublished
 
+    def reserve(self, request_id: str, sizes: list[int]) -> list[np.ndarray] | None:
+        return None  # `ray.put` copies into the store's own buffers
+
     async def publish(self, export: KVExport) -> tuple[Any, ...]:
         import ray
 
         if export.nbytes <= self.inline_bytes:
             return tuple(c.data for c in export.chunks)
-        refs = await asyncio.to_thread(lambda: [ray.put(c.data) for c in export.chunks])
+        # As raw bytes: Ray serialises a bfloat16 array through pickle (3x slower to put here, and copied again
+        # on the way out), and the header says what the bytes are.
+        refs = await asyncio.to_thread(lambda: [ray.put(_as_bytes(c.data)) for c in export.chunks])
         self._refs[export.request_id] = refs
         return tuple(refs)
 
@@ -75,7 +82,10 @@ class ObjectStoreTransport:
             return handle
         if isinstance(handle, ShmChunk):  # a prefill replica on shared memory: read where it wrote
             return _ARENAS.read(handle)
-        return await handle
+        raw = await handle
+        if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.nbytes != header.nbytes:
+            return raw  # not what was put: the chunk's check refuses it
+        return raw.view(_dtype(header.dtype)).reshape(header.shape)
 
     @property
     def num_published(self) -> int:
@@ -97,7 +107,7 @@ class ShmChunk:
     fd: int
     tag: bytes
     offset: int
-    dtype: str
+    dtype: str  # its name: bfloat16's `dtype.str` is "<V2", which reads back as raw bytes
     shape: tuple[int, ...]
 
 
@@ -168,7 +178,7 @@ class _MappedArenas:
                 self._maps.popitem(last=False)
         self._maps.move_to_end(key)
         count = int(np.prod(handle.shape))
-        return np.frombuffer(mapped, np.dtype(handle.dtype), count, handle.offset).reshape(handle.shape)
+        return np.frombuffer(mapped, _dtype(handle.dtype), count, handle.offset).reshape(handle.shape)
 
     @staticmethod
     def _map(handle: ShmChunk) -> mmap.mmap:
@@ -187,6 +197,16 @@ class _MappedArenas:
 _ARENAS = _MappedArenas()
 
 
+def _as_bytes(data: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def _dtype(name: str) -> np.dtype:
+    import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8 types by name
+
+    return np.dtype(name)
+
+
 def _node_id() -> str:
     import ray
 
@@ -195,7 +215,11 @@ def _node_id() -> str:
 
 class SharedMemoryTransport(ObjectStoreTransport):
     """`arena_bytes` of shared memory for this prefill process's exports (see the module's docstring); an
-    export that does not fit now goes through the object store (`fallbacks` counts them)."""
+    export that does not fit now goes through the object store (`fallbacks` counts them).
+
+    The KV chunks go into the arena as the export is built (`reserve`: each is copied there as soon as its
+    piece of the staged copy is on the host, checksummed in the same pass), so `publish` copies only what
+    was not reserved (a hybrid model's state)."""
 
     name = "shared_memory"
 
@@ -203,42 +227,71 @@ class SharedMemoryTransport(ObjectStoreTransport):
         super().__init__(inline_bytes)
         self.arena_bytes = arena_bytes
         self.arena: Arena | None = None  # created at the first export that needs it
-        self._regions: dict[str, tuple[int, int]] = {}  # request -> (offset, bytes)
+        self._lock = threading.Lock()  # `reserve` runs on the exporting thread, the rest on the event loop
+        self._regions: dict[str, list[tuple[int, int]]] = {}  # request -> its regions (offset, bytes)
+        self._reserved: dict[str, list[int]] = {}  # request -> offsets of its first chunks, copied in by the build
         self.fallbacks = 0
 
-    async def publish(self, export: KVExport) -> tuple[Any, ...]:
-        if export.nbytes <= self.inline_bytes:
-            return await super().publish(export)
-        if self.arena is None:
-            self.arena = Arena(self.arena_bytes)
-        offsets, total = [], 0
-        for c in export.chunks:
-            offsets.append(total)
-            total += -(-c.data.nbytes // ALIGN) * ALIGN
-        base = self.arena.allocate(total)
-        if base is None:
-            self.fallbacks += 1
-            return await super().publish(export)
-        self._regions[export.request_id] = (base, total)
-        try:
-            await asyncio.to_thread(self._copy_in, export, base, offsets)
-        except BaseException:
-            self.unpublish(export.request_id)
-            raise
-        node, pid, arena = _node_id(), os.getpid(), self.arena
-        return tuple(
-            ShmChunk(node, pid, arena.fd, arena.tag, base + o, c.data.dtype.str, c.data.shape) for c, o in zip(export.chunks, offsets)
-        )
+    def reserve(self, request_id: str, sizes: list[int]) -> list[np.ndarray] | None:
+        if sum(sizes) <= self.inline_bytes:
+            return None
+        offsets = self._allocate(request_id, sizes)
+        if offsets is None:
+            return None  # `publish` tries the whole export, then falls back to the object store
+        self._reserved[request_id] = offsets
+        return [self.arena.view(o, n) for o, n in zip(offsets, sizes)]
 
-    def _copy_in(self, export: KVExport, base: int, offsets: list[int]) -> None:
-        for c, o in zip(export.chunks, offsets):
+    async def publish(self, export: KVExport) -> tuple[Any, ...]:
+        rid = export.request_id
+        offsets = self._reserved.pop(rid, [])
+        if not offsets and export.nbytes <= self.inline_bytes:
+            return await super().publish(export)
+        rest = export.chunks[len(offsets) :]
+        if rest:
+            more = self._allocate(rid, [c.data.nbytes for c in rest])
+            if more is None:
+                self.fallbacks += 1
+                try:
+                    return await super().publish(export)  # copies the reserved chunks out of the arena
+                finally:
+                    self._free(rid)
+            try:
+                await asyncio.to_thread(self._copy_in, rest, more)
+            except BaseException:
+                self.unpublish(rid)
+                raise
+            offsets = offsets + more
+        node, pid, arena = _node_id(), os.getpid(), self.arena
+        return tuple(ShmChunk(node, pid, arena.fd, arena.tag, o, c.data.dtype.name, c.data.shape) for c, o in zip(export.chunks, offsets))
+
+    def _allocate(self, request_id: str, sizes: list[int]) -> list[int] | None:
+        """One region for chunks of `sizes` bytes, each on an `ALIGN` boundary: their offsets, or None."""
+        with self._lock:
+            if self.arena is None:
+                self.arena = Arena(self.arena_bytes)
+            starts, total = [], 0
+            for n in sizes:
+                starts.append(total)
+                total += -(-n // ALIGN) * ALIGN
+            base = self.arena.allocate(total)
+            if base is None:
+                return None
+            self._regions.setdefault(request_id, []).append((base, total))
+            return [base + s for s in starts]
+
+    def _copy_in(self, chunks: list, offsets: list[int]) -> None:
+        for c, o in zip(chunks, offsets):
             src = np.ascontiguousarray(c.data).reshape(-1).view(np.uint8)
-            self.arena.view(base + o, src.nbytes)[:] = src
+            self.arena.view(o, src.nbytes)[:] = src
+
+    def _free(self, request_id: str) -> None:
+        with self._lock:
+            self._reserved.pop(request_id, None)
+            for region in self._regions.pop(request_id, []):
+                self.arena.free(*region)
 
     def unpublish(self, request_id: str) -> None:
-        region = self._regions.pop(request_id, None)
-        if region is not None:
-            self.arena.free(*region)
+        self._free(request_id)
         super().unpublish(request_id)
 
     @property

@@ -23,11 +23,11 @@ def engine(model_dir, worker, **kw):
     return EngineCore(EngineConfig(model=str(model_dir), worker_id=worker, **{**ARGS, **kw}), show_progress=False)
 
 
-def worker_pair(model_dir, **prefill_kw):
+def worker_pair(model_dir, dtype="float32", **prefill_kw):
     """A prefill worker and a decode worker in this process (the local transport between them)."""
     from workers.worker import DecodeWorker, PrefillWorker
 
-    config = lambda worker: EngineConfig(model=str(model_dir), worker_id=worker, **ARGS)  # noqa: E731
+    config = lambda worker: EngineConfig(model=str(model_dir), worker_id=worker, dtype=dtype, **ARGS)  # noqa: E731
     return PrefillWorker(config("p0"), **prefill_kw), DecodeWorker(config("d0"))
 
 
@@ -154,6 +154,38 @@ def test_worker_counts_a_handoff_whose_release_outlives_the_request(model_dir):
             decode.engine.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_5_moe", "deepseek_v3"])
+def test_a_bfloat16_handoff_moves_its_kv(model_dir, arch, tmp_path_factory):
+    """Engines in bfloat16 (the dtype on accelerators) hand their KV over like float32 ones, attention-only,
+    hybrid (state chunk) and MLA: the export's checksum used to refuse bfloat16 buffers, so every such
+    handoff fell back to a second prefill; and an MLA model in bfloat16 failed its first step on CPU."""
+    import asyncio
+
+    if arch != "mixtral":
+        model_dir = make_model(tmp_path_factory.mktemp(f"bf16-{arch}") / "m", arch, "tiny", seed=4)
+
+    async def scenario():
+        prefill, decode = worker_pair(model_dir, dtype="bfloat16")
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+            prompt = prompts(1, seed=36, lo=40, hi=41)[0]
+            handoff = await prefill.prefill(PrefillRequest("r", prompt, params))
+            assert handoff.chunks and {h.dtype for h in handoff.chunks if h.kind == "kv"} == {"bfloat16"}
+            moved = [
+                o async for o in decode.stream(DecodeRequest("r", prompt, params, "local", handoff), None, lambda: prefill.release("r"))
+            ]
+            assert decode.counters.handoffs == 1 and decode.counters.import_failures == 0
+            return prompt, params, handoff.first.token_ids + [t for o in moved for t in o.token_ids]
+        finally:
+            prefill.engine.shutdown()
+            decode.engine.shutdown()
+
+    prompt, params, moved = asyncio.run(scenario())
+    single = engine(model_dir, "s0", dtype="bfloat16")
+    single.add_request("r", prompt, params)
+    assert moved == run(single, "r")[-1].token_ids
 
 
 def test_workers_pass_the_session_hint_to_both_engines(model_dir):
@@ -423,10 +455,10 @@ def test_the_prefill_engine_keeps_stepping_while_an_export_is_stuck(model_dir, m
     release_export = threading.Event()
     real_build = KVExport.build
 
-    def stuck_build(staged, chunk_bytes):
+    def stuck_build(staged, chunk_bytes, reserve=None):
         assert threading.current_thread() is not threading.main_thread()
         release_export.wait(60)
-        return real_build(staged, chunk_bytes)
+        return real_build(staged, chunk_bytes, reserve)
 
     monkeypatch.setattr(worker_module.KVExport, "build", staticmethod(stuck_build))
 
@@ -625,3 +657,125 @@ def test_an_arenas_free_regions_merge_and_are_reused_first_fit():
         assert arena.free_bytes == 1024 and arena.allocate(1024) == 64  # all merged back into one
     finally:
         arena.close()
+
+
+def test_a_copy_checksummed_on_the_way_equals_the_copy_and_its_checksum():
+    """`copy_checksummed` hashes each tile right after copying it: the same bytes and the same XXH3 as a plain
+    copy and `_checksum`, for sizes around the tile, float32 and bfloat16, and a non-contiguous layer range."""
+    import ml_dtypes
+    import numpy as np
+
+    from workers.messages import CHECKSUM_TILE, _checksum, copy_checksummed
+
+    rng = np.random.default_rng(0)
+    for n in [1, 7, CHECKSUM_TILE // 4 - 1, CHECKSUM_TILE // 4, CHECKSUM_TILE // 4 + 3, 3 * CHECKSUM_TILE // 4 + 5]:
+        for dtype in (np.float32, ml_dtypes.bfloat16):
+            data = rng.standard_normal(n).astype(dtype)
+            out = np.full(data.nbytes + 64, 7, np.uint8)  # longer than the data: the rest is left alone
+            assert copy_checksummed(data, out[: data.nbytes]) == _checksum(data)
+            assert (out[: data.nbytes].view(dtype) == data).all() and (out[data.nbytes :] == 7).all()
+    blocks = rng.standard_normal((4, 5, 8, 16)).astype(np.float32)
+    layers = blocks[1:3, 2:4]  # a layer range of whole blocks: not contiguous
+    out = np.empty(layers.nbytes, np.uint8)
+    assert copy_checksummed(layers, out) == _checksum(np.ascontiguousarray(layers))
+    assert (out.view(np.float32).reshape(layers.shape) == layers).all()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30])
+def test_an_export_built_into_a_transports_buffers_is_the_same_export_copied_once(model_dir, chunk_bytes):
+    """With `reserve`, each KV chunk is copied into the transport's buffer as its piece arrives: the headers
+    (checksums included) equal those of an export built without it, and each chunk's data is its buffer
+    (nothing else copies it afterwards), whole blocks and layer ranges alike."""
+    import numpy as np
+
+    from workers.kv_transfer import KVExport
+
+    prefill = engine(model_dir, "p0")
+    prefill.runner.export_piece_blocks = 2  # several pieces: each chunk copied as its own piece arrives
+    prompt = prompts(1, seed=35, lo=40, hi=41)[0]
+    prefill.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    run_to_end(prefill, "r")
+    staged = prefill.take_staged("r")
+    plain = KVExport.build(staged, chunk_bytes)
+    buffers = []
+
+    def reserve(request_id, sizes):
+        assert request_id == "r" and sizes == [c.header.nbytes for c in plain.chunks]
+        buffers.extend(np.zeros(n, np.uint8) for n in sizes)
+        return buffers
+
+    placed = KVExport.build(staged, chunk_bytes, reserve)
+    assert placed.headers == plain.headers and len(placed.chunks) > 2
+    assert any(h.layer_end - h.layer_start < prefill.cfg.num_kv_layers for h in placed.headers) == (chunk_bytes == 1)
+    for chunk, buffer in zip(placed.chunks, buffers, strict=True):
+        assert np.shares_memory(chunk.data, buffer)
+        assert (chunk.verified(chunk.header) == plain.chunks[chunk.header.index].data).all()
+    assert KVExport.build(staged, chunk_bytes, lambda rid, sizes: None).headers == plain.headers  # no buffers offered
+
+
+def test_a_shared_memory_export_is_written_once_and_its_regions_are_freed_whatever_happens():
+    """The shared-memory transport hands out arena buffers for the KV chunks (`reserve`); `publish` copies
+    only the chunks it did not place (a state chunk) and every handle reads back the chunk's bytes. Its
+    regions are freed on unpublish, also for a reservation whose export never got published, and an export
+    at most `inline_bytes` is not placed at all. A bfloat16 chunk reads back as bfloat16 (it read as raw
+    bytes, and failed its check)."""
+    import asyncio
+
+    import ml_dtypes
+    import numpy as np
+
+    from cluster.kv_transport import _ARENAS, SharedMemoryTransport
+    from workers.kv_transfer import KVExport
+    from workers.messages import KVChunk, copy_checksummed
+
+    transport = SharedMemoryTransport(1 << 20, inline_bytes=100)
+    assert transport.reserve("small", [40, 60]) is None
+    rng = np.random.default_rng(1)
+    kv = [rng.standard_normal((2, 3, 5)).astype(dtype) for dtype in (np.float32, ml_dtypes.bfloat16)]
+    buffers = transport.reserve("r", [a.nbytes for a in kv])
+    chunks = [
+        KVChunk.of("r", i, "kv", 2 * i, 2 * i + 2, 0, 3, b.view(a.dtype).reshape(a.shape), copy_checksummed(a, b))
+        for i, (a, b) in enumerate(zip(kv, buffers))
+    ]
+    state = rng.standard_normal(33).astype(np.float32)
+    chunks.append(KVChunk.of("r", 2, "state", 0, 0, 0, 0, state))
+    used = transport.arena.nbytes - transport.arena.free_bytes
+    handles = asyncio.run(transport.publish(KVExport("r", chunks)))
+    assert [h.offset for h in handles[:2]] == [int(b.ctypes.data - transport.arena.view(0, 1).ctypes.data) for b in buffers]
+    assert transport.arena.nbytes - transport.arena.free_bytes == used + 192  # the state's 132 bytes, aligned
+    assert [h.dtype for h in handles] == ["float32", "bfloat16", "float32"]
+    for chunk, handle in zip(chunks, handles):
+        assert (_ARENAS.read(handle) == chunk.data).all()
+        assert chunk.verified(chunk.header) is chunk.data
+    transport.unpublish("r")
+    transport.reserve("failed", [1000, 3000])  # its export failed before it was published
+    transport.unpublish("failed")
+    assert transport.arena.free_bytes == transport.arena.nbytes and transport.num_published == 0
+
+
+def test_the_object_store_carries_a_bfloat16_chunk_as_its_bytes(ray_serve):
+    """Real Ray: chunks go into the object store as raw bytes and come out as the header's dtype and shape,
+    read in place (Ray pickled a bfloat16 array: 3x slower to put, and copied again on the way out)."""
+    import asyncio
+
+    import ml_dtypes
+    import numpy as np
+
+    from cluster.kv_transport import ObjectStoreTransport
+    from workers.kv_transfer import KVExport
+    from workers.messages import KVChunk
+
+    rng = np.random.default_rng(2)
+    data = [rng.standard_normal((4, 2, 8, 16)).astype(dtype) for dtype in (ml_dtypes.bfloat16, np.float32)]
+    export = KVExport("r", [KVChunk.of("r", i, "kv", 4 * i, 4 * i + 4, 0, 2, a) for i, a in enumerate(data)])
+    transport = ObjectStoreTransport(inline_bytes=0)
+
+    async def roundtrip():
+        handles = await transport.publish(export)
+        return [await transport.fetch(c.header, h) for c, h in zip(export.chunks, handles)]
+
+    for chunk, got in zip(export.chunks, asyncio.run(roundtrip())):
+        assert got.dtype == chunk.data.dtype and (chunk.verified(chunk.header) == got).all()
+        assert not got.flags.writeable  # the store's own buffer, not a copy
+        KVChunk(chunk.header, got).verified(chunk.header)
+    transport.unpublish("r")

@@ -28,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
-from workers.messages import KVChunk, KVChunkCorrupt, KVChunkHeader
+from workers.messages import KVChunk, KVChunkCorrupt, KVChunkHeader, copy_checksummed
 
 if TYPE_CHECKING:
     from workers.engine.engine import StagedKV
@@ -106,28 +107,72 @@ class KVExport:
         return sum(c.header.nbytes for c in self.chunks)
 
     @staticmethod
-    def build(staged: StagedKV, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> KVExport:
+    def build(staged: StagedKV, chunk_bytes: int = DEFAULT_CHUNK_BYTES, reserve: Reserve | None = None) -> KVExport:
         """Waits for the staged copy piece by piece (blocking: call it off the event loop and off the engine
         thread; a piece is checksummed while later ones are still being copied) and cuts each piece into
-        chunks. Whole-block chunks are views of the host copy: no extra pass over memory."""
-        rid, n = staged.request_id, staged.num_blocks
-        chunks = []
-        starts = [first for first, _ in staged.pieces] + [n]
-        for (first, piece), end in zip(staged.pieces, starts[1:]):
-            count = min(piece.shape[0], end - first)  # a piece's rows past its blocks are padding
-            if count <= 0:
-                continue
-            host = np.asarray(piece)[:count]  # waits for this piece's device->host copy
-            num_layers = host.shape[1]
-            block_layer_nbytes = host[0, 0].nbytes
-            b = staged.block_start + first
-            skip = max(0, staged.window_start_block - b)  # this piece's blocks whose sliding layers were let go of
-            for b0, b1, l0, l1 in plan_chunks(count, num_layers, block_layer_nbytes, chunk_bytes, staged.window_layers, skip):
-                data = host[b0:b1] if (l0, l1) == (0, num_layers) else np.ascontiguousarray(host[b0:b1, l0:l1])
-                chunks.append(KVChunk.of(rid, len(chunks), "kv", b + b0, b + b1, l0, l1, data))
+        chunks. Whole-block chunks are views of the host copy: no extra pass over memory.
+
+        `reserve` (the transport's, `KVTransport.reserve`) is asked, before any piece is waited on, for a
+        buffer per KV chunk; where it gives them (a shared-memory arena), each chunk is copied there as
+        soon as its piece is on the host, checksummed in the same pass (`copy_checksummed`), and its data is
+        that copy: the copy out overlaps the device's copy of the later pieces, and nothing is copied after."""
+        rid = staged.request_id
+        plan = _plan(staged, chunk_bytes)
+        buffers = reserve(rid, [c.nbytes for c in plan]) if reserve is not None and plan else None
+        chunks: list[KVChunk] = []
+        piece, host = None, None
+        for i, c in enumerate(plan):
+            if c.piece is not piece:
+                piece, host = c.piece, np.asarray(c.piece)[: c.count]  # waits for this piece's device->host copy
+            data = host[c.b0 : c.b1] if c.whole else host[c.b0 : c.b1, c.l0 : c.l1]
+            checksum = None
+            if buffers is not None:
+                checksum = copy_checksummed(data, buffers[i])
+                data = buffers[i].view(data.dtype).reshape(data.shape)
+            elif not c.whole:
+                data = np.ascontiguousarray(data)
+            chunks.append(KVChunk.of(rid, i, "kv", c.base + c.b0, c.base + c.b1, c.l0, c.l1, data, checksum))
         if staged.state is not None:
             chunks.append(KVChunk.of(rid, len(chunks), "state", 0, 0, 0, 0, staged.pack_state(staged.state)))
         return KVExport(rid, chunks, time.perf_counter() - staged.staged_at)
+
+
+@dataclass(frozen=True, slots=True)
+class _PlannedChunk:
+    """A KV chunk of an export, known from the staged pieces' shapes before their data is on the host:
+    blocks [b0, b1) x layers [l0, l1) of `piece` (whose first `count` rows are blocks from `base` on)."""
+
+    piece: Any
+    count: int
+    base: int
+    b0: int
+    b1: int
+    l0: int
+    l1: int
+    whole: bool  # every layer: a contiguous slice of the piece
+    nbytes: int
+
+
+def _plan(staged: StagedKV, chunk_bytes: int) -> list[_PlannedChunk]:
+    plan = []
+    starts = [first for first, _ in staged.pieces] + [staged.num_blocks]
+    for (first, piece), end in zip(staged.pieces, starts[1:]):
+        count = min(piece.shape[0], end - first)  # a piece's rows past its blocks are padding
+        if count <= 0:
+            continue
+        num_layers = piece.shape[1]
+        block_layer_nbytes = math.prod(piece.shape[2:]) * np.dtype(piece.dtype).itemsize
+        base = staged.block_start + first
+        skip = max(0, staged.window_start_block - base)  # this piece's blocks whose sliding layers were let go of
+        for b0, b1, l0, l1 in plan_chunks(count, num_layers, block_layer_nbytes, chunk_bytes, staged.window_layers, skip):
+            whole = (l0, l1) == (0, num_layers)
+            plan.append(_PlannedChunk(piece, count, base, b0, b1, l0, l1, whole, (b1 - b0) * (l1 - l0) * block_layer_nbytes))
+    return plan
+
+
+# A transport's offer of buffers for an export's KV chunks (request id, each chunk's bytes): one writable uint8
+# array per chunk, or None to take the chunks as they are in `publish`.
+Reserve = Callable[[str, list[int]], list[np.ndarray] | None]
 
 
 Published = tuple[tuple[KVChunkHeader, ...], tuple[Any, ...]]  # an export's headers and its transport handles
@@ -160,6 +205,12 @@ class KVTransport(Protocol):
 
     name: str
 
+    def reserve(self, request_id: str, sizes: list[int]) -> list[np.ndarray] | None:
+        """Buffers the export's KV chunks are to be copied into as they are built (`Reserve`), or None.
+        Called from the thread that builds the export; `publish` then finds them there, and `unpublish`
+        lets go of them (also when the export failed before it was published)."""
+        ...
+
     async def publish(self, export: KVExport) -> tuple[Any, ...]: ...
 
     def unpublish(self, request_id: str) -> None: ...
@@ -171,6 +222,9 @@ class LocalTransport:
     """Both halves in one process (tests, an in-process prefill/decode pair): the handle is the data."""
 
     name = "local"
+
+    def reserve(self, request_id: str, sizes: list[int]) -> list[np.ndarray] | None:
+        return None
 
     async def publish(self, export: KVExport) -> tuple[Any, ...]:
         return tuple(c.data for c in export.chunks)

@@ -249,8 +249,8 @@ class PrefillWorker(EngineWorker):
         """Publishes this host's part of the KV (waiting for its host copy off the event loop), and the
         other hosts' parts on a multi-host engine; returns the export and the handoff's chunk list."""
         rid = staged.request_id
-        export = await asyncio.to_thread(KVExport.build, staged, self.chunk_bytes)
         try:
+            export = await asyncio.to_thread(KVExport.build, staged, self.chunk_bytes, self.transport.reserve)
             parts: list[Published] = [(export.headers, await self.transport.publish(export))]
             if self.peers is not None:
                 parts += await self.peers.export(rid, self.chunk_bytes)

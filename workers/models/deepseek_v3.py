@@ -196,16 +196,25 @@ def _kv_b_halves(w: MLAWeights, cfg: ModelConfig) -> tuple[Array, Array]:
     return kv_b[:, : m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim :]
 
 
+def _einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """A per-head einsum accumulated in float32. XLA:CPU has no batched bfloat16 x bfloat16 -> float32 dot
+    ("Unsupported element type for DotThunk"): there the operands are widened first (CPU computes in float32
+    anyway); accelerators take bfloat16 operands as they are."""
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def mla_attention(x: Array, w: MLAWeights, cfg: ModelConfig, rope, positions: Array, cache, layer: int) -> Array:
     """Absorbed MLA for [B, T] new tokens; their rows go into `cache` (updated in place)."""
     m, (b, t, _) = cfg.mla, x.shape
     q, row = _project(x, w, cfg, rope)
     w_uk, w_uv = _kv_b_halves(w, cfg)
     q_nope, q_rope = jnp.split(q, [m.qk_nope_head_dim], axis=-1)
-    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q.dtype)
+    q_latent = _einsum_f32("bthn,hnr->bthr", q_nope, w_uk).astype(q.dtype)
     q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)
     out = cache.update_and_attend_latent(cfg.kv_layer_index(layer), q_abs, row, positions, m.softmax_scale, m.kv_lora_rank)
-    out = jnp.einsum("bthr,hvr->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = _einsum_f32("bthr,hvr->bthv", out, w_uv).astype(x.dtype)
     return linear(out.reshape(b, t, cfg.num_heads * m.v_head_dim), w.o)
 
 
@@ -220,8 +229,8 @@ def mla_attention_expanded(x: Array, w: MLAWeights, cfg: ModelConfig, rope, posi
     cached = cache.k[kv_layer][:, :, 0]  # [B, S, latent | rope key]
     latent, k_rope = jnp.split(cached, [m.kv_lora_rank], axis=-1)
     w_uk, w_uv = _kv_b_halves(w, cfg)
-    k_nope = jnp.einsum("bsr,hnr->bshn", latent, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-    v = jnp.einsum("bsr,hvr->bshv", latent, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
+    k_nope = _einsum_f32("bsr,hnr->bshn", latent, w_uk).astype(x.dtype)
+    v = _einsum_f32("bsr,hvr->bshv", latent, w_uv).astype(x.dtype)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], m.qk_rope_head_dim))], axis=-1)
     out = causal_attention(q, k, v, positions, sm_scale=m.softmax_scale)
     return linear(out.reshape(b, t, cfg.num_heads * m.v_head_dim), w.o)
