@@ -726,7 +726,7 @@ def test_a_shared_memory_export_is_written_once_and_its_regions_are_freed_whatev
 
     from cluster.kv_transport import _ARENAS, SharedMemoryTransport
     from workers.kv_transfer import KVExport
-    from workers.messages import KVChunk, copy_checksummed
+    from workers.messages import KVChunk, KVChunkHeader, copy_checksummed
 
     transport = SharedMemoryTransport(1 << 20, inline_bytes=100)
     assert transport.reserve("small", [40, 60]) is None
@@ -734,7 +734,7 @@ def test_a_shared_memory_export_is_written_once_and_its_regions_are_freed_whatev
     kv = [rng.standard_normal((2, 3, 5)).astype(dtype) for dtype in (np.float32, ml_dtypes.bfloat16)]
     buffers = transport.reserve("r", [a.nbytes for a in kv])
     chunks = [
-        KVChunk.of("r", i, "kv", 2 * i, 2 * i + 2, 0, 3, b.view(a.dtype).reshape(a.shape), copy_checksummed(a, b))
+        KVChunk(KVChunkHeader.of("r", i, "kv", 2 * i, 2 * i + 2, 0, 3, a, copy_checksummed(a, b)), b.view(a.dtype).reshape(a.shape))
         for i, (a, b) in enumerate(zip(kv, buffers))
     ]
     state = rng.standard_normal(33).astype(np.float32)

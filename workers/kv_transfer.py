@@ -131,7 +131,7 @@ class KVExport:
                 data = buffers[i].view(data.dtype).reshape(data.shape)
             elif not c.whole:
                 data = np.ascontiguousarray(data)
-            chunks.append(KVChunk.of(rid, i, "kv", c.base + c.b0, c.base + c.b1, c.l0, c.l1, data, checksum))
+            chunks.append(KVChunk(KVChunkHeader.of(rid, i, "kv", c.base + c.b0, c.base + c.b1, c.l0, c.l1, data, checksum), data))
         if staged.state is not None:
             chunks.append(KVChunk.of(rid, len(chunks), "state", 0, 0, 0, 0, staged.pack_state(staged.state)))
         return KVExport(rid, chunks, time.perf_counter() - staged.staged_at)

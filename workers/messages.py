@@ -208,19 +208,8 @@ class KVChunk:
     data: np.ndarray
 
     @staticmethod
-    def of(
-        request_id: str,
-        index: int,
-        kind: str,
-        block_start: int,
-        block_end: int,
-        layer_start: int,
-        layer_end: int,
-        data,
-        checksum: int | None = None,
-    ) -> KVChunk:
-        header = KVChunkHeader.of(request_id, index, kind, block_start, block_end, layer_start, layer_end, data, checksum)
-        return KVChunk(header, data)
+    def of(request_id: str, index: int, kind: str, block_start: int, block_end: int, layer_start: int, layer_end: int, data) -> KVChunk:
+        return KVChunk(KVChunkHeader.of(request_id, index, kind, block_start, block_end, layer_start, layer_end, data), data)
 
     def verified(self, expected: KVChunkHeader) -> np.ndarray:
         """The data, once it is what the handoff announced and what the sender sent; else `KVChunkCorrupt`."""
