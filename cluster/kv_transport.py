@@ -26,7 +26,7 @@ cannot map the arena: its fetch fails and it prefills locally, so a cluster over
 always; one that had not prefills locally).
 
 A direct device-to-device transport (`jax.experimental.transfer` where the backend has it) is a class
-with the same three methods, selected in `build_transport`; nothing else changes.
+with the same four methods, selected in `build_transport`; nothing else changes.
 """
 
 from __future__ import annotations
