@@ -97,6 +97,10 @@ class ObjectStoreTransport:
 ALIGN = 64  # every chunk starts on a 64-byte boundary, as the object store's buffers do (read in place)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 @dataclass(frozen=True)
 class ShmChunk:
     """Where a chunk lies: in the arena of process `pid` on node `node` (its descriptor `fd`, tagged `tag`
@@ -131,7 +135,7 @@ class Arena:
         return sum(size for _, size in self._free)
 
     def allocate(self, nbytes: int) -> int | None:
-        nbytes = -(-nbytes // ALIGN) * ALIGN
+        nbytes = _aligned(nbytes)
         for i, (offset, size) in enumerate(self._free):
             if size >= nbytes:
                 self._free[i : i + 1] = [(offset + nbytes, size - nbytes)] if size > nbytes else []
@@ -139,7 +143,7 @@ class Arena:
         return None
 
     def free(self, offset: int, nbytes: int) -> None:
-        nbytes = -(-nbytes // ALIGN) * ALIGN
+        nbytes = _aligned(nbytes)
         i = bisect.bisect(self._free, (offset, 0))
         self._free.insert(i, (offset, nbytes))
         # Merge with the region after, then the one before.
@@ -272,7 +276,7 @@ class SharedMemoryTransport(ObjectStoreTransport):
             starts, total = [], 0
             for n in sizes:
                 starts.append(total)
-                total += -(-n // ALIGN) * ALIGN
+                total += _aligned(n)
             base = self.arena.allocate(total)
             if base is None:
                 return None
@@ -281,7 +285,7 @@ class SharedMemoryTransport(ObjectStoreTransport):
 
     def _copy_in(self, chunks: list, offsets: list[int]) -> None:
         for c, o in zip(chunks, offsets):
-            src = np.ascontiguousarray(c.data).reshape(-1).view(np.uint8)
+            src = _as_bytes(c.data)
             self.arena.view(o, src.nbytes)[:] = src
 
     def _free(self, request_id: str) -> None:
