@@ -11,6 +11,8 @@ accept path (whole runs of drafts) and the reject path run on every model."""
 from __future__ import annotations
 
 import json
+import random
+import statistics
 
 import jsonschema
 import numpy as np
@@ -403,14 +405,16 @@ def test_speed_gate_keeps_the_faster_mode_per_batch_bucket_and_probes_the_other_
     modes = drive_gate(gate, 1000, lambda spec: 8 if spec else 4)
     assert not all(modes[:20])  # then measure without
     assert modes[100:].count(False) >= 4  # the other mode is probed...
-    assert modes[500:].count(False) <= 4 * (500 // 128 + 1)  # ...every 128 steps once the choice held
+    # ...every 128 steps once the choice held (give or take the jitter that keeps probes out of step with
+    # a periodic workload)
+    assert modes[500:].count(False) <= 4 * (500 // int(128 * (1 - SpeedGate._JITTER)) + 1)
     assert gate.rate(4, True) == 8 and gate.rate(4, False) == 4
     assert gate.wants(1)  # another bucket starts over
     # Speculating gets slower: the gate leaves it once its own figure falls below the other's (within its
-    # window of steps), and goes on probing it.
-    modes = drive_gate(gate, 400, lambda spec: 3 if spec else 4)
-    assert not any(modes[20:120])
-    assert 4 <= modes[120:].count(True) <= 16
+    # window of steps' tokens), and goes on probing it, less often while that holds.
+    modes = drive_gate(gate, 700, lambda spec: 3 if spec else 4)
+    assert 4 <= modes[gate.yield_window :].count(True) <= 4 * 8  # past its window: probes only
+    assert modes[400:].count(True) <= 4 * (300 // int(128 * (1 - SpeedGate._JITTER)) + 1)
 
 
 def test_speed_gate_does_not_take_a_switchs_cost_for_the_speed_of_the_mode_it_switched_to():
@@ -423,6 +427,54 @@ def test_speed_gate_does_not_take_a_switchs_cost_for_the_speed_of_the_mode_it_sw
     modes = drive_gate(gate, 600, lambda spec: 6 if spec else 8, switch_seconds=2.0)
     assert modes[200:].count(True) <= 20
     assert gate.rate(4, False) == 8 and gate.rate(4, True) == 6
+
+
+def drive_gate_on_text(gate, stretches, drafted: int = 4, spec_s: float = 1.3, steps: int = 6000) -> tuple[float, float]:
+    """A batch of one over text whose stretches the drafts do or do not predict (`stretches(step)`: True in
+    a predictable one): a speculating step takes `spec_s` and yields `drafted` tokens there and 1
+    elsewhere; a plain step yields 1 in 1 s (1.6 s next to a speculating one). Returns the share of steps
+    speculated and the tokens per second."""
+    previous, launched, speculated, tokens, seconds = None, None, 0, 0, 0.0
+    for i in range(steps):
+        mode = gate.wants(1)
+        if launched is not None:
+            predictable = stretches(i)  # the text goes on whichever mode runs
+            t = (drafted if predictable else 1) if launched else 1
+            s = spec_s if launched else (1.0 if previous is not True and mode is False else 1.6)
+            gate.observe(1, launched, t, s, mode)
+            tokens, seconds, previous = tokens + t, seconds + s, launched
+        launched = mode
+        speculated += mode
+    return speculated / steps, tokens / seconds
+
+
+def test_speed_gate_keeps_speculating_where_drafts_pay_in_stretches():
+    """What a speculating step yields comes in stretches. With the tokens of its last few probes only, the
+    gate kept n-gram drafts off at batch 1 where they ran 1.5x faster (bench spec, code, k=3: 927 tok/s
+    measured for speculating against 1,587 always on); a benchmark repeating one request met every probe
+    at the same place. Here speculating yields 2.5 tokens per 1.3 s on average, 1.9x plain decoding."""
+    from workers.engine.speculative import SpeedGate
+
+    for period in (64, 66):  # a benchmark's passes: half of each predictable
+        share, rate = drive_gate_on_text(SpeedGate(), lambda i, p=period: i % p < p // 2)
+        assert share > 0.9 and rate > 1.8
+
+    def random_stretches(seed):
+        rng, state = random.Random(seed), {"good": True, "left": 0}
+
+        def stretches(_):
+            if state["left"] == 0:
+                state["good"], state["left"] = not state["good"], rng.randint(10, 60)
+            state["left"] -= 1
+            return state["good"]
+
+        return stretches
+
+    shares = [drive_gate_on_text(SpeedGate(), random_stretches(seed))[0] for seed in range(8)]
+    assert statistics.median(shares) > 0.8  # the old gate: 0.06-0.15
+    # Where speculating does not pay (2 tokens in predictable stretches, 1.8 s a step), it stays off.
+    share, rate = drive_gate_on_text(SpeedGate(), random_stretches(1), drafted=2, spec_s=1.8)
+    assert share < 0.03 and rate > 0.98
 
 
 def test_switching_between_speculating_and_plain_asynchronous_steps_stays_exact(models):
@@ -475,3 +527,27 @@ def test_a_test_sized_model_trains_deterministically_is_cached_and_predicts_code
     llm = LLM(str(path), speculative={"num_speculative_tokens": 3, "adaptive": False}, **{**ARGS, "max_model_len": 128})
     llm.generate(ps, params)
     assert llm.engine.speculator.stats.acceptance_rate > 0.2
+
+
+def test_bench_spec_times_a_run_for_its_minimum_window_and_pairs_each_run_with_its_baseline(models):
+    """`bench spec` figures: a timed run decodes its batch again until its steps took `min_s` (one pass at
+    batch 1 is tens of milliseconds here), summing tokens, time and draft counters; a speed-up is the median
+    of each run over the baseline run beside it, so drift between runs does not enter it."""
+    from bench.spec import decode_run, paired_speedup, timed_run
+
+    engine = spec_llm(models["qwen3_moe"]).engine
+    ps = prompts(2, seed=4, lo=5, hi=6)
+    one = decode_run(engine, ps, 8)
+    assert one["tokens"] == 2 * 7 and one["seconds"] > 0  # every token after each request's first
+    run = timed_run(engine, ps, 8, min_s=3 * one["seconds"])
+    assert run["passes"] >= 3 and run["seconds"] >= 3 * one["seconds"]
+    assert run["tokens"] == run["passes"] * 2 * 7
+    assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["seconds"])
+    assert run["draft_tokens"] >= run["accepted"] >= 0 and run["drafts"] > 0  # the counters of every pass
+    assert timed_run(engine, ps, 8)["passes"] == 1  # no window asked: one pass
+
+    # The machine got 3x faster between the second baseline run and the run beside it: the ratio of the
+    # medians says 3.3x, each run over its own baseline 1.1x (and the odd pair is outvoted).
+    base = [{"tokens_per_s": t} for t in (100.0, 100.0, 300.0)]
+    spec = [{"tokens_per_s": t} for t in (110.0, 330.0, 330.0)]
+    assert paired_speedup(spec, base) == pytest.approx(1.1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -131,14 +132,24 @@ class SpeedGate:
     once when the running mode's own figure falls below the other's). Probes are never so frequent that
     they cost over `probe_cost` of the throughput. Both modes are measured first.
 
-    Only steady steps count: a step whose neighbours ran in the same mode. The steps at a switch pay for
-    the switch itself (a plain step between speculating ones cannot overlap the host's work with the
-    device's, since the next plan needs its tokens) and measured a plain step at half its speed. A mode's
-    figure is its tokens over its time in its last `window` steady steps (a speculating step yields 1 to
-    k + 1 tokens: a median of per-step rates is not its throughput), leaving out a step that took over
-    `_OUTLIER` times the typical one (it compiled a shape, or the machine stalled)."""
+    A mode's figure is its tokens per sequence and step times its sequence-steps per second (a
+    speculating step yields 1 to k + 1 tokens per sequence: a median of per-step rates is not its
+    throughput):
+    - sequence-steps per second: only steady steps count, ones whose neighbours ran in the same mode. The
+      steps at a switch pay for the switch itself (a plain step between speculating ones cannot overlap the
+      host's work with the device's, since the next plan needs its tokens) and measured a plain step at half
+      its speed. Their mean over the last `window` of them (a step's time depends on how many drafts it
+      verifies: a median misses the long ones), leaving out a step over `_OUTLIER` times the typical one (a
+      compile, a stall);
+    - tokens per sequence and step: every step of the mode, over a longer window (`yield_window`). What a
+      speculating step yields comes in runs (the text has stretches the drafts predict and stretches they do
+      not), and a probe sees a few steps of one stretch: with the tokens of the last 4 probes alone, the gate
+      kept n-gram drafts off at batch 1 where they ran 1.5x faster.
+    Probe intervals are jittered by up to `_JITTER` either way: a workload that repeats itself (a
+    benchmark's passes) must not meet every probe at the same place in its period."""
 
     _OUTLIER = 4.0
+    _JITTER = 0.2
 
     def __init__(
         self,
@@ -149,13 +160,17 @@ class SpeedGate:
         probe_cost: float = 0.02,
         window: int = 12,
         min_samples: int = 4,
+        yield_window: int = 128,
+        seed: int = 0,
     ):
         if probe_len < 3:
             raise ValueError("probe_len must be >= 3: a probe's first and last steps are switches, not measurements")
         self.probe_every, self.probe_len, self.max_probe_every = probe_every, probe_len, max_probe_every
         self.probe_growth, self.probe_cost = probe_growth, probe_cost
-        self.window, self.min_samples = window, min_samples
-        self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # steady steps' (tokens, seconds)
+        self.window, self.min_samples, self.yield_window = window, min_samples, yield_window
+        self._jitter = random.Random(seed)
+        self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # steady steps' (batch, seconds)
+        self._yields: dict[tuple[int, bool], deque[float]] = {}  # every step's tokens per sequence
         self._rates: dict[tuple[int, bool], float] = {}  # kept with the samples: `wants` runs a few times a step
         self._steps: dict[int, int] = {}  # a bucket's steps since its last probe ended
         self._interval: dict[int, int] = {}  # a bucket's steps between probes
@@ -185,11 +200,14 @@ class SpeedGate:
         if tokens <= 0 or seconds <= 0:
             return
         b = self.bucket(batch)
+        key = (b, speculated)
+        yields = self._yields.setdefault(key, deque(maxlen=self.yield_window))
+        yields.append(tokens / batch)
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
         if previous == speculated == next_speculating:
-            samples = self._samples.setdefault((b, speculated), deque(maxlen=self.window))
-            samples.append((tokens, seconds))
-            if len(samples) >= self.min_samples:
-                self._rates[(b, speculated)] = self._throughput(samples)
+            samples.append((batch, seconds))
+        if len(samples) >= self.min_samples:
+            self._rates[key] = sum(yields) / len(yields) * self._sequence_steps_per_second(samples)
         on, off = self._rates.get((b, True)), self._rates.get((b, False))
         if on is None or off is None:
             return
@@ -205,12 +223,13 @@ class SpeedGate:
         """`interval`, but never so short that probing the slower mode costs over `probe_cost` of the
         throughput (a probe's steps run at the slower mode's speed), nor over `max_probe_every`."""
         slower = min(on, off) / max(on, off)
-        return min(max(interval, math.ceil(self.probe_len * (1 - slower) / self.probe_cost)), self.max_probe_every)
+        interval = min(max(interval, math.ceil(self.probe_len * (1 - slower) / self.probe_cost)), self.max_probe_every)
+        return max(self.probe_len + 1, round(interval * self._jitter.uniform(1 - self._JITTER, 1 + self._JITTER)))
 
-    def _throughput(self, samples: deque[tuple[int, float]]) -> float:
+    def _sequence_steps_per_second(self, samples: deque[tuple[int, float]]) -> float:
         typical = statistics.median(seconds for _, seconds in samples)
-        kept = [(tokens, seconds) for tokens, seconds in samples if seconds <= self._OUTLIER * typical]
-        return sum(tokens for tokens, _ in kept) / sum(seconds for _, seconds in kept)
+        kept = [(batch, seconds) for batch, seconds in samples if seconds <= self._OUTLIER * typical]
+        return sum(batch for batch, _ in kept) / sum(seconds for _, seconds in kept)
 
 
 class Speculator:
