@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stream-interval-ms", type=float, default=5.0, help="with --vs-engine: the served app's stream_interval_ms (default 5)"
     )
+    p.add_argument(
+        "--stream-transport",
+        choices=("direct", "serve"),
+        default="direct",
+        help="with --vs-engine: the served app's stream_transport (default direct)",
+    )
     add_report_argument(p)
 
 

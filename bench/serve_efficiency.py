@@ -155,7 +155,7 @@ def non_engine_processes(app: str) -> dict[str, int]:
     return out
 
 
-def start_app(engine: dict, stream_interval_ms: float = 5.0, ingress: str = "serve") -> str:
+def start_app(engine: dict, stream_interval_ms: float = 5.0, ingress: str = "serve", stream_transport: str = "direct") -> str:
     """A colocated app with one decode replica on a fresh local Ray, behind Serve's proxy or served by its front
     end itself (`ingress`: server.ingress); returns its base URL once healthy."""
     from bench.serve import _free_port, _serve_apps
@@ -168,6 +168,7 @@ def start_app(engine: dict, stream_interval_ms: float = 5.0, ingress: str = "ser
         "server": {"http_port": port, "grpc_port": _free_port(), "ingress": ingress},
         "decode": {"replicas": 1},
         "stream_interval_ms": stream_interval_ms,
+        "stream_transport": stream_transport,
     }
     return _serve_apps(port, {"/": cfg}, proxy=ingress == "serve")
 
@@ -188,7 +189,7 @@ def run_vs_engine(args: argparse.Namespace) -> dict:
     # Warm-up: every program a closed loop meets (step shapes, the token merge) compiles before timing.
     offline_run(core, argparse.Namespace(**{**vars(args), "requests": 2 * args.concurrency}), seed=10_000)
     print("served app: starting...", file=sys.stderr)
-    url = start_app(engine, args.stream_interval_ms, args.ingress)
+    url = start_app(engine, args.stream_interval_ms, args.ingress, getattr(args, "stream_transport", "direct"))
     pids = non_engine_processes("eff")
     model = os.path.basename(os.path.normpath(args.model))
     warm = argparse.Namespace(**{**vars(args), "requests": 2 * args.concurrency})
@@ -223,6 +224,7 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace, engine: dic
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "stream_interval_ms": args.stream_interval_ms,
+        "stream_transport": getattr(args, "stream_transport", "direct"),
         "ingress": args.ingress,
         "non_engine_processes": processes,
         "offline_tokens_per_s": offline,

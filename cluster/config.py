@@ -289,6 +289,13 @@ class ClusterConfig(_Strict):
         description="a decode worker sends each front end at most one token batch per this many ms (every step's "
         "tokens since the last batch go together); 0: one batch per engine step",
     )
+    stream_transport: Literal["direct", "serve"] = Field(
+        default="direct",
+        description="how a decode worker's token batches, starts and aborts reach a front end: direct: over a "
+        "TCP connection of their own (the decode replica listens on a free port of its node's address; Serve "
+        "still finds the replica and owns its lifetime: cluster/direct_stream.py); serve: as items and calls "
+        "of Serve's handles (a worker that cannot be reached directly falls back to it by itself)",
+    )
     # Serve lifecycle: model load and compile can take minutes on TPU.
     health_check_period_s: float = Field(default=10.0, gt=0)
     health_check_timeout_s: float = Field(default=60.0, gt=0)

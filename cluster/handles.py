@@ -6,7 +6,8 @@ classes, so a renamed method or argument fails a test instead of a request.
 
     PrefillPool   front end -> PrefillServer   prefill; decode worker -> PrefillServer: release
                   (the KV itself moves through a KV transport: cluster/kv_transport.py)
-    DecodePool    front end -> DecodeServer    channel (stream), start_batch, abort
+    DecodePool    front end -> DecodeServer    channel (stream), start_batch, abort; with a direct channel
+                  the batches, starts and aborts go over its own connection (cluster/direct_stream.py)
     RegistryClient workers, front ends -> Registry   report, worker_failed, changes, follow (stream), metrics
 
 Calls to a worker carry `target_replica` (the router's choice, honoured by `cluster.targeting`).
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
-from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, TokenDeltaBatch, WorkerReport
+from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, StreamOffer, TokenDeltaBatch, WorkerReport
 
+from .direct_stream import DirectChannel
 from .targeting import TARGET_KWARG
+
+log = logging.getLogger("moray.cluster")
 
 T = TypeVar("T")
 
@@ -79,17 +84,32 @@ class PrefillPool:
 
 
 class DecodePool:
-    def __init__(self, handle):
+    """`direct`: channels ask their worker for a direct connection (cluster/direct_stream.py); a channel's
+    starts and aborts then go over it. A worker that offers none, or that cannot be reached, stays on Serve."""
+
+    def __init__(self, handle, direct: bool = False):
         self._handle = handle
+        self.direct = direct
         self._starts: dict[str, _StartBatches] = {}
+        self._connections: dict[str, DirectChannel] = {}  # worker -> the connection of this front end's channel
+        self._unreachable: set[str] = set()  # workers whose offer could not be connected to: Serve only
 
     def channel(self, worker: str, channel_id: str):
         """The worker's stream of encoded `TokenDeltaBatch`es for this front end (async iterator; `.cancel()`)."""
-        return self._handle.options(stream=True).channel.remote(channel_id, **{TARGET_KWARG: worker})
+        if self.direct and worker not in self._unreachable:
+            return _OpeningChannel(self, worker, channel_id)
+        return self._serve_channel(worker, channel_id)
+
+    def _serve_channel(self, worker: str, channel_id: str, **kw):
+        return self._handle.options(stream=True).channel.remote(channel_id, **kw, **{TARGET_KWARG: worker})
 
     async def start(self, worker: str, request: DecodeRequest) -> None:
         """Starts the request on `worker` (returns once its engine took it). The starts for one worker travel
         together: one call carries every request that arrived while the previous call was on its way."""
+        connection = self._connections.get(worker)
+        if connection is not None and connection.name == request.channel:
+            await connection.starts.start(request)
+            return
         batches = self._starts.get(worker)
         if batches is None:
             batches = self._starts[worker] = _StartBatches(lambda requests: self._start_batch(worker, requests))
@@ -102,10 +122,69 @@ class DecodePool:
         return await self._handle.rebalance_experts.remote(wait, **{TARGET_KWARG: worker})
 
     async def abort(self, worker: str, request_id: str) -> None:
+        connection = self._connections.get(worker)
+        if connection is not None and not connection.closed:
+            if await connection.starts.settled(request_id):
+                connection.abort(request_id)  # after its start, on the same connection: it cannot overtake it
+            return
         batches = self._starts.get(worker)
         if batches is not None and not await batches.settled(request_id):
             return  # it was never sent: nothing runs there
         await self._handle.abort.remote(request_id, **{TARGET_KWARG: worker})
+
+    def _connected(self, connection: DirectChannel) -> None:
+        connection.starts = _StartBatches(connection.start_batch)
+        self._connections[connection.worker] = connection
+
+    def _disconnected(self, connection: DirectChannel) -> None:
+        if self._connections.get(connection.worker) is connection:
+            del self._connections[connection.worker]
+
+
+class _OpeningChannel:
+    """A channel asking for a direct connection: its Serve call's first item is the worker's `StreamOffer`
+    (then the batches come over the connection, and the call stays open as the lease) or, from a worker
+    without one, the first batch of a plain Serve stream."""
+
+    def __init__(self, pool: DecodePool, worker: str, name: str):
+        self._pool, self.worker, self.name = pool, worker, name
+        self._serve = pool._serve_channel(worker, name, direct=True)
+        self._stream = None  # what the batches come from, once known
+        self._cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._stream is None:
+            first = await anext(self._serve)
+            if not isinstance(first, StreamOffer):
+                self._stream = self._serve
+                return first
+            self._stream = await self._connect(first)
+        return await anext(self._stream)
+
+    async def _connect(self, offer: StreamOffer):
+        pool = self._pool
+        try:
+            connection = await DirectChannel.connect(self.worker, self.name, self._serve, offer, lambda: pool._disconnected(connection))
+        except (OSError, TimeoutError) as e:
+            # Not reachable from here (another network, a firewall): this worker's channels stay on Serve.
+            log.warning("no direct channel to %s at %s:%s (%s): its tokens go through Serve", self.worker, offer.host, offer.port, e)
+            pool._unreachable.add(self.worker)
+            self._serve.cancel()
+            self._serve = pool._serve_channel(self.worker, self.name)
+            return self._serve
+        pool._connected(connection)
+        if self._cancelled:
+            connection.cancel()
+        return connection
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._stream is not None and self._stream is not self._serve:
+            self._stream.cancel()
+        self._serve.cancel()
 
 
 class _StartBatches:

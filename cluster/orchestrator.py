@@ -52,6 +52,7 @@ from workers.outbox import ChannelClosed
 
 from . import tracing
 from .channels import ChannelFailed, ChannelIdleClosed, DecodeChannels, Draining
+from .direct_stream import ConnectionLost
 from .handles import DecodePool, PrefillPool, WrongReplica, detached
 from .openai_api import APIError
 from .router.types import NoWorkersAvailable, RouteDecision, RouteRequest
@@ -114,7 +115,7 @@ class WorkerFailed(APIError):
 
 def worker_gone(e: BaseException) -> bool:
     """Whether a call failed because the worker is gone (so another worker may serve the request)."""
-    return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError, WrongReplica, ChannelFailed))
+    return isinstance(e, (RayActorError, EngineDeadError, ReplicaUnavailableError, WrongReplica, ChannelFailed, ConnectionLost))
 
 
 class WorkerDraining(Exception):

@@ -124,11 +124,12 @@ class RequestPipeline:
         self.feed = RegistryFeed(config.router.heartbeat_ttl_s, config.router.session_ttl_s) if memory else None
         self.router = self._build_router()
         self.membership.on_gone(self.router.metrics.forget_worker)  # a dead worker's router series leave /metrics
-        self.channels = DecodeChannels(DecodePool(decode_handle), channel_id)
+        decode = DecodePool(decode_handle, direct=config.stream_transport == "direct")
+        self.channels = DecodeChannels(decode, channel_id)  # the channels and the starts share its connections
         self.orchestrator = Orchestrator(
             self.router,
             PrefillPool(prefill_handle) if prefill_handle is not None else None,
-            DecodePool(decode_handle),
+            decode,
             self.channels,
             engine.block_size,
             self.model_name,

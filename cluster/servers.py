@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import ray
 from ray import serve
 
 from workers.messages import DecodeRequest, PrefillHandoff, PrefillRequest, TokenDelta
@@ -19,6 +20,7 @@ from workers.worker import DecodeWorker, EngineWorker, PrefillWorker
 
 from . import logs, tracing
 from .config import ClusterConfig, parse_cluster_config
+from .direct_stream import StreamServer
 from .handles import PrefillPool, WrongReplica, detached
 from .reporting import WorkerReporter
 
@@ -83,6 +85,9 @@ class _WorkerServer:
 
     def __del__(self):
         try:
+            streams = getattr(self, "streams", None)
+            if streams is not None:
+                streams.close()
             self.reporter.stop()
             self.worker.engine.shutdown()
             if self.followers is not None:
@@ -139,13 +144,31 @@ class DecodeServer(_WorkerServer):
                 engine=engine,
             ),
         )
+        if self.config.stream_transport == "direct":
+            self.serve_direct(ray.util.get_node_ip_address())
 
-    async def channel(self, channel_id: str, target_replica: str | None = None):
-        """The front end `channel_id`'s stream of `TokenDeltaBatch`es, encoded (workers/outbox.py)."""
+    async def channel(self, channel_id: str, direct: bool = False, target_replica: str | None = None):
+        """The front end `channel_id`'s stream of `TokenDeltaBatch`es, encoded (workers/outbox.py). `direct`:
+        the front end would rather take them over a connection of its own; a replica with a stream server
+        then yields one `StreamOffer` and holds the call open, as the channel's lease, until the channel ends
+        (cluster/direct_stream.py)."""
         if not self._arrived(target_replica):
             raise WrongReplica(f"channel for {target_replica} reached {self.worker_id}")
+        streams: StreamServer | None = getattr(self, "streams", None)
+        if direct and streams is not None:
+            offer, held = await streams.offer(channel_id)
+            try:
+                yield offer
+                await streams.hold(held)
+            finally:
+                streams.withdraw(held)
+            return
         async for batch in self.worker.channel(channel_id):
             yield batch.encode()
+
+    def serve_direct(self, host: str) -> None:
+        """Offers direct channels from a socket on `host` (the node's address; started on first use)."""
+        self.streams = StreamServer(host, self.worker.channel, self._start_all, self.worker.abort)
 
     async def start_batch(self, requests: list[DecodeRequest], target_replica: str | None = None) -> list[BaseException | None]:
         """Starts requests (one front end's, sent together); their deltas go out on their channel. Returns,
@@ -153,6 +176,9 @@ class DecodeServer(_WorkerServer):
         request the engine refuses, `ChannelClosed` when its channel is not open here)."""
         if not self._arrived(target_replica):
             raise WrongReplica(f"request for {target_replica} reached {self.worker_id}")
+        return await self._start_all(requests)
+
+    async def _start_all(self, requests: list[DecodeRequest]) -> list[BaseException | None]:
         results = await asyncio.gather(*(self._start_one(request) for request in requests), return_exceptions=True)
         return [_start_outcome(r) for r in results]
 

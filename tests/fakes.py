@@ -309,13 +309,16 @@ def prefill_server(worker: FakeEngineWorker):
     return server
 
 
-def decode_server(worker: FakeEngineWorker, prefill_handle=None):
+def decode_server(worker: FakeEngineWorker, prefill_handle=None, direct: bool = False):
+    """`direct`: it offers direct channels (a real socket on loopback: cluster/direct_stream.py)."""
     from cluster.handles import PrefillPool
     from cluster.servers import DecodeServer
 
     server = object.__new__(DecodeServer)
     server.worker, server.worker_id = worker, worker.worker_id
     server.prefill = PrefillPool(prefill_handle) if prefill_handle is not None else None
+    if direct:
+        server.serve_direct("127.0.0.1")
     return server
 
 
@@ -343,19 +346,26 @@ class Serving:
 
 
 async def serving(
-    model_dir: Path, prefill: list[FakeEngineWorker], decode: list[FakeEngineWorker], router: dict | None = None, **overrides
+    model_dir: Path,
+    prefill: list[FakeEngineWorker],
+    decode: list[FakeEngineWorker],
+    router: dict | None = None,
+    direct: bool = False,
+    **overrides,
 ) -> Serving:
     """`overrides`: cluster config sections (`server={...}`, `observability={...}`, ...). Colocated when
-    there is no prefill worker. Round-robin routing unless `router` says otherwise."""
+    there is no prefill worker. Round-robin routing unless `router` says otherwise. `direct`: the decode
+    servers offer direct channels and the front end takes them (else the channels are Serve streams)."""
     from cluster.frontend import Frontend
     from cluster.registry import Registry
 
     mode = {"mode": "colocated"} if not prefill else {}
     router = {"policy": "round-robin", "remote_prefill_min_tokens": 0, **(router or {})}
-    cfg = cluster_config(model_dir, name=overrides.pop("name", "fake"), router=router, **mode, **overrides)
+    transport = "direct" if direct else "serve"
+    cfg = cluster_config(model_dir, name=overrides.pop("name", "fake"), router=router, stream_transport=transport, **mode, **overrides)
     registry = Registry(cfg)
     prefill_handle = LocalHandle({w.worker_id: prefill_server(w) for w in prefill}) if prefill else None
-    decode_handle = LocalHandle({w.worker_id: decode_server(w, prefill_handle) for w in decode})
+    decode_handle = LocalHandle({w.worker_id: decode_server(w, prefill_handle, direct) for w in decode})
     frontend = Frontend.func_or_class.__bases__[0](cfg, prefill_handle, decode_handle, LocalHandle(registry))
     s = Serving(frontend, registry, prefill_handle, decode_handle, [*prefill, *decode])
     await s.report()

@@ -36,9 +36,16 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("failover") / "tiny", "qwen3_moe", "tiny", seed=11)
 
 
-async def make_serving(model_dir, prefill: list[FakeEngineWorker], decode: list[FakeEngineWorker], **server):
-    """The real front end (pipeline, orchestrator, router, registry) over fake workers, all registered."""
-    return await serving(model_dir, prefill, decode, server=server)
+async def make_serving(model_dir, prefill: list[FakeEngineWorker], decode: list[FakeEngineWorker], transport: str = "serve", **server):
+    """The real front end (pipeline, orchestrator, router, registry) over fake workers, all registered.
+    `transport`: how the channels travel (Serve streams, or direct connections: cluster/direct_stream.py)."""
+    return await serving(model_dir, prefill, decode, direct=transport == "direct", server=server)
+
+
+@pytest.fixture(params=["serve", "direct"])
+def transport(request) -> str:
+    """The failures below behave the same whichever way a channel travels."""
+    return request.param
 
 
 def metric(s, name: str, labels: dict | None = None) -> float | None:
@@ -56,7 +63,7 @@ STREAM = {"model": "tiny", "prompt": "hello there", "stream": True, "ignore_eos"
 
 
 @pytest.mark.parametrize("max_migrations", [2, 0])
-def test_dead_decode_worker_retries_waiting_requests_and_migrates_streams(model_dir, max_migrations):
+def test_dead_decode_worker_retries_waiting_requests_and_migrates_streams(model_dir, max_migrations, transport):
     """d0 dies with a stream that has tokens out and a request still waiting for its first token. The
     waiting one is retried on d1; the stream migrates to d1, which resumes after the tokens sent: the
     client sees every token once, in order, and a normal end. Without migrations the stream ends with
@@ -64,7 +71,7 @@ def test_dead_decode_worker_retries_waiting_requests_and_migrates_streams(model_
     d0, d1 = FakeWorker("d0", slots=1, delay=0.01), FakeWorker("d1", slots=8, delay=0.002)
 
     async def main():
-        s = await make_serving(model_dir, [], [d0, d1], max_migrations=max_migrations)
+        s = await make_serving(model_dir, [], [d0, d1], transport, max_migrations=max_migrations)
         # Round-robin: a -> d0 (streams), b -> d1, c -> d0 (waits for d0's only slot: no token yet).
         a = await s.frontend.completions(http_request({**STREAM, "max_tokens": 200}))
         a_events = asyncio.create_task(sse_events(a))
@@ -108,14 +115,14 @@ def test_dead_decode_worker_retries_waiting_requests_and_migrates_streams(model_
     assert metric(s, "moray_request_failures_total", {"api": "completions", "outcome": "error"}) == 1
 
 
-def test_a_stream_that_ends_unfinished_is_a_failed_worker(model_dir):
+def test_a_stream_that_ends_unfinished_is_a_failed_worker(model_dir, transport):
     """A killed replica's Serve stream may end as if complete. A stream that ends without a finished
     output is a failure: a request without tokens is retried elsewhere, one with tokens migrates (here:
     may not, and ends with an error event; never a [DONE] after an unfinished chunk)."""
     d0, d1 = FakeWorker("d0", slots=1, delay=0.01), FakeWorker("d1", slots=8, delay=0.002)
 
     async def main():
-        s = await make_serving(model_dir, [], [d0, d1], max_migrations=0)
+        s = await make_serving(model_dir, [], [d0, d1], transport, max_migrations=0)
         a = await s.frontend.completions(http_request({**STREAM, "max_tokens": 200}))  # -> d0, streams
         a_events = asyncio.create_task(sse_events(a))
         await s.frontend.completions(http_request({**STREAM, "max_tokens": 1}))  # -> d1
@@ -132,18 +139,18 @@ def test_a_stream_that_ends_unfinished_is_a_failed_worker(model_dir):
     assert a_events[-2]["error"]["code"] == "worker_failed"
 
 
-async def served_until_the_idle_close(model_dir, d0, closing_delay_s: float):
+async def served_until_the_idle_close(model_dir, d0, closing_delay_s: float, transport: str = "serve"):
     """The front end over `d0` after one request, once d0 closed its idle channel (its `closing` batch
     takes `closing_delay_s` to reach the front end)."""
     d0.linger_s, d0.closing_delay_s = 0.05, closing_delay_s
-    s = await make_serving(model_dir, [], [d0])
+    s = await make_serving(model_dir, [], [d0], transport)
     first = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
     assert first.status_code == 200, first.body
     await until(lambda: d0.channels and all(o.closed for o in d0.channels.values()))  # closed, not yet told
     return s
 
 
-def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channel(model_dir):
+def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channel(model_dir, transport):
     """The worker closed its idle channel and its `closing` batch is still on the way (a loaded machine):
     the next request's starts are refused. It waits for that batch and opens a new channel; it used to
     subscribe to the stale channel again at once and fail after three refusals (a 503 with
@@ -151,7 +158,7 @@ def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channe
     d0 = FakeWorker("d0")
 
     async def main():
-        s = await served_until_the_idle_close(model_dir, d0, 0.5)
+        s = await served_until_the_idle_close(model_dir, d0, 0.5, transport)
         (old,) = d0.channels.values()
         second = await s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 3}))
         return second, old, list(d0.channels.values())
@@ -162,7 +169,7 @@ def test_a_request_started_while_the_idle_close_is_on_its_way_opens_a_new_channe
     assert len(now) == 2 and now[0] is old and not now[1].closed  # it ran on a new channel
 
 
-def test_a_start_sent_before_its_channel_closed_never_begins_on_the_channel_opened_after(model_dir):
+def test_a_start_sent_before_its_channel_closed_never_begins_on_the_channel_opened_after(model_dir, transport):
     """A request listens on a channel whose idle close is on its way, and its start is slower still (a
     loaded machine): by the time the start arrives, the next request opened a new channel. The start must be
     refused (its request was told its channel closed and opens the new one itself); it used to begin on
@@ -171,7 +178,7 @@ def test_a_start_sent_before_its_channel_closed_never_begins_on_the_channel_open
     d0 = FakeWorker("d0")
 
     async def main():
-        s = await served_until_the_idle_close(model_dir, d0, 0.2)
+        s = await served_until_the_idle_close(model_dir, d0, 0.2, transport)
         d0.start_delay_s, d0.linger_s = 0.4, 2.0  # the next channel stays open while the start is on its way
         late = asyncio.create_task(s.frontend.completions(http_request({"model": "tiny", "prompt": "hi", "max_tokens": 40})))
         await until(lambda: len(d0.requests) == 2)  # its start is on its way
@@ -187,7 +194,7 @@ def test_a_start_sent_before_its_channel_closed_never_begins_on_the_channel_open
     assert len(d0.started) == len(set(d0.started)) == 3 and d0.aborted == [], (d0.started, d0.aborted)  # each ran once
 
 
-def test_a_request_lost_by_a_live_worker_moves_without_marking_the_worker_failed(model_dir):
+def test_a_request_lost_by_a_live_worker_moves_without_marking_the_worker_failed(model_dir, transport):
     """The worker stops running a request without a last delta (here: dropped on the worker's side), so its
     channel goes idle and closes while the front end still waits for tokens. The worker answered, so it is
     alive: it stays in routing and /health, and the stream migrates (onto it again, the only one) and ends
@@ -197,7 +204,7 @@ def test_a_request_lost_by_a_live_worker_moves_without_marking_the_worker_failed
     d0.linger_s = 0.05
 
     async def main():
-        s = await make_serving(model_dir, [], [d0], max_migrations=1)
+        s = await make_serving(model_dir, [], [d0], transport, max_migrations=1)
         response = await s.frontend.completions(http_request({**STREAM, "max_tokens": 12}))
         events = asyncio.create_task(sse_events(response))
         await until(lambda: d0.tokens_out >= 3)
@@ -215,13 +222,13 @@ def test_a_request_lost_by_a_live_worker_moves_without_marking_the_worker_failed
     assert status["decode_workers"] == 1, status
 
 
-def test_a_stream_migrates_at_most_max_migrations_times(model_dir):
+def test_a_stream_migrates_at_most_max_migrations_times(model_dir, transport):
     """Every decode worker it moves to dies too: after `max_migrations` moves the stream ends with an
     error that says so."""
     workers = [FakeWorker(f"d{i}", slots=1, delay=0.01) for i in range(3)]
 
     async def main():
-        s = await make_serving(model_dir, [], workers, max_migrations=1)
+        s = await make_serving(model_dir, [], workers, transport, max_migrations=1)
         a = await s.frontend.completions(http_request({**STREAM, "max_tokens": 200}))
         events = asyncio.create_task(sse_events(a))
         for _ in range(2):
@@ -240,14 +247,14 @@ def test_a_stream_migrates_at_most_max_migrations_times(model_dir):
 
 
 @pytest.mark.parametrize("max_migrations", [2, 0])
-def test_a_replica_serve_stops_hands_its_streams_over(model_dir, max_migrations):
+def test_a_replica_serve_stops_hands_its_streams_over(model_dir, max_migrations, transport):
     """Serve stops d0 (scale-down, redeploy) while it streams: the registry hears it from Serve's controller
     (here: a scripted answer), d0 drains, and the stream moves to d1 after the tokens already sent: every
     token once, in order; d0 is aborted, not failed. With no moves allowed the stream finishes on d0."""
     d0, d1 = FakeWorker("d0", slots=8, delay=0.01), FakeWorker("d1", slots=8, delay=0.002)
 
     async def main():
-        s = await make_serving(model_dir, [], [d0, d1], max_migrations=max_migrations)
+        s = await make_serving(model_dir, [], [d0, d1], transport, max_migrations=max_migrations)
         a = await s.frontend.completions(http_request({**STREAM, "max_tokens": 200}))  # -> d0
         events = asyncio.create_task(sse_events(a))
         await until(lambda: d0.tokens_out >= 5)
@@ -426,11 +433,11 @@ def test_a_dead_workers_entries_leave_the_front_ends_copy_of_the_index(model_dir
 
 
 @pytest.mark.parametrize("leave_after", [1, 2])
-def test_client_leaving_after_the_first_chunk_frees_the_prefill_hold_at_once(model_dir, leave_after):
+def test_client_leaving_after_the_first_chunk_frees_the_prefill_hold_at_once(model_dir, leave_after, transport):
     p0, d0 = FakeWorker("p0"), FakeWorker("d0", delay=0.05)
 
     async def main():
-        s = await make_serving(model_dir, [p0], [d0])
+        s = await make_serving(model_dir, [p0], [d0], transport)
         response = await s.frontend.completions(http_request({**STREAM, "max_tokens": 50}))
         events = await sse_events(response, stop_after=leave_after)
         await until(lambda: p0.released, timeout=2)  # at once, not at the 60 s hold timeout
@@ -492,11 +499,11 @@ def test_queue_slots_are_given_back_at_the_first_token(model_dir):
 # ============================================================================ in process: timeouts
 
 
-def test_request_past_the_timeout_is_aborted_with_504_and_deadline_exceeded(model_dir):
+def test_request_past_the_timeout_is_aborted_with_504_and_deadline_exceeded(model_dir, transport):
     stuck = FakeWorker("d0", slots=0)
 
     async def main():
-        s = await make_serving(model_dir, [], [stuck], request_timeout_s=0.3)
+        s = await make_serving(model_dir, [], [stuck], transport, request_timeout_s=0.3)
         t0 = time.monotonic()
         full = await s.frontend.completions(http_request({"model": "tiny", "prompt": "x", "max_tokens": 3}))
         elapsed = time.monotonic() - t0
@@ -514,11 +521,11 @@ def test_request_past_the_timeout_is_aborted_with_504_and_deadline_exceeded(mode
     assert s.pipeline.orchestrator.queued == 0
 
 
-def test_stream_past_the_timeout_ends_with_a_timeout_chunk_and_an_error_event(model_dir):
+def test_stream_past_the_timeout_ends_with_a_timeout_chunk_and_an_error_event(model_dir, transport):
     slow = FakeWorker("d0", delay=0.05)
 
     async def main():
-        s = await make_serving(model_dir, [], [slow], request_timeout_s=0.4)
+        s = await make_serving(model_dir, [], [slow], transport, request_timeout_s=0.4)
         response = await s.frontend.completions(http_request({**STREAM, "max_tokens": 200}))
         events = await sse_events(response)
         await until(lambda: slow.aborted == slow.started)

@@ -148,6 +148,17 @@ class DecodeRequest:
     resume: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class StreamOffer:
+    """A decode worker's answer to a front end that asks for a direct channel: connect to `host:port` and
+    present `token` (one use) as the first frame; the channel's batches, starts and aborts then go over that
+    connection (cluster/direct_stream.py)."""
+
+    host: str
+    port: int
+    token: bytes
+
+
 # ---------------------------------------------------------------------------------------- KV transfer
 
 
