@@ -196,6 +196,9 @@ class StreamServer:
                 elif kind == ABORT:
                     self._abort(payload.decode())
         except (ConnectionError, OSError):
+            return  # the front end went away
+        except Exception:  # noqa: BLE001 - a frame that does not parse: end the channel, keep the replica
+            log.warning("a direct channel's frame did not parse: closing the channel", exc_info=True)
             return
         finally:
             for task in starts:

@@ -107,7 +107,7 @@ class DecodePool:
         """Starts the request on `worker` (returns once its engine took it). The starts for one worker travel
         together: one call carries every request that arrived while the previous call was on its way."""
         connection = self._connections.get(worker)
-        if connection is not None and connection.name == request.channel:
+        if connection is not None and connection.name == request.channel and not _holds_object_refs(request):
             await connection.starts.start(request)
             return
         batches = self._starts.get(worker)
@@ -122,14 +122,14 @@ class DecodePool:
         return await self._handle.rebalance_experts.remote(wait, **{TARGET_KWARG: worker})
 
     async def abort(self, worker: str, request_id: str) -> None:
-        connection = self._connections.get(worker)
-        if connection is not None and not connection.closed:
-            if await connection.starts.settled(request_id):
-                connection.abort(request_id)  # after its start, on the same connection: it cannot overtake it
-            return
         batches = self._starts.get(worker)
         if batches is not None and not await batches.settled(request_id):
             return  # it was never sent: nothing runs there
+        connection = self._connections.get(worker)
+        if connection is not None and not connection.closed:
+            if await connection.starts.settled(request_id):
+                connection.abort(request_id)  # after its start (whichever way it went): it cannot overtake it
+            return
         await self._handle.abort.remote(request_id, **{TARGET_KWARG: worker})
 
     def _connected(self, connection: DirectChannel) -> None:
@@ -139,6 +139,17 @@ class DecodePool:
     def _disconnected(self, connection: DirectChannel) -> None:
         if self._connections.get(connection.worker) is connection:
             del self._connections[connection.worker]
+
+
+def _holds_object_refs(request: DecodeRequest) -> bool:
+    """Whether the request's handoff names KV chunks in Ray's object store. Those references must travel
+    through Ray's own serialisation (it registers the decode worker as their borrower; pickled on a socket,
+    the worker's fetch waited for the transfer timeout and prefilled again), so such a start goes over Serve."""
+    if request.handoff is None:
+        return False
+    import ray
+
+    return any(isinstance(source, ray.ObjectRef) for source in request.handoff.sources)
 
 
 class _OpeningChannel:
