@@ -65,7 +65,10 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None
     size, kind = _HEADER.unpack(header)
     if size > _MAX_FRAME:
         raise ConnectionError(f"a frame of {size} bytes: not a Moray peer")
-    return kind, await reader.readexactly(size)
+    try:
+        return kind, await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("the peer closed the connection inside a frame") from None
 
 
 # ============================================================================ the decode worker's side

@@ -156,3 +156,24 @@ def test_a_lease_whose_offer_is_never_taken_ends(monkeypatch):
         return data
 
     assert run(main()) == b""
+
+
+def test_a_frame_cut_off_by_the_peer_is_a_broken_connection_wherever_it_stops():
+    """A peer that dies inside a frame (its header, or its payload) broke the connection: `ConnectionError`,
+    which the front end reads as the worker gone. A cut inside the payload used to raise EOFError, which the
+    front end's reader took for a clean end."""
+
+    async def read(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader)
+
+    async def main():
+        whole = struct.pack("!Ic", 4, BATCH) + b"abcd"
+        assert await read(whole) == (BATCH, b"abcd") and await read(b"") is None
+        for cut in (whole[:3], whole[:7]):
+            with pytest.raises(ConnectionError):
+                await read(cut)
+
+    run(main())
