@@ -176,21 +176,29 @@ def _burner(seconds: float):
 
 def test_next_step_preparation_overlaps_the_device_step(tiny):
     """A slow device step (D) and slow host preparation (H, in the scheduler): waiting for every step
-    costs D + H per step; asynchronous scheduling hides the host behind the device, about max(D, H)."""
+    costs D + H per step; asynchronous scheduling hides the host behind the device, about max(D, H).
+
+    Whether the host's work overlaps the device's is read from the device itself: an asynchronous step
+    returns, and the next one's preparation begins, while the program it launched is still running. The
+    step times only confirm the premise: compared across the two runs, they once failed under the suite's
+    other test worker (a burst of load during the asynchronous run made it as slow as the synchronous one)."""
     device_s, host_s = 0.15, 0.08
     burn, device_s = _burner(device_s)
     timings = {}
     outputs = {}
+    running_on_return = {}  # mode -> per step: was its program still running when `step` returned?
     for mode in (False, True):
+        launched = []
         core = engine(tiny, mode, max_num_seqs=4)
         real_program, real_schedule = core.runner.program, core.scheduler.schedule
 
-        def slow_program(shape, _real=real_program):
+        def slow_program(shape, _real=real_program, _launched=launched):
             program = _real(shape)
 
             def slow_step(*args):
                 logits, *cache_and_loads = program(*args)
-                return burn(logits), *cache_and_loads
+                _launched.append(burn(logits))
+                return _launched[-1], *cache_and_loads
 
             return slow_step
 
@@ -201,15 +209,21 @@ def test_next_step_preparation_overlaps_the_device_step(tiny):
         core.add_request("r", prompts(1, seed=51, lo=12, hi=13)[0], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
         core.step()  # compiles outside the timed part
         core.runner.program, core.scheduler.schedule = slow_program, slow_schedule
-        durations, tokens = [], []
+        durations, tokens, running = [], [], []
         while core.has_unfinished():
             start = time.perf_counter()
+            before = len(launched)
             for out in core.step():
                 tokens += out.token_ids
             durations.append(time.perf_counter() - start)
+            if len(launched) > before:
+                running.append(not launched[-1].is_ready())
         timings[mode] = statistics.median(durations[1:-1])
         outputs[mode] = tokens
+        running_on_return[mode] = running
     assert outputs[True][-13:] == outputs[False][-13:]
     # The premise: waited for, the fake device step is slow (its time varies by ~15% from the calibration).
     assert timings[False] >= host_s + 0.5 * device_s, timings
-    assert timings[True] <= timings[False] - 0.6 * host_s, timings  # the host's preparation is hidden
+    assert not any(running_on_return[False])  # waited for: each step's program has finished when it returns
+    # Asynchronous: every step returns with its program still running (the next step's host work overlaps it).
+    assert len(running_on_return[True]) >= 10 and all(running_on_return[True]), running_on_return
