@@ -20,6 +20,7 @@ name for keeps a `moray_` name: router decisions, KV handoff, host tier, admissi
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -180,6 +181,15 @@ def _field(hb, path: str):
     return getattr(getattr(hb, part), name) if name else getattr(hb, part)
 
 
+def observe_many(child, amount: float, count: int) -> None:
+    """`count` observations of `amount` on a histogram's child, in one bucket search and two additions.
+    prometheus_client observes one value at a time (a linear search of the buckets and two locked additions
+    each): a delta of n tokens cost n of those. This reads the child's buckets and sum, which
+    prometheus_client keeps private; tests/test_metrics.py checks the exposition equals `count` observes."""
+    child._sum.inc(amount * count)
+    child._buckets[bisect_left(child._upper_bounds, amount)].inc(count)
+
+
 class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "moray", max_model_len: int = 4096):
         r = self.registry = registry or CollectorRegistry()
@@ -215,7 +225,6 @@ class FrontendMetrics:
             registry=r,
         )
         token_buckets = buckets_1_2_5(max_model_len)
-        self._itl_child = self.itl.labels(model_name)  # observed per streamed delta: looked up once
         self.request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", m, buckets=token_buckets, registry=r
         )
@@ -264,6 +273,16 @@ class FrontendMetrics:
             ["result"],
             registry=r,
         )
+        # Every finished request observes a dozen series and every delta the inter-token latency: their
+        # children are looked up once (`labels` takes a lock and builds a key each time).
+        one = lambda metric: metric.labels(model_name)  # noqa: E731
+        self._itl_child = one(self.itl)
+        self._per_request = [one(m) for m in (self.queue_time, self.prefill_time, self.decode_time, self.inference_time)]
+        self._max_tokens, self._tpot, self._e2e = one(self.max_generation_tokens), one(self.tpot), one(self.e2e)
+        self._prompt_sizes, self._generation_sizes = one(self.request_prompt_tokens), one(self.request_generation_tokens)
+        self._prompt_total, self._generation_total = one(self.prompt_tokens), one(self.generation_tokens)
+        self._ttft_by_path: dict[str, object] = {}
+        self._success_by_reason: dict[str, object] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -284,33 +303,38 @@ class FrontendMetrics:
         `queue_s`: the engine's wait before its first step; `max_tokens`: the generation tokens it asked for."""
         name = self.model_name
         if max_tokens is not None:
-            self.max_generation_tokens.labels(name).observe(max_tokens)
+            self._max_tokens.observe(max_tokens)
         if first_token is not None and outcome not in FAILED_OUTCOMES:
             queued = min(queue_s or 0.0, first_token - start)
-            self.queue_time.labels(name).observe(queued)
-            self.prefill_time.labels(name).observe(first_token - start - queued)
-            self.decode_time.labels(name).observe(end - first_token)
-            self.inference_time.labels(name).observe(end - start - queued)
+            queue, prefill, decode, inference = self._per_request
+            queue.observe(queued)
+            prefill.observe(first_token - start - queued)
+            decode.observe(end - first_token)
+            inference.observe(end - start - queued)
         if outcome in FAILED_OUTCOMES:
             self.request_failures.labels(api, outcome).inc()
         else:
-            self.request_success.labels(name, outcome).inc()
-        self.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.generation_tokens.labels(name).inc(tokens)
-        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
-        self.request_generation_tokens.labels(name).observe(tokens)
+            success = self._success_by_reason.get(outcome)
+            if success is None:
+                success = self._success_by_reason[outcome] = self.request_success.labels(name, outcome)
+            success.inc()
+        self._prompt_total.inc(prompt_tokens)
+        self._generation_total.inc(tokens)
+        self._prompt_sizes.observe(prompt_tokens)
+        self._generation_sizes.observe(tokens)
         if first_token is not None:
-            self.ttft.labels(name, path).observe(first_token - start)
+            ttft = self._ttft_by_path.get(path)
+            if ttft is None:
+                ttft = self._ttft_by_path[path] = self.ttft.labels(name, path)
+            ttft.observe(first_token - start)
             if tokens > 1:
-                self.tpot.labels(name).observe((end - first_token) / (tokens - 1))
-        self.e2e.labels(name).observe(end - start)
+                self._tpot.observe((end - first_token) / (tokens - 1))
+        self._e2e.observe(end - start)
 
     def observe_token_gap(self, seconds: float, new_tokens: int) -> None:
-        """A stream chunk after the first: `new_tokens` tokens arrived `seconds` after the previous chunk."""
-        child = self._itl_child
-        per_token = seconds / new_tokens
-        for _ in range(new_tokens):
-            child.observe(per_token)
+        """A stream chunk after the first: `new_tokens` tokens arrived `seconds` after the previous chunk
+        (each token one observation of `seconds / new_tokens`, as vLLM counts them)."""
+        observe_many(self._itl_child, seconds / new_tokens, new_tokens)
 
     def render(self, *extra: CollectorRegistry | bytes) -> bytes:
         """This registry's exposition followed by the others' (registries, or exposition text already made)."""

@@ -272,3 +272,38 @@ def test_a_front_end_follows_the_registry_as_one_stream_of_changes():
         await stream.aclose()
 
     asyncio.run(main())
+
+
+def test_a_delta_of_n_tokens_counts_as_n_inter_token_gaps_in_one_observation():
+    """`observe_token_gap` adds a delta's n tokens in one bucket search (it called prometheus_client's observe n
+    times): the exposition must equal n observes of the per-token gap, whatever bucket the gap falls in, bucket
+    edges and the +Inf bucket included. It reads the histogram's private fields, so this also catches a
+    prometheus_client whose fields changed."""
+    from prometheus_client import CollectorRegistry
+
+    from cluster.metrics import VLLM_TOKEN_LATENCY_BUCKETS, FrontendMetrics
+
+    fast = FrontendMetrics(CollectorRegistry(), model_name="m")
+    slow = FrontendMetrics(CollectorRegistry(), model_name="m")
+    gaps = [(0.004, 1), (0.03, 3), (0.2, 4), (0.05, 2), (100.0, 1), (81.0, 5)]  # 0.1 per token: a bucket's edge
+    gaps += [(b * n, n) for b, n in zip(VLLM_TOKEN_LATENCY_BUCKETS, range(1, 40))]
+    for seconds, n in gaps:
+        fast.observe_token_gap(seconds, n)
+        for _ in range(n):
+            slow.itl.labels("m").observe(seconds / n)
+    name = "vllm:inter_token_latency_seconds"
+
+    def series(m):
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for metric in m.registry.collect()
+            if metric.name == name
+            for s in metric.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, want = series(fast), series(slow)
+    assert got.keys() == want.keys() and len(got) == len(VLLM_TOKEN_LATENCY_BUCKETS) + 3  # buckets, +Inf, count, sum
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key
+    assert got[(name + "_count", (("model_name", "m"),))] == sum(n for _, n in gaps)
