@@ -29,6 +29,9 @@ log = logging.getLogger("moray.cluster")
 
 T = TypeVar("T")
 
+# Start batches a direct channel carries at once (a Serve call carries one at a time: `_StartBatches`).
+DIRECT_STARTS_IN_FLIGHT = 8
+
 # deployment -> the methods called on it (checked against the classes by tests/test_messages.py)
 CALLS = {
     "PrefillServer": ("prefill", "release"),
@@ -133,7 +136,7 @@ class DecodePool:
         await self._handle.abort.remote(request_id, **{TARGET_KWARG: worker})
 
     def _connected(self, connection: DirectChannel) -> None:
-        connection.starts = _StartBatches(connection.start_batch)
+        connection.starts = _StartBatches(connection.start_batch, max_in_flight=DIRECT_STARTS_IN_FLIGHT)
         self._connections[connection.worker] = connection
 
     def _disconnected(self, connection: DirectChannel) -> None:
@@ -199,25 +202,31 @@ class _OpeningChannel:
 
 
 class _StartBatches:
-    """One worker's starts, sent as batches: at most one call in flight; whatever arrives meanwhile goes with
-    the next. A Serve call costs each side milliseconds of CPU; a closed loop at concurrency 64 starts dozens
-    of requests within one call's time. A caller that gives up before its batch left takes its request out;
-    an abort for a request whose batch is on its way waits for that batch (it must not overtake the start)."""
+    """One worker's starts, sent as batches: whatever arrived while the previous batch was on its way goes with
+    the next. A Serve call costs each side milliseconds of CPU, so over Serve at most one call is in flight (a
+    closed loop at concurrency 64 starts dozens of requests within one call's time). A frame on a direct
+    channel costs microseconds: there up to `max_in_flight` batches travel at once, each carrying what arrived
+    within one turn of the event loop. Held back behind one slow answer (the front end's loop is busy parsing
+    the wave of requests that follows a wave of finishes), the first start ran alone on the engine for tens of
+    milliseconds and the rest arrived together, which kept the waves in lockstep with a straggler between them.
 
-    def __init__(self, send: Callable[[list[DecodeRequest]], Awaitable[list[BaseException | None]]]):
+    A caller that gives up before its batch left takes its request out; an abort for a request whose batch is
+    on its way waits for that batch (it must not overtake the start)."""
+
+    def __init__(self, send: Callable[[list[DecodeRequest]], Awaitable[list[BaseException | None]]], max_in_flight: int = 1):
         self._send = send
+        self._max_in_flight = max_in_flight
         self._waiting: dict[str, tuple[DecodeRequest, asyncio.Future]] = {}
         self._sent: dict[str, asyncio.Future] = {}  # request id -> the future of the call carrying it
-        self._sender: asyncio.Task | None = None
+        self._senders: set[asyncio.Task] = set()
+        self._collector: asyncio.Task | None = None  # the sender scheduled that has not taken its batch yet
 
     async def start(self, request: DecodeRequest) -> None:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         done.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if its caller left
         self._waiting[request.request_id] = (request, done)
-        if self._sender is None or self._sender.done():
-            # A fresh context: the call carries other requests too, and must not be cancelled with this one's.
-            self._sender = loop.create_task(self._send_all(), context=contextvars.Context())
+        self._kick()
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -233,30 +242,49 @@ class _StartBatches:
             await asyncio.wait([call])
         return True
 
-    async def _send_all(self) -> None:
-        while self._waiting:
-            batch, self._waiting = self._waiting, {}
-            call = asyncio.get_running_loop().create_future()
-            self._sent.update(dict.fromkeys(batch, call))
-            try:
-                results = await self._send([request for request, _ in batch.values()])
-            except asyncio.CancelledError:
-                for _, done in batch.values():
-                    done.cancel()
-                raise
-            except Exception as e:  # noqa: BLE001 - the whole call failed (the worker is gone): every request did
-                results = [e] * len(batch)
-            finally:
-                call.set_result(None)
-                for rid in batch:
-                    self._sent.pop(rid, None)
-            for (_, done), result in zip(batch.values(), results, strict=True):
-                if done.done():
-                    continue
-                if result is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(result)
+    def _kick(self) -> None:
+        """Schedules a sender unless one is about to take the waiting starts or the limit is reached (then the
+        first sender back takes them)."""
+        if self._collector is not None or not self._waiting or len(self._senders) >= self._max_in_flight:
+            return
+        # A fresh context: the call carries other requests too, and must not be cancelled with this one's.
+        task = self._collector = asyncio.get_running_loop().create_task(self._send_waiting(), context=contextvars.Context())
+        self._senders.add(task)
+        task.add_done_callback(self._sender_done)
+
+    def _sender_done(self, task: asyncio.Task) -> None:
+        self._senders.discard(task)
+        if self._collector is task:  # cancelled before it ran (its loop closed)
+            self._collector = None
+        if not task.cancelled():
+            self._kick()
+
+    async def _send_waiting(self) -> None:
+        self._collector = None
+        batch, self._waiting = self._waiting, {}
+        if not batch:
+            return
+        call = asyncio.get_running_loop().create_future()
+        self._sent.update(dict.fromkeys(batch, call))
+        try:
+            results = await self._send([request for request, _ in batch.values()])
+        except asyncio.CancelledError:
+            for _, done in batch.values():
+                done.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - the whole call failed (the worker is gone): every request did
+            results = [e] * len(batch)
+        finally:
+            call.set_result(None)
+            for rid in batch:
+                self._sent.pop(rid, None)
+        for (_, done), result in zip(batch.values(), results, strict=True):
+            if done.done():
+                continue
+            if result is None:
+                done.set_result(None)
+            else:
+                done.set_exception(result)
 
 
 class RegistryClient:

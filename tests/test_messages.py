@@ -233,6 +233,49 @@ def test_starts_that_arrive_while_a_call_is_on_its_way_go_together_in_the_next()
     assert results[:2] == [None, None] and isinstance(results[2], ValueError) and results[3] is None
 
 
+def test_over_a_direct_channel_several_start_batches_travel_at_once_up_to_a_limit():
+    """A frame costs little, so a direct channel does not hold starts behind a batch on its way (one start
+    waited ~50 ms there for its answer while the front end parsed the next wave, and ran alone on the
+    engine meanwhile): each turn of the event loop sends what it brought, up to `max_in_flight` batches; the
+    rest goes with the first batch back. A request still waiting is dropped when its client leaves."""
+    import asyncio
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        sent: list[tuple[list[str], asyncio.Future]] = []
+
+        async def send(requests):
+            answer = loop.create_future()
+            sent.append(([r.request_id for r in requests], answer))
+            return await answer
+
+        starts = handles._StartBatches(send, max_in_flight=2)
+        begin = lambda *ids: [asyncio.ensure_future(starts.start(_decode_request(i))) for i in ids]  # noqa: E731
+        first = begin("r0")
+        await asyncio.sleep(0)
+        second = begin("r1", "r2")  # r0's batch is on its way: these leave at once all the same
+        await asyncio.sleep(0)
+        waiting = begin("r3", "r4", "r5")  # two batches in flight: these wait
+        await asyncio.sleep(0.01)
+        assert [ids for ids, _ in sent] == [["r0"], ["r1", "r2"]]
+        waiting[2].cancel()  # its client left before it was sent
+        await asyncio.sleep(0)
+        sent[1][1].set_result([None, ValueError("too long")])
+        await asyncio.sleep(0.01)
+        assert [ids for ids, _ in sent] == [["r0"], ["r1", "r2"], ["r3", "r4"]]
+        settled = asyncio.ensure_future(starts.settled("r3"))  # an abort waits for the call that carries it
+        await asyncio.sleep(0.01)
+        assert not settled.done()
+        sent[0][1].set_result([None])
+        sent[2][1].set_result([None, None])
+        results = await asyncio.gather(*first, *second, *waiting[:2], return_exceptions=True)
+        return results, await settled
+
+    results, settled = asyncio.run(main())
+    assert results[:2] == [None, None] and isinstance(results[2], ValueError) and results[3:] == [None, None]
+    assert settled is True
+
+
 def test_a_start_given_up_before_it_left_is_never_sent_and_an_abort_never_overtakes_its_start():
     import asyncio
 
