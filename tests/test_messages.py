@@ -336,3 +336,47 @@ def test_a_start_cancelled_on_its_own_inside_a_batch_does_not_read_as_started():
     refused = ValueError("too long")
     assert _start_outcome(refused) is refused
     assert isinstance(_start_outcome(asyncio.CancelledError()), RuntimeError)
+
+
+def test_a_stream_interval_holds_back_a_requests_middle_tokens_but_not_its_first_or_its_end():
+    """Deltas wait for the channel's interval (`stream_interval_ms`) to go together, except a request's first
+    token (its TTFT) and its end (a closed-loop client's next request waits for it, with an engine slot free).
+    Before, a wave of requests finishing at once reached the front end up to an interval late."""
+    import asyncio
+    import time
+
+    from workers.outbox import Outbox
+
+    def delta(rid: str, n: int, new: int = 1, end: str | None = None) -> m.TokenDelta:
+        return m.TokenDelta(rid, list(range(new)), "x" * new, n, finish_reason=end)
+
+    async def main():
+        box = Outbox("d0", linger_s=60, has_requests=lambda: True, min_interval_s=30.0)
+        batches = box.batches()
+        assert (await anext(batches)).deltas == []  # the handshake
+        got = []
+
+        async def batch_within(seconds: float):
+            return await asyncio.wait_for(anext(batches), seconds)
+
+        box.put(delta("a", 1))  # a's first token: at once, though nothing went for less than an interval
+        got.append([d.request_id for d in (await batch_within(2)).deltas])
+        box.put(delta("a", 2))  # a middle token: held back
+        pending = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        box.put(delta("b", 3, new=3))  # b's first delta (3 tokens, resumed elsewhere it would not be its first)
+        start = time.monotonic()
+        got.append([d.request_id for d in (await asyncio.wait_for(pending, 2)).deltas])
+        box.put(delta("a", 3))
+        pending = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        box.put(delta("a", 3, new=0, end="length"))  # a's end: goes at once with what waited
+        got.append([(d.request_id, d.finish_reason) for d in (await asyncio.wait_for(pending, 2)).deltas])
+        box.close()
+        return got, time.monotonic() - start
+
+    got, took = asyncio.run(main())
+    assert got == [["a"], ["a", "b"], [("a", None), ("a", "length")]]
+    assert took < 5  # nothing waited out the 30 s interval

@@ -5,7 +5,10 @@ channel's outbox, and the channel's stream takes everything that arrived since i
 `TokenDeltaBatch`. At concurrency 64 that is one message per step instead of 64: the cost of streaming
 stops growing with the number of requests. Batches are at least `min_interval_s` apart (the cluster's
 `stream_interval_ms`): on a device whose steps take a few milliseconds, several steps' deltas go together
-and the message rate stays bounded; a step longer than the interval is one batch, sent at once.
+and the message rate stays bounded; a step longer than the interval is one batch, sent at once. A request's
+first token and its end are not held back (vLLM's stream interval spares them too): the first is its time to
+first token, and the end is when a closed-loop client sends its next request, which the engine would
+otherwise wait for with a slot free.
 
 A channel is open while its stream is read. It ends by itself, after a `closing` batch, once it has had
 no running request for `linger_s` (so a draining replica has nothing open and shuts down as soon as its
@@ -33,6 +36,7 @@ class Outbox:
         self._sent_at = 0.0
         self._has_requests = has_requests
         self._pending: list[TokenDelta] = []
+        self._urgent = False  # a pending delta is a first token or an end: its batch leaves without waiting
         self._error: BaseException | None = None
         self._wake = asyncio.Event()
         self.closed = False
@@ -43,6 +47,8 @@ class Outbox:
             self._error = item
         else:
             self._pending.append(item)
+            if item.finish_reason is not None or item.num_output_tokens == len(item.token_ids):
+                self._urgent = True
         self._wake.set()
 
     def request_ended(self) -> None:
@@ -52,6 +58,19 @@ class Outbox:
         self.closed = True
         self._wake.set()
 
+    async def _hold_back(self) -> None:
+        """Waits out the interval since the last batch (what arrives meanwhile goes in the same batch), unless
+        a first token or an end arrives, or the channel closes."""
+        while not self._urgent and not self.closed:
+            wait = self._sent_at + self.min_interval_s - time.monotonic()
+            if wait <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except TimeoutError:
+                return
+
     async def batches(self) -> AsyncIterator[TokenDeltaBatch]:
         yield TokenDeltaBatch(self.worker_id, [])  # the handshake: open, requests may start on it
         while True:
@@ -59,10 +78,8 @@ class Outbox:
             if self._error is not None:
                 raise self._error
             if self._pending:
-                wait = self._sent_at + self.min_interval_s - time.monotonic()
-                if wait > 0 and not self.closed:
-                    await asyncio.sleep(wait)  # what arrives meanwhile goes in the same batch
-                batch, self._pending = self._pending, []
+                await self._hold_back()
+                batch, self._pending, self._urgent = self._pending, [], False
                 self._sent_at = time.monotonic()
                 yield TokenDeltaBatch(self.worker_id, batch)
                 continue
