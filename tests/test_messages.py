@@ -359,13 +359,15 @@ def test_a_stream_interval_holds_back_a_requests_middle_tokens_but_not_its_first
         async def batch_within(seconds: float):
             return await asyncio.wait_for(anext(batches), seconds)
 
-        box.put(delta("a", 1))  # a's first token: at once, though nothing went for less than an interval
+        box.put(delta("z", 5))  # a middle token, the first batch: nothing to wait for yet
+        assert [d.request_id for d in (await batch_within(2)).deltas] == ["z"]
+        box.put(delta("a", 1))  # a's first token: at once, though the last batch went less than an interval ago
         got.append([d.request_id for d in (await batch_within(2)).deltas])
         box.put(delta("a", 2))  # a middle token: held back
         pending = asyncio.ensure_future(anext(batches))
         await asyncio.sleep(0.2)
         assert not pending.done()
-        box.put(delta("b", 3, new=3))  # b's first delta (3 tokens, resumed elsewhere it would not be its first)
+        box.put(delta("b", 3, new=3))  # b's first delta, of 3 tokens: at once, with a's held one
         start = time.monotonic()
         got.append([d.request_id for d in (await asyncio.wait_for(pending, 2)).deltas])
         box.put(delta("a", 3))
