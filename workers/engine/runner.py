@@ -174,8 +174,10 @@ class ModelRunner:
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
         self.num_traces = 0  # how many step programs were traced (== compiled) so far
         self.expert_loads: jax.Array | None = None  # int32 [MoE layers, experts], summed on device (read_expert_loads)
+        # Written only by the engine thread; the stats threads read it and never clear it (a reader that
+        # cleared it raced the engine thread's next snapshot and killed the engine).
         self._load_snapshot: jax.Array | None = None  # expert_loads as of a recent step, on its way to the host
-        self._load_host: np.ndarray | None = None  # the last snapshot that arrived
+        self._load_host: tuple[jax.Array, np.ndarray] | None = None  # (snapshot, its host copy): the last one arrived
         self._steps_run = 0
         # Input tokens are placed explicitly, merged with the device's sampled tokens or not, so that both
         # kinds of step reach the same compiled program (jit keys its cache on the arguments' placement).
@@ -369,9 +371,10 @@ class ModelRunner:
         self.expert_loads = loads if self.expert_loads is None else _add_jit(self.expert_loads, loads)
         self._steps_run += 1
         if self._steps_run % LOAD_SNAPSHOT_STEPS == 1:  # the first step, then every LOAD_SNAPSHOT_STEPS
-            self._load_snapshot = self.expert_loads
-            if self._load_snapshot.is_fully_addressable:
-                self._load_snapshot.copy_to_host_async()
+            snapshot = self.expert_loads
+            if snapshot.is_fully_addressable:
+                snapshot.copy_to_host_async()
+            self._load_snapshot = snapshot
         return logits
 
     def expert_load_snapshot(self) -> np.ndarray | None:
@@ -379,13 +382,12 @@ class ModelRunner:
         the first. Never waits on the device: the stats that call it run on other threads, and on a
         multi-host engine a wait for a step's output there blocked the leader from sending that step to its
         followers (deadlock)."""
-        snapshot = self._load_snapshot
-        if snapshot is not None:
+        snapshot, arrived = self._load_snapshot, self._load_host
+        if snapshot is not None and (arrived is None or arrived[0] is not snapshot):
             local = snapshot if snapshot.is_fully_addressable else snapshot.addressable_shards[0].data
             if local.is_ready():
-                self._load_host = np.asarray(local).astype(np.int64)
-                self._load_snapshot = None
-        return self._load_host
+                arrived = self._load_host = (snapshot, np.asarray(local).astype(np.int64))
+        return None if arrived is None else arrived[1]
 
     def expert_loads_array(self) -> jax.Array | None:
         """The counts of `read_expert_loads` on the device, this host's copy (None before the first step):
