@@ -402,6 +402,28 @@ def test_no_live_worker_left_is_a_503_before_any_token(model_dir):
     assert response.status_code == 503 and body_of(response)["error"]["code"] == "worker_failed"
 
 
+def test_a_front_ends_first_request_waits_for_its_view_of_the_workers_not_a_503(model_dir):
+    """A second front end replica (a scale-up, a restart, or one that no health check reached) takes its
+    first request before it has followed the registry: it asks the registry then, and serves it."""
+    from fakes import LocalHandle
+
+    from cluster.frontend import Frontend
+
+    d0 = FakeWorker("d0")
+
+    async def main():
+        s = await make_serving(model_dir, [], [d0])
+        fresh = Frontend.func_or_class.__bases__[0](
+            s.pipeline.config.model_dump(mode="json"), None, s.decode_handle, LocalHandle(s.registry)
+        )
+        assert not fresh.pipeline.membership.snapshot.taken_at
+        return await fresh.completions(http_request({**STREAM, "stream": False, "max_tokens": 3}))
+
+    response = run(main())
+    assert response.status_code == 200, body_of(response)
+    assert body_of(response)["usage"]["completion_tokens"] == 3
+
+
 def test_a_dead_workers_entries_leave_the_front_ends_copy_of_the_index(model_dir):
     """The registry's feed carries stores, not departures: the front end forgets a worker whose heartbeat
     expired by itself, or its copy of the index keeps every block the worker ever held."""
