@@ -140,6 +140,7 @@ class RequestPipeline:
             role_of=self.membership.role,
         )
         self._refresher: asyncio.Task | None = None
+        self._first_view: asyncio.Future | None = None  # the one registry call of the first requests (ensure_membership)
         self._cursor = None
         self._cleaned_at = time.monotonic()
 
@@ -211,11 +212,16 @@ class RequestPipeline:
         """Starts the view's refresh, and takes a first snapshot now if there is none yet (so /health is
         right from the first probe)."""
         self.start_membership_refresh()
-        if not self.membership.snapshot.taken_at:
-            try:
-                await self.refresh_membership()
-            except Exception:  # noqa: BLE001 - not yet: the refresh keeps trying
-                pass
+        if self.membership.snapshot.taken_at:
+            return
+        # Requests arriving together at a fresh front end share one call (not one each on the registry).
+        if self._first_view is None or self._first_view.done():
+            self._first_view = asyncio.get_running_loop().create_task(self.refresh_membership(), context=contextvars.Context())
+            self._first_view.add_done_callback(lambda t: t.cancelled() or t.exception())  # read even if every waiter left
+        try:
+            await asyncio.shield(self._first_view)  # one request leaving does not cancel the others' call
+        except Exception:  # noqa: BLE001 - not yet: the refresh keeps trying
+            pass
 
     def worker_failed(self, worker: str) -> None:
         """A call found `worker` gone: route around it here at once, and tell the registry."""

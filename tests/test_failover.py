@@ -402,26 +402,42 @@ def test_no_live_worker_left_is_a_503_before_any_token(model_dir):
     assert response.status_code == 503 and body_of(response)["error"]["code"] == "worker_failed"
 
 
-def test_a_front_ends_first_request_waits_for_its_view_of_the_workers_not_a_503(model_dir):
+def test_a_front_ends_first_requests_wait_for_its_view_of_the_workers_not_a_503(model_dir):
     """A second front end replica (a scale-up, a restart, or one that no health check reached) takes its
-    first request before it has followed the registry: it asks the registry then, and serves it."""
+    first requests before it has followed the registry: it asks the registry then (one call for all of
+    them), and serves them."""
     from fakes import LocalHandle
 
     from cluster.frontend import Frontend
 
     d0 = FakeWorker("d0")
 
+    class DistantRegistry:
+        """The real registry, its answers a network hop away (the first requests arrive meanwhile)."""
+
+        def __init__(self, registry):
+            self.registry = registry
+
+        async def changes(self, *args, **kwargs):
+            await asyncio.sleep(0.05)
+            return await self.registry.changes(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.registry, name)
+
     async def main():
         s = await make_serving(model_dir, [], [d0])
-        fresh = Frontend.func_or_class.__bases__[0](
-            s.pipeline.config.model_dump(mode="json"), None, s.decode_handle, LocalHandle(s.registry)
-        )
+        registry = LocalHandle(DistantRegistry(s.registry))
+        fresh = Frontend.func_or_class.__bases__[0](s.pipeline.config.model_dump(mode="json"), None, s.decode_handle, registry)
         assert not fresh.pipeline.membership.snapshot.taken_at
-        return await fresh.completions(http_request({**STREAM, "stream": False, "max_tokens": 3}))
+        body = {**STREAM, "stream": False, "max_tokens": 3}
+        responses = await asyncio.gather(*(fresh.completions(http_request(body)) for _ in range(8)))
+        return responses, [method for method, _, _ in registry.calls]
 
-    response = run(main())
-    assert response.status_code == 200, body_of(response)
-    assert body_of(response)["usage"]["completion_tokens"] == 3
+    responses, calls = run(main())
+    assert [r.status_code for r in responses] == [200] * 8, body_of(responses[0])
+    assert all(body_of(r)["usage"]["completion_tokens"] == 3 for r in responses)
+    assert calls.count("changes") == 1, calls  # the first requests shared one call for the registry's view
 
 
 def test_a_dead_workers_entries_leave_the_front_ends_copy_of_the_index(model_dir):
