@@ -1,14 +1,38 @@
 """The committed gRPC stubs are exactly what `make protos` generates from moray.proto."""
 
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ("moray_pb2.py", "moray_pb2.pyi", "moray_pb2_grpc.py")
+
+# The generators stamp their own versions into the stubs: which grpcio and protobuf runtimes the stubs
+# accept (they refuse to import under older ones). A newer grpcio-tools in a fresh venv changes only these.
+_STAMPS = (
+    re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M),
+    re.compile(r"^# Protobuf Python Version: .*$", re.M),
+    re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,"),
+)
+
+
+def _without_stamps(text: str) -> str:
+    for stamp in _STAMPS:
+        text = stamp.sub(lambda m: (m.group(1) if m.groups() else "") + "<version>", text)
+    return text
+
+
+def _stamped_versions() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(grpcio, protobuf) versions the committed stubs require."""
+    stubs = ROOT / "protos/moray/v1"
+    grpc_version = re.search(r"^GRPC_GENERATED_VERSION = '([^']*)'$", (stubs / "moray_pb2_grpc.py").read_text(), re.M).group(1)
+    protobuf = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", (stubs / "moray_pb2.py").read_text())
+    return tuple(int(x) for x in grpc_version.split(".")), tuple(int(x) for x in protobuf.groups())
 
 
 def test_stubs_are_up_to_date(tmp_path):
@@ -34,7 +58,23 @@ def test_stubs_are_up_to_date(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     for name in GENERATED:
-        assert (src / name).read_text() == (ROOT / "protos/moray/v1" / name).read_text(), f"{name} is stale: run `make protos`"
+        fresh, committed = (src / name).read_text(), (ROOT / "protos/moray/v1" / name).read_text()
+        assert _without_stamps(fresh) == _without_stamps(committed), f"{name} is stale: run `make protos`"
+
+
+def test_the_stubs_import_under_every_runtime_the_project_allows():
+    """pyproject's lowest grpcio and protobuf are at least what the committed stubs require: the stubs
+    raise at import under an older runtime (a CI venv with a newer grpcio-tools once changed the stamp alone)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+    def lowest(package: str) -> tuple[int, ...]:
+        spec = next(d for d in deps if re.match(rf"{package}>=", d))
+        return tuple(int(x) for x in spec.split(">=", 1)[1].split("."))
+
+    grpc_needs, protobuf_needs = _stamped_versions()
+    assert lowest("grpcio") >= grpc_needs, (lowest("grpcio"), grpc_needs)
+    assert lowest("protobuf") >= protobuf_needs, (lowest("protobuf"), protobuf_needs)
+    assert _without_stamps("GRPC_GENERATED_VERSION = '1.85.4'\n") == _without_stamps("GRPC_GENERATED_VERSION = '1.85.1'\n")
 
 
 def test_service_shape():
