@@ -14,25 +14,23 @@ GENERATED = ("moray_pb2.py", "moray_pb2.pyi", "moray_pb2_grpc.py")
 
 # The generators stamp their own versions into the stubs: which grpcio and protobuf runtimes the stubs
 # accept (they refuse to import under older ones). A newer grpcio-tools in a fresh venv changes only these.
-_STAMPS = (
-    re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M),
-    re.compile(r"^# Protobuf Python Version: .*$", re.M),
-    re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,"),
-)
+_GRPC_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '([^']*)'$", re.M)
+_PROTOBUF_COMMENT = re.compile(r"^# Protobuf Python Version: .*$", re.M)
+_PROTOBUF_STAMP = re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)\s*(\d+),\s*(\d+),\s*(\d+),")
 
 
 def _without_stamps(text: str) -> str:
-    for stamp in _STAMPS:
-        text = stamp.sub(lambda m: (m.group(1) if m.groups() else "") + "<version>", text)
-    return text
+    text = _GRPC_STAMP.sub("GRPC_GENERATED_VERSION = <version>", text)
+    text = _PROTOBUF_COMMENT.sub("# Protobuf Python Version: <version>", text)
+    return _PROTOBUF_STAMP.sub(r"\1 <version>,", text)
 
 
 def _stamped_versions() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(grpcio, protobuf) versions the committed stubs require."""
     stubs = ROOT / "protos/moray/v1"
-    grpc_version = re.search(r"^GRPC_GENERATED_VERSION = '([^']*)'$", (stubs / "moray_pb2_grpc.py").read_text(), re.M).group(1)
-    protobuf = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", (stubs / "moray_pb2.py").read_text())
-    return tuple(int(x) for x in grpc_version.split(".")), tuple(int(x) for x in protobuf.groups())
+    grpc_version = _GRPC_STAMP.search((stubs / "moray_pb2_grpc.py").read_text()).group(1)
+    protobuf_version = _PROTOBUF_STAMP.search((stubs / "moray_pb2.py").read_text()).groups()[1:]
+    return tuple(int(x) for x in grpc_version.split(".")), tuple(int(x) for x in protobuf_version)
 
 
 def test_stubs_are_up_to_date(tmp_path):
