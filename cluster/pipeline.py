@@ -295,12 +295,9 @@ class RequestPipeline:
     async def decide(self, req: PreparedRequest, carrier=None) -> PreparedRequest:
         """Admits and routes the request; its front-end span starts here (`carrier`: HTTP headers or gRPC
         metadata, which may hold the client's traceparent) and ends in `run`."""
-        if not self.membership.snapshot.taken_at:
-            # A front end's first request (a new or restarted replica, or one of several that a health check
-            # never reached): the registry's view first, not a 503 for want of one.
-            await self.ensure_membership()
-        else:
-            self.start_membership_refresh()
+        # A front end's first request (a new or restarted replica, or one of several that a health check never
+        # reached) waits for the registry's view, not a 503 for want of one; later ones return at once.
+        await self.ensure_membership()
         logs.current_request_id.set(req.request_id)
         attributes = {"moray.request_id": req.request_id, "moray.model": self.model_name, "moray.prompt_tokens": len(req.prompt)}
         req.span = tracing.start_span("ingress", tracing.extract(carrier), attributes, server=True)
