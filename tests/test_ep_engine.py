@@ -51,9 +51,15 @@ def test_greedy_tokens_equal_one_device(tiny, expected, parallel):
 
 
 def test_prefix_hits_and_preemption_per_rank(tiny, expected):
-    """A pool of 16 blocks per rank on 2 ranks forces preemptions; a repeated prompt hits its rank's cache."""
-    llm = LLM(str(tiny), parallel={"mesh": "2x4", "dp": 2, "tp": 4}, num_kv_blocks=16, **ARGS)
+    """A pool of 16 blocks per rank on 2 ranks forces preemptions; a repeated prompt hits its rank's cache.
+    Warm-up compiles the programs the steps run (it compiled one rank's logits rows where a step has every
+    rank's, so each program compiled again at its first real step)."""
+    llm = LLM(
+        str(tiny), parallel={"mesh": "2x4", "dp": 2, "tp": 4}, num_kv_blocks=16, **{**ARGS, "warmup": True, "background_compile": False}
+    )
+    warm = llm.engine.runner.compiled_shapes()
     got = llm.generate(prompts(8, seed=5, lo=20, hi=50), GREEDY)
+    assert llm.engine.runner.compiled_shapes() == warm
     assert [o.token_ids for o in got] == expected["long"]
     assert llm.engine.preemptions > 0
     prompt = prompts(1, seed=3, lo=37, hi=38)[0]

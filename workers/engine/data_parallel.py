@@ -327,6 +327,11 @@ class DataParallelRunner(ModelRunner):
     def rank_of(self, block_ids: list[int]) -> int:
         return block_ids[0] // self.blocks_per_rank
 
+    def logits_rows_for(self, token_bucket: int, drafts: bool = True) -> int:
+        """Every rank's logits rows, flattened: what the step's programs are keyed and compiled by (warm-up
+        compiled one rank's count, so each step program compiled again at its first real step)."""
+        return self.dp * super().logits_rows_for(token_bucket, drafts)
+
     def prepare(self, out: SchedulerOutput, prev_tokens: jax.Array | None = None) -> StepInputs:
         """Per-rank rows padded to one token bucket; logits rows in the scheduler's order."""
         ranks = [self.rank_of(item.request.block_ids) for item in out.scheduled]
@@ -338,7 +343,7 @@ class DataParallelRunner(ModelRunner):
             raise ValueError(f"{seqs_per_rank.max()} sequences on one rank exceed the bucket's {s} slots")
         p = pick_bucket(self.page_buckets, max(len(x.request.block_ids) for x in out.scheduled))
         inputs = self.dummy_inputs(n, p)
-        inputs.logits_indices = np.zeros((self.dp * self.logits_rows_for(n),), np.int32)
+        inputs.logits_indices = np.zeros((self.logits_rows_for(n, any(item.num_spec for item in out.scheduled)),), np.int32)
         offset, seq = np.zeros(self.dp, np.int64), np.zeros(self.dp, np.int64)
         row = 0
         for item, r in zip(out.scheduled, ranks):
@@ -390,7 +395,7 @@ class DataParallelRunner(ModelRunner):
             page_indices=np.zeros((dp, s, p), np.int32),
             cu_q_lens=np.zeros((dp, s + 1), np.int32),
             num_seqs=np.zeros((dp, 1), np.int32),
-            logits_indices=np.zeros((dp * self.logits_rows_for(n) if rows is None else rows,), np.int32),
+            logits_indices=np.zeros((self.logits_rows_for(n) if rows is None else rows,), np.int32),
         )
         if self.num_state_slots:
             inputs.state_slots = np.zeros((dp, s), np.int32)

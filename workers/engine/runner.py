@@ -267,10 +267,16 @@ class ModelRunner:
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
 
-    def logits_rows_for(self, token_bucket: int) -> int:
-        """Logits rows of a step: one per sequence, or up to one per draft and one more with speculation
-        (never more than the step's tokens: each row is one token's)."""
-        return min(token_bucket, self.max_num_seqs * self.rows_per_seq)
+    def logits_rows_for(self, token_bucket: int, drafts: bool = True) -> int:
+        """Logits rows of a step: one per sequence, or, for a step that verifies drafts, up to one per draft
+        and one more (never more than the step's tokens: each row is one token's). A speculating engine's
+        plain steps keep one row per sequence: with k + 1 rows they paid for the LM head and the sampler
+        over rows nobody reads (0.83-0.92x the plain engine at batch 16 in bench spec's setup)."""
+        return min(token_bucket, self.max_num_seqs * (self.rows_per_seq if drafts else 1))
+
+    def logits_row_buckets(self, token_bucket: int) -> list[int]:
+        """Every logits-row count a step of `token_bucket` may have (with and without drafts)."""
+        return sorted({self.logits_rows_for(token_bucket, drafts) for drafts in (False, self.rows_per_seq > 1)})
 
     def prepare(self, out: SchedulerOutput, prev_tokens: jax.Array | None = None) -> StepInputs:
         """`prev_tokens`: the previous step's sampled tokens on the device, read for the input tokens the
@@ -286,7 +292,8 @@ class ModelRunner:
         pages = np.zeros((s, p), np.int32)
         cu = np.zeros((s + 1,), np.int32)
         every_row = any(_prompt_positions(item) for item in out.scheduled)
-        logits_idx = np.arange(n, dtype=np.int32) if every_row else np.zeros((self.logits_rows_for(n),), np.int32)
+        drafts = any(item.num_spec for item in out.scheduled)
+        logits_idx = np.arange(n, dtype=np.int32) if every_row else np.zeros((self.logits_rows_for(n, drafts),), np.int32)
         offset = row = 0
         inputs = StepInputs(tokens, positions, slots, kv_lens, pages, cu, np.array([len(out.scheduled)], np.int32), logits_idx)
         bs = self.block_size
@@ -776,10 +783,16 @@ class ModelRunner:
         """Every (token bucket, page bucket, decode-only, logits rows) program a step can use. Hybrid models have
         a decode-only variant (one vectorised state update) for buckets a decode batch can pick. (A step with
         a prompt's logprobs takes a row per token: compiled when one comes, not here.)"""
-        shapes = [(n, p, False, self.logits_rows_for(n)) for n in self.token_buckets for p in self.page_buckets]
+        shapes = [(n, p, False, r) for n in self.token_buckets for r in self.logits_row_buckets(n) for p in self.page_buckets]
         if self.num_state_slots:
             largest_decode = pick_bucket(self.token_buckets, min(self.max_num_seqs, self.token_buckets[-1]))
-            shapes += [(n, p, True, self.logits_rows_for(n)) for n in self.token_buckets if n <= largest_decode for p in self.page_buckets]
+            shapes += [
+                (n, p, True, r)
+                for n in self.token_buckets
+                if n <= largest_decode
+                for r in self.logits_row_buckets(n)
+                for p in self.page_buckets
+            ]
         return shapes
 
     def _warm_token_merges(self) -> None:
@@ -788,7 +801,7 @@ class ModelRunner:
         engine ~100 ms in the middle of decoding (seen in `moray bench serve --vs-engine` profiles)."""
         p = self.page_buckets[0]
         inputs = [self.dummy_inputs(n, p) for n in self.token_buckets]
-        for rows in sorted({len(i.logits_indices) for i in inputs}):
+        for rows in sorted({r for n in self.token_buckets for r in self.logits_row_buckets(n)}):
             prev = jax.device_put(np.zeros((rows,), np.int32), jax.devices()[0])  # committed, as a step's output is
             for i in inputs:
                 _merge_tokens_jit(i.tokens, prev, np.full(i.tokens.shape, -1, np.int32))
