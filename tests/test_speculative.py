@@ -429,6 +429,33 @@ def test_speed_gate_does_not_take_a_switchs_cost_for_the_speed_of_the_mode_it_sw
     assert gate.rate(4, False) == 8 and gate.rate(4, True) == 6
 
 
+def test_speed_gate_counts_what_its_switches_cost_and_does_not_switch_on_noise():
+    """A step beside a switch costs more than a steady one: it cannot overlap the host with the device,
+    and a draft model or an MTP head catches up on the tokens it missed. Near break-even, the gate that
+    counted steady steps only probed as often as if switches were free and flipped modes on noise: with
+    switches costing 3 steps, equal modes ran at 0.89 of either. It measures the switches now, spaces
+    its probes by their cost and holds a mode unless the other is faster by more than the noise."""
+    from workers.engine.speculative import SpeedGate
+
+    def drive(spec_tokens, seed, steps=3000, switch_extra=3.0, plain_tokens=8, batch=4):
+        gate, rng = SpeedGate(seed=seed), random.Random(seed)
+        previous, launched, tokens, seconds = None, None, 0.0, 0.0
+        for _ in range(steps):
+            mode = gate.wants(batch)
+            if launched is not None:
+                s = rng.uniform(0.9, 1.1) + (0.0 if previous == launched == mode else switch_extra)
+                t = spec_tokens if launched else plain_tokens
+                gate.observe(batch, launched, t, s, mode)
+                tokens, seconds, previous = tokens + t, seconds + s, launched
+            launched = mode
+        return gate, tokens / seconds / max(spec_tokens, plain_tokens)
+
+    for spec_tokens in (7.8, 8, 8.2, 6, 10):  # near break-even either way, and clearly slower or faster
+        runs = [drive(spec_tokens, seed) for seed in range(6)]
+        assert statistics.median(rate for _, rate in runs) > 0.96, spec_tokens  # the old gate: 0.89-0.97
+        assert all(g._switch_s[4] == pytest.approx(3.0, abs=0.3) for g, _ in runs)  # measured, not guessed
+
+
 def drive_gate_on_text(gate, stretches, drafted: int = 4, spec_s: float = 1.3, steps: int = 6000) -> tuple[float, float]:
     """A batch of one over text whose stretches the drafts do or do not predict (`stretches(step)`: True in
     a predictable one): a speculating step takes `spec_s` and yields `drafted` tokens there and 1

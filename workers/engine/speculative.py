@@ -146,10 +146,20 @@ class SpeedGate:
       not), and a probe sees a few steps of one stretch: with the tokens of the last 4 probes alone, the gate
       kept n-gram drafts off at batch 1 where they ran 1.5x faster.
     Probe intervals are jittered by up to `_JITTER` either way: a workload that repeats itself (a
-    benchmark's passes) must not meet every probe at the same place in its period."""
+    benchmark's passes) must not meet every probe at the same place in its period.
+
+    Switches are not free, and the gate counts them: the steps beside a switch take longer than steady
+    ones (no overlap of host and device; a draft model or an MTP head catches up on the tokens it missed),
+    and their extra seconds over a steady step are averaged (`_switch_s`). A probe's cost is its steps'
+    shortfall plus its two switches, and probes are spaced to keep that under `probe_cost`. A mode also
+    holds unless the other measures faster by `_HOLD`: near break-even either runs as fast, and switching
+    back and forth on the figures' noise is what costs (with switches of 3 steps, equal modes ran at 0.89
+    of either before)."""
 
     _OUTLIER = 4.0
     _JITTER = 0.2
+    _SWITCH_EMA = 0.25
+    _HOLD = 0.05
 
     def __init__(
         self,
@@ -174,8 +184,9 @@ class SpeedGate:
         self._rates: dict[tuple[int, bool], float] = {}  # kept with the samples: `wants` runs a few times a step
         self._steps: dict[int, int] = {}  # a bucket's steps since its last probe ended
         self._interval: dict[int, int] = {}  # a bucket's steps between probes
-        self._choice: dict[int, bool] = {}  # a bucket's faster mode when its last probe ended
+        self._choice: dict[int, bool] = {}  # the mode a bucket runs between its probes
         self._previous: bool | None = None  # the mode of the step observed last
+        self._switch_s: dict[int, float] = {}  # a bucket's extra seconds of a step beside a switch (average)
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -191,7 +202,7 @@ class SpeedGate:
         if on is None or off is None:
             return on is None  # measure speculating first, then without
         probing = self._steps.get(b, 0) >= self._interval[b] - self.probe_len
-        return (on >= off) != probing
+        return self._choice[b] != probing
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float, next_speculating: bool | None) -> None:
         """A decode step's delivered tokens and time; `next_speculating` is the mode of the step launched
@@ -206,24 +217,44 @@ class SpeedGate:
         samples = self._samples.setdefault(key, deque(maxlen=self.window))
         if previous == speculated == next_speculating:
             samples.append((batch, seconds))
+        elif key in self._rates:  # a step beside a switch: what it took beyond a steady step is the switch's
+            extra = max(0.0, seconds - batch / self._sequence_steps_per_second(samples))
+            last = self._switch_s.get(b)
+            self._switch_s[b] = extra if last is None else (1 - self._SWITCH_EMA) * last + self._SWITCH_EMA * extra
         if len(samples) >= self.min_samples:
             self._rates[key] = sum(yields) / len(yields) * self._sequence_steps_per_second(samples)
         on, off = self._rates.get((b, True)), self._rates.get((b, False))
         if on is None or off is None:
             return
         if b not in self._interval:  # both measured: the first choice
-            self._interval[b], self._choice[b] = self._next_interval(self.probe_every, on, off), on >= off
+            self._interval[b], self._choice[b] = self._next_interval(b, self.probe_every, on, off), on >= off
+        choice = self._faster(b, on, off)
         steps = self._steps[b] = self._steps.get(b, 0) + 1
         if steps >= self._interval[b]:  # a probe ended: was the choice right?
-            choice = on >= off
             interval = self.probe_growth * self._interval[b] if self._choice[b] == choice else self.probe_every
-            self._interval[b], self._choice[b], self._steps[b] = self._next_interval(interval, on, off), choice, 0
+            self._interval[b], self._choice[b], self._steps[b] = self._next_interval(b, interval, on, off), choice, 0
+        elif steps < self._interval[b] - self.probe_len:  # between probes the faster mode takes over at once
+            self._choice[b] = choice
 
-    def _next_interval(self, interval: int, on: float, off: float) -> int:
-        """`interval`, but never so short that probing the slower mode costs over `probe_cost` of the
-        throughput (a probe's steps run at the slower mode's speed), nor over `max_probe_every`."""
+    def _faster(self, b: int, on: float, off: float) -> bool:
+        """The faster mode, where the one running now holds unless the other is faster by `_HOLD`: near
+        break-even either mode runs as fast, and what costs is switching back and forth on noise."""
+        if self._choice[b]:
+            return on * (1 + self._HOLD) >= off
+        return on >= off * (1 + self._HOLD)
+
+    def _next_interval(self, b: int, interval: int, on: float, off: float) -> int:
+        """`interval`, but never so short that a probe costs over `probe_cost` of the throughput, nor over
+        `max_probe_every`. A probe costs its steps' shortfall (they run at the slower mode's speed) and its
+        two switches: the 4 steps beside them, each `_switch_s` longer than a steady one (measured)."""
         slower = min(on, off) / max(on, off)
-        interval = min(max(interval, math.ceil(self.probe_len * (1 - slower) / self.probe_cost)), self.max_probe_every)
+        faster = self._samples.get((b, on >= off))
+        steps = self.probe_len * (1 - slower)
+        if faster and self._switch_s.get(b):
+            steps += 4 * self._switch_s[b] / (sum(s for _, s in faster) / len(faster))
+        # The cost bound wins over `max_probe_every` (up to 4x it): a probe of expensive switches is rarer.
+        floor = min(math.ceil(steps / self.probe_cost), 4 * self.max_probe_every)
+        interval = max(min(interval, self.max_probe_every), floor)
         return max(self.probe_len + 1, round(interval * self._jitter.uniform(1 - self._JITTER, 1 + self._JITTER)))
 
     def _sequence_steps_per_second(self, samples: deque[tuple[int, float]]) -> float:
