@@ -267,16 +267,24 @@ class ModelRunner:
     def seqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
 
+    @property
+    def largest_decode_bucket(self) -> int:
+        """The largest token bucket a step of one token per sequence can pick."""
+        return pick_bucket(self.token_buckets, min(self.max_num_seqs, self.token_buckets[-1]))
+
     def logits_rows_for(self, token_bucket: int, drafts: bool = True) -> int:
-        """Logits rows of a step: one per sequence, or, for a step that verifies drafts, up to one per draft
+        """Logits rows of a step: one per sequence, or, for a step that may verify drafts, up to one per draft
         and one more (never more than the step's tokens: each row is one token's). A speculating engine's
-        plain steps keep one row per sequence: with k + 1 rows they paid for the LM head and the sampler
-        over rows nobody reads (0.83-0.92x the plain engine at batch 16 in bench spec's setup)."""
-        return min(token_bucket, self.max_num_seqs * (self.rows_per_seq if drafts else 1))
+        plain decode steps keep one row per sequence: with k + 1 rows they paid for the LM head and the
+        sampler over rows nobody reads (0.83-0.92x the plain engine at batch 16 in bench spec's setup).
+        Buckets only prefill chunks reach keep one row count: a second program for each of them cost
+        compile time and memory (bench spec's five engines ran out of memory maps with them)."""
+        plain = not drafts and token_bucket <= self.largest_decode_bucket
+        return min(token_bucket, self.max_num_seqs * (1 if plain else self.rows_per_seq))
 
     def logits_row_buckets(self, token_bucket: int) -> list[int]:
         """Every logits-row count a step of `token_bucket` may have (with and without drafts)."""
-        return sorted({self.logits_rows_for(token_bucket, drafts) for drafts in (False, self.rows_per_seq > 1)})
+        return sorted({self.logits_rows_for(token_bucket, drafts) for drafts in (False, True)})
 
     def prepare(self, out: SchedulerOutput, prev_tokens: jax.Array | None = None) -> StepInputs:
         """`prev_tokens`: the previous step's sampled tokens on the device, read for the input tokens the
@@ -785,11 +793,10 @@ class ModelRunner:
         a prompt's logprobs takes a row per token: compiled when one comes, not here.)"""
         shapes = [(n, p, False, r) for n in self.token_buckets for r in self.logits_row_buckets(n) for p in self.page_buckets]
         if self.num_state_slots:
-            largest_decode = pick_bucket(self.token_buckets, min(self.max_num_seqs, self.token_buckets[-1]))
             shapes += [
                 (n, p, True, r)
                 for n in self.token_buckets
-                if n <= largest_decode
+                if n <= self.largest_decode_bucket
                 for r in self.logits_row_buckets(n)
                 for p in self.page_buckets
             ]

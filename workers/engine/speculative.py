@@ -218,7 +218,8 @@ class SpeedGate:
         if previous == speculated == next_speculating:
             samples.append((batch, seconds))
         elif key in self._rates:  # a step beside a switch: what it took beyond a steady step is the switch's
-            extra = max(0.0, seconds - batch / self._sequence_steps_per_second(samples))
+            steady = batch / self._sequence_steps_per_second(samples)
+            extra = min(max(0.0, seconds - steady), self._OUTLIER * steady)  # not a compile's or a stall's
             last = self._switch_s.get(b)
             self._switch_s[b] = extra if last is None else (1 - self._SWITCH_EMA) * last + self._SWITCH_EMA * extra
         if len(samples) >= self.min_samples:
