@@ -245,15 +245,15 @@ class SpeedGate:
         return on >= off * (1 + self._HOLD)
 
     def _next_interval(self, b: int, interval: int, on: float, off: float) -> int:
-        """`interval`, but never so short that a probe costs over `probe_cost` of the throughput, nor over
-        `max_probe_every`. A probe costs its steps' shortfall (they run at the slower mode's speed) and its
-        two switches: the 4 steps beside them, each `_switch_s` longer than a steady one (measured)."""
+        """`interval`, at most `max_probe_every`, but never so short that a probe costs over `probe_cost` of
+        the throughput (that bound wins, up to 4 x `max_probe_every`). A probe costs its steps' shortfall
+        (they run at the slower mode's speed) and its two switches: the 4 steps beside them, each
+        `_switch_s` longer than a steady one (measured)."""
         slower = min(on, off) / max(on, off)
         faster = self._samples.get((b, on >= off))
         steps = self.probe_len * (1 - slower)
         if faster and self._switch_s.get(b):
             steps += 4 * self._switch_s[b] / (sum(s for _, s in faster) / len(faster))
-        # The cost bound wins over `max_probe_every` (up to 4x it): a probe of expensive switches is rarer.
         floor = min(math.ceil(steps / self.probe_cost), 4 * self.max_probe_every)
         interval = max(min(interval, self.max_probe_every), floor)
         return max(self.probe_len + 1, round(interval * self._jitter.uniform(1 - self._JITTER, 1 + self._JITTER)))
