@@ -163,8 +163,30 @@ class ServedApp:
     config: dict
 
 
+def wait_app_running(name: str, timeout: float) -> None:
+    """Until Serve reports the app RUNNING: an error with Serve's status of it if it failed to deploy or did
+    not start in time. (`serve.run` waits without a limit: a replica that never came up, or came up and was
+    replaced again and again, held the whole suite until CI's limit.)"""
+    from ray import serve
+
+    seen = {}
+
+    def running():
+        app = seen["app"] = serve.status().applications.get(name)
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"Serve app {name!r} failed to deploy: {app.message}")
+        return app is not None and app.status == "RUNNING"
+
+    try:
+        wait_until(running, timeout, every=0.5, what=f"Serve app {name!r} running")
+    except TimeoutError as e:
+        app = seen.get("app")
+        deployments = {d: (s.status, s.message) for d, s in app.deployments.items()} if app else {}
+        raise TimeoutError(f"{e}: {app.status if app else 'not known to Serve'} {deployments}") from None
+
+
 @contextmanager
-def served_app(cluster: ServeCluster, config: dict, route_prefix: str | None = None):
+def served_app(cluster: ServeCluster, config: dict, route_prefix: str | None = None, start_timeout: float = 600):
     """Deploys the cluster config (`cluster_config(...)`) as one Serve app of the session's Serve instance at
     `route_prefix` (default /<name>), waits until it is healthy, and deletes it afterwards. The config's
     server ports become the shared instance's, except for an app with `server.ingress: direct`, whose front end
@@ -179,10 +201,11 @@ def served_app(cluster: ServeCluster, config: dict, route_prefix: str | None = N
         config = {**config, "server": {**server, "http_port": cluster.http_port, "grpc_port": cluster.grpc_port}}
     name = config.get("name", "moray")
     prefix = route_prefix if route_prefix is not None else f"/{name}"
-    serve.run(build_app(config), name=name, route_prefix=prefix, blocking=False)
     base = f"http://127.0.0.1:{server['http_port']}" if direct else cluster.base + ("" if prefix == "/" else prefix)
     app = ServedApp(name, base, config)
     try:
+        serve._run(build_app(config), name=name, route_prefix=prefix, _blocking=False)  # deployed, not yet started
+        wait_app_running(name, start_timeout)
         wait_healthy(app.base)
         yield app
     finally:

@@ -1041,3 +1041,32 @@ def test_grpc_returns_prompt_logprobs_and_logprobs_like_http(cluster):
         assert max(abs(e.logprob - w) for e, w in zip(got, want)) < 1e-5
     assert all(not p.prompt_logprobs for p in parts[1:])
     assert [e.token_id for e in full.logprobs] == list(full.token_ids) and len(full.logprobs) == 3
+
+
+@pytest.mark.cluster
+def test_an_app_whose_replica_never_starts_fails_its_fixture_in_time(model_dir, ray_serve):
+    """`served_app` gives up on an app that does not start (here: a replica asking for more CPUs than the
+    cluster has, so it is never scheduled) with Serve's word on it, and deletes it. It waited forever before:
+    a multi-host replica that hung at start-up held the whole suite until CI's limit."""
+    from ray import serve
+
+    cfg = cluster_config(model_dir, name="never-starts", mode="colocated", decode={"resources": {"cpus": 64}})
+    result = {}
+
+    def start():
+        try:
+            with served_app(ray_serve, cfg, start_timeout=10):
+                result["started"] = True
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            result["error"] = e
+
+    t0 = time.monotonic()
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(120)
+    assert not starter.is_alive(), "served_app still waiting on a replica that cannot be scheduled"
+    assert isinstance(result.get("error"), TimeoutError), result
+    message = str(result["error"])
+    assert "never-starts" in message and "DEPLOYING" in message and "DecodeServer" in message, message
+    assert time.monotonic() - t0 < 90
+    assert "never-starts" not in serve.status().applications
