@@ -149,6 +149,30 @@ def unpack_routing(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids, jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def collectives_over_gloo() -> bool:
+    """Whether cross-device collectives run on XLA:CPU between processes (gloo). There XLA lets a program's
+    independent collectives overlap, and gloo uses one tag for all of them: two over the same devices in
+    flight at once match each other's messages and hang. Programs built for it order them by data."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def append_words(rows: jax.Array, words: jax.Array) -> jax.Array:
+    """rows [n, c] (any 1-, 2- or 4-byte dtype) and int32 words [n, w] -> [n, c + w * 4 / itemsize] in rows'
+    dtype: the words' bits as extra columns, so both travel in one collective (`split_words` undoes it)."""
+    n = rows.shape[0]
+    bits = jax.lax.bitcast_convert_type(words.astype(jnp.int32), rows.dtype)  # [n, w] or [n, w, 4 / itemsize]
+    return jnp.concatenate([rows, bits.reshape(n, -1)], axis=1)
+
+
+def split_words(packed: jax.Array, columns: int) -> tuple[jax.Array, jax.Array]:
+    """`append_words`' result -> (rows [n, columns], int32 words [n, w]), bit for bit."""
+    n, per_word = packed.shape[0], 4 // jnp.dtype(packed.dtype).itemsize
+    bits = packed[:, columns:]
+    if per_word > 1:
+        bits = bits.reshape(n, -1, per_word)
+    return packed[:, :columns], jax.lax.bitcast_convert_type(bits, jnp.int32)
+
+
 def fp8_encode_rows(x: jax.Array, pieces: int = 1) -> jax.Array:
     """[n, H] -> uint8 [n, pieces, H / pieces + 4]: e4m3 values of each row scaled by its max, and the
     row's float32 scale as four bytes appended to every piece (so any piece decodes on its own)."""
@@ -199,8 +223,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     src = jnp.clip(input_offsets[:, None] + rows[None, :], 0, cap - 1)
     valid = rows[None, :] < send_sizes[:, None]
     slices = jnp.where(_expand(valid, operand.ndim), operand[src], 0)
-    received = jax.lax.all_to_all(slices, axes, 0, 0, tiled=True)  # slice i now from source i // per_device
-    where = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)
+    # Each slice carries the offset its sender chose, in one collective: two independent collectives over the
+    # same devices may overlap on XLA:CPU, which hangs between processes (`collectives_over_gloo`).
+    packed = append_words(slices.reshape(slices.shape[0], -1), output_offsets.reshape(-1, 1))
+    received, where = split_words(jax.lax.all_to_all(packed, axes, 0, 0, tiled=True), cap * math.prod(operand.shape[1:]))
+    received, where = received.reshape(slices.shape), where.reshape(-1)  # slice i now from source i // per_device
     dst = where[:, None] + rows[None, :]
     dst = jnp.where(rows[None, :] < recv_sizes[:, None], dst, output.shape[0])  # past the end: dropped
     return output.at[dst.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")

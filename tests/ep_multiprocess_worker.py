@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hlo_collectives
 
 from workers.parallel import distributed_settings, init_distributed  # noqa: E402
 
@@ -32,6 +33,13 @@ ENGINE = dict(
     warmup=False,
 )
 GENERATE = dict(mesh="2x4", moe={"dispatch": "hierarchical"})
+# Expert load balancing on: a rebalance every 2 steps moves experts between the processes mid-generation.
+EPLB = dict(num_redundant_experts=8, period_steps=2)
+# The all-to-all exchange (every step) and the column-split gather: their step programs' collectives too.
+ORDER_ONLY = (
+    dict(mesh="2x4", moe={"dispatch": "flat", "all_to_all_min_tokens": 1}),
+    dict(mesh="2x2x2", moe={"dispatch": "hierarchical-dispatch", "fast_axes": ["core"]}),
+)
 
 
 def main(ckpt: str, out: str) -> int:
@@ -48,9 +56,24 @@ def main(ckpt: str, out: str) -> int:
     for name, fields in CONFIGS.items():
         model = load_parallel_model(ckpt, ParallelConfig(**fields), dtype="float32", show_progress=False)
         results[name] = prompt_logits(model, PROMPTS)
-    llm = LLM(ckpt, dtype="float32", parallel=GENERATE, **ENGINE)
+    llm = LLM(ckpt, dtype="float32", parallel=GENERATE, eplb=EPLB, **ENGINE)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     results["generated"] = np.array([o.token_ids for o in outs])
+    # Every step program the generations ran, as compiled for two processes (`hlo_collectives`), also those of
+    # the other two MoE exchanges (their tokens must be the same).
+    from hlo_collectives import count_collectives, unordered_collectives
+
+    texts = []
+    for parallel in (None, *ORDER_ONLY):
+        if parallel is not None:
+            other = LLM(ckpt, dtype="float32", parallel=parallel, **ENGINE)
+            again = other.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            results[f"generated-{parallel['moe']['dispatch']}"] = np.array([o.token_ids for o in again])
+        runner = (llm if parallel is None else other).engine.runner
+        texts += [runner.program(shape).as_text() for shape in runner.compiled_shapes()]
+    results["step_programs"] = np.array(len(texts))
+    results["collectives"] = np.array(sum(map(count_collectives, texts)))
+    results["unordered_collectives"] = np.array(sum(len(unordered_collectives(t)) for t in texts))
     if jax.process_index() == 0:
         np.savez(out, **results)
     return 0

@@ -1,6 +1,7 @@
 """One engine over 2 processes x 4 virtual CPU devices (`jax.distributed`, gloo over loopback): the full
 model forward under three parallel configurations and a greedy generation equal the single-process
-results. Also `moray logits --num-processes 2` from the command line."""
+results, with every collective of its step programs ordered. Also `moray logits --num-processes 2` from the
+command line."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def test_two_processes_match_one(ckpt, tmp_path):
     llm = LLM(str(ckpt), dtype="float32", **ENGINE)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert got["generated"].tolist() == [o.token_ids for o in greedy]
+    assert got["generated-flat"].tolist() == got["generated-hierarchical-dispatch"].tolist() == got["generated"].tolist()
+    # No two collectives of a step program may be in flight at once over gloo (`hlo_collectives`): before the
+    # MoE's rows and routing went in one gather and the load count was ordered before it, each had 15 such pairs.
+    assert got["step_programs"] >= 2 and got["collectives"] > 0
+    assert got["unordered_collectives"] == 0
 
 
 def test_cli_logits_over_two_processes(ckpt, tmp_path):

@@ -168,6 +168,38 @@ def test_redundant_experts_in_other_families_and_packed_experts(arch, tmp_path):
     np.testing.assert_allclose(prompt_logits(model, PROMPTS), want, atol=1e-4, rtol=0)
 
 
+def test_each_expert_move_program_exchanges_in_one_collective(qwen2):
+    """XLA:CPU starts a program's independent collectives in any order and lets them overlap; over gloo, two
+    processes that entered them in different orders waited on each other for ever (a two-host replica hung at
+    start-up in CI, in its copy programs with one ppermute per shift). So each move program, for every
+    exchange width, exchanges all its rows in one collective, and still moves every row where it belongs."""
+    import re
+
+    from workers.engine.config import ParallelConfig
+    from workers.models.moe_parallel import _ExpertLeaves, copy_experts, moe_blocks, num_expert_parts, slot_moves
+    from workers.parallel import load_parallel_model
+
+    model = load_parallel_model(qwen2, ParallelConfig(mesh="2x4", moe={"dispatch": "hierarchical"}), dtype="float32", show_progress=False)
+    blocks = moe_blocks(model.weights)
+    experts = _ExpertLeaves(blocks, model.mesh)
+    slots = experts.num_slots
+    collective = re.compile(r" (all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(-start)?\(")
+    for crossing in (1, 2, 3):  # rows each rank sends the rank after it: exchange widths 1, 2 and 4
+        rows = np.tile(np.arange(slots), (len(blocks), 1))
+        per_rank = slots // experts.ep
+        for i in range(crossing):  # rank 0's first slots take rank 1's rows, ...
+            rows[:, i] = per_rank + (i % per_rank)
+        local, sends = slot_moves(rows, slots, experts.ep)
+        for part in range(num_expert_parts(blocks[0])):
+            program, args = experts.program(local, sends, part)
+            hlo = program.lower(*args).compile().as_text()
+            assert len(collective.findall(hlo)) == 1, (crossing, part, collective.findall(hlo))
+        before = [np.asarray(leaf) for leaf in experts.flat]
+        after = copy_experts(blocks, rows, model.mesh)
+        for old, new in zip(before, after):
+            np.testing.assert_array_equal(np.asarray(new), old[rows[0]])
+
+
 @pytest.mark.parametrize("sources,slots,ep", [(24, 24, 8), (16, 24, 8), (12, 12, 1), (32, 40, 4)])
 def test_slot_moves_bring_every_slot_its_row_and_send_only_what_moves(sources, slots, ep):
     """The move program's plan, replayed in numpy as each rank's pool (its own rows, then what the rank k

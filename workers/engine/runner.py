@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import block_copy, dense
+from kernels.collectives import collectives_over_gloo
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
 from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
@@ -920,7 +921,14 @@ class RoutingCounter:
         # Per physical expert slot (= the logical expert without redundant experts).
         self.num_experts = gate_up.shape[0]
         valid = jnp.broadcast_to(self.valid[:, None], ids.shape).astype(jnp.int32)
-        self.counts.append(jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(valid, mode="drop"))
+        counts = jnp.zeros((self.num_experts,), jnp.int32).at[ids].add(valid, mode="drop")
+        self.counts.append(counts)
+        if collectives_over_gloo():
+            # Tokens split over devices make the count a collective of its own, independent of the MoE's.
+            # XLA:CPU runs independent collectives in any order and overlapped, and gloo (one tag for every
+            # collective) then matches one's messages with another's: two hosts hung in a step. The
+            # condition never holds; it makes the MoE wait for the count.
+            ids = jnp.where(jnp.sum(counts) < 0, 0, ids)
         return self.inner(x, ids, weights, gate_up, down, **kwargs)
 
     def loads(self) -> jax.Array:

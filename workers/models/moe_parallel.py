@@ -41,7 +41,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels.collectives import (
+    append_words,
     axes_index,
+    collectives_over_gloo,
     fp8_decode_rows,
     fp8_encode_rows,
     gather_rows,
@@ -51,6 +53,7 @@ from kernels.collectives import (
     ragged_all_to_all,
     reduce_scatter_rows,
     reduce_scatter_rows_staged,
+    split_words,
     unpack_routing,
     warn_once,
 )
@@ -146,13 +149,30 @@ class ExpertParallel:
         if self.uses_all_to_all(x.shape[0] * self.mesh.size):
             return self._all_to_all_moe(x, ids, weights, gate_up, down, first_expert, activation)
         mode = self.dispatch_for(x.shape[1])
-        all_ids, all_weights = self.gather_routing(ids, weights, mode)
-        rows = self.gather_tokens(x, mode)
+        if mode == "hierarchical-dispatch":
+            all_ids, all_weights = self.gather_routing(ids, weights, mode)
+            if collectives_over_gloo():  # the rows' gather after the routing's (`gather_rows_and_routing`)
+                x = jnp.where(all_ids[0, 0] == jnp.iinfo(jnp.int32).min, jnp.zeros_like(x), x)  # never: ids >= 0
+            rows = self.gather_tokens(x, mode)
+        else:
+            rows, all_ids, all_weights = self.gather_rows_and_routing(x, ids, weights, mode)
         m = tile_rows(all_ids.size // self.ep_size, gate_up.shape[0])
         y = experts_in_range(rows, all_ids, all_weights, gate_up, down, first_expert, m, activation)
         return self.combine(y.astype(x.dtype), mode)
 
     # ---------------------------------------------------------------- dispatch and combine
+
+    def gather_rows_and_routing(self, x: Array, ids: Array, weights: Array, mode: str) -> tuple[Array, Array, Array]:
+        """Every EP device's hidden states and routing in one all-gather (per mesh level): the routing ints
+        ride as extra columns of the rows. Two gathers over the same devices would be independent in the
+        program, and XLA:CPU runs independent collectives in any order and overlapped: over gloo (one tag
+        for every collective) two processes then matched each other's messages and hung."""
+        fp8 = self.gather_dtype == "fp8"
+        payload = fp8_encode_rows(x).reshape(x.shape[0], -1) if fp8 else x
+        gather = gather_rows_staged if mode == "hierarchical" else gather_rows
+        rows, routing = split_words(gather(append_words(payload, pack_routing(ids, weights)), self.ep_axes), payload.shape[1])
+        all_ids, all_weights = unpack_routing(routing)
+        return (fp8_decode_rows(rows[:, None], x.dtype) if fp8 else rows), all_ids, all_weights
 
     def gather_routing(self, ids: Array, weights: Array, mode: str) -> tuple[Array, Array]:
         """Every EP device's top-k ids and weights, packed into one int32 all-gather. The rows are
@@ -208,8 +228,9 @@ class ExpertParallel:
         def exchange(operand, output, offsets):
             return ragged_all_to_all(operand, output, *offsets, self.ep_axes)
 
-        recv_rows = exchange(x[order // k], jnp.zeros((capacity, h), x.dtype), there)
-        recv_ids = exchange(ids.reshape(-1, 1)[order], jnp.full((capacity, 1), -1, jnp.int32), there)  # -1: empty
+        # Rows and their expert ids in one exchange (`gather_rows_and_routing` says why); -1: an empty row.
+        empty = append_words(jnp.zeros((capacity, h), x.dtype), jnp.full((capacity, 1), -1, jnp.int32))
+        recv_rows, recv_ids = split_words(exchange(append_words(x[order // k], ids.reshape(-1, 1)[order]), empty, there), h)
         ones = jnp.ones((capacity, 1), jnp.float32)
         m = tile_rows(n * k, e_local)
         y = experts_in_range(recv_rows, recv_ids, ones, gate_up, down, first_expert, m, activation).astype(x.dtype)
@@ -306,14 +327,25 @@ class _ExpertLeaves:
         self.num_slots = self.flat[0].shape[0]
 
     def copy(self, local: np.ndarray, sends: np.ndarray, part: int | None = None) -> list[jax.Array]:
-        """The new arrays: all of them, or `part` of each block's (leaf `part` of its (gate_up, down))."""
-        chosen = range(len(self.flat)) if part is None else range(part, len(self.flat), self.per_block)
+        """The new arrays: all of them, or `part` of each block's (leaf `part` of its (gate_up, down)). One
+        program per part: its arrays, one per block, have one shape and are exchanged together."""
+        if part is None:
+            by_part = [self.copy(local, sends, p) for p in range(self.per_block)]
+            return [by_part[i % self.per_block][i // self.per_block] for i in range(len(self.flat))]
+        program, args = self.program(local, sends, part)
+        return program(*args)
+
+    def program(self, local: np.ndarray, sends: np.ndarray, part: int):
+        """The copy program of `part` and its arguments."""
+        chosen = range(part, len(self.flat), self.per_block)
         flat = [self.flat[i] for i in chosen]
+        if len({(leaf.shape, leaf.dtype) for leaf in flat}) > 1:
+            raise ValueError(f"expert part {part} differs between the MoE layers moved together: {[leaf.shape for leaf in flat]}")
         specs, layer_of = tuple(self.specs[i] for i in chosen), tuple(self.layer_of[i] for i in chosen)
         width = sends.shape[1] // max(self.ep * (self.ep - 1), 1)
         program = _move_slots(self.mesh, specs, self.ep_axis, layer_of, self.ep, width)
         by_rank = NamedSharding(self.mesh, PartitionSpec(None, self.ep_axis))
-        return program(flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
+        return program, (flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
 
     def install(self, leaves: list[jax.Array]) -> None:
         for block, (gate_up, down) in zip(self.blocks, jax.tree.unflatten(self.tree, leaves)):
@@ -356,20 +388,33 @@ def slot_moves(rows: np.ndarray, num_sources: int, ep: int) -> tuple[np.ndarray,
 
 @lru_cache(maxsize=32)
 def _move_slots(mesh: Mesh, specs: tuple, ep_axis, layer_of: tuple[int, ...], ep: int, width: int):
-    """The per-device copy: for each shift k, the rows bound for the rank k after this one sent there
-    (`ppermute`: each moved row crosses once, to where it is needed), then every new slot taken from this
-    rank's own slots or from what it received."""
-    exchanges = [[(q, (q + k) % ep) for q in range(ep)] for k in range(1, ep)] if width else []
+    """The per-device copy: the rows bound for each other rank (W per rank, in `slot_moves`' shift order), of
+    every array at once, in one `all_to_all` (each moved row crosses once, to where it is needed), then every
+    new slot taken from this rank's own slots or from what it received.
+
+    One collective per program, on purpose: XLA:CPU starts a program's independent collectives in any order
+    and lets them overlap, and over gloo two processes that enter them in different orders wait on each other
+    for ever (a multi-host replica hung at start-up with one `ppermute` per shift, seen in CI). The arrays of
+    one program are one part of each block (`_ExpertLeaves.copy`), so they stack."""
 
     def body(flat, local, sends):
-        out = []
+        if not width:
+            return [jnp.take(leaf, local[layer], axis=0) for leaf, layer in zip(flat, layer_of)]
+        q = jax.lax.axis_index(ep_axis)
+        shifts = jnp.arange(ep)
+        # Rows for rank d go out in chunk d: the shift (d - q) mod ep's W rows; chunk q (no shift) is W
+        # copies of row 0, not read.
+        to_rank = (shifts - q) % ep
+        outgoing = []
         for leaf, layer in zip(flat, layer_of):
-            received = [
-                jax.lax.ppermute(jnp.take(leaf, sends[layer, k * width : (k + 1) * width], axis=0), ep_axis, perm)
-                for k, perm in enumerate(exchanges)
-            ]
-            pool = jnp.concatenate([leaf, *received]) if received else leaf
-            out.append(jnp.take(pool, local[layer], axis=0))
+            by_shift = jnp.concatenate([jnp.zeros((width,), jnp.int32), sends[layer]]).reshape(ep, width)
+            outgoing.append(jnp.take(leaf, by_shift[to_rank].reshape(-1), axis=0))
+        received = jax.lax.all_to_all(jnp.stack(outgoing), ep_axis, 1, 1, tiled=True)  # chunk j: from rank j
+        from_rank = (q - shifts[1:]) % ep  # shift k's rows came from rank q - k
+        out = []
+        for leaf, layer, got in zip(flat, layer_of, received):
+            by_shift = got.reshape(ep, width, *got.shape[1:])[from_rank].reshape(-1, *got.shape[1:])
+            out.append(jnp.take(jnp.concatenate([leaf, by_shift]), local[layer], axis=0))
         return out
 
     by_rank = PartitionSpec(None, ep_axis)
