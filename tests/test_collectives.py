@@ -77,6 +77,21 @@ def test_routing_pack_roundtrips_exactly():
     np.testing.assert_array_equal(np.asarray(got_weights).view(np.int32), np.asarray(weights).view(np.int32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_words_ride_along_rows_of_any_width_bit_for_bit(dtype):
+    """`append_words` / `split_words`: int32 words as extra columns of 4-, 2- and 1-byte rows (the MoE's
+    rows with their routing, fp8 payloads), NaN bit patterns and negative words included."""
+    from kernels.collectives import append_words, split_words
+
+    rows = jax.random.normal(jax.random.key(0), (3, 5)).astype(dtype)
+    words = jnp.array([[0, -1], [0x7FC00001, -(2**31)], [123456789, 7]], jnp.int32)
+    packed = append_words(rows, words)
+    assert packed.dtype == rows.dtype and packed.shape == (3, 5 + 2 * 4 // jnp.dtype(dtype).itemsize)
+    got_rows, got_words = split_words(packed, 5)
+    np.testing.assert_array_equal(np.asarray(got_rows), np.asarray(rows))
+    np.testing.assert_array_equal(np.asarray(got_words), np.asarray(words))
+
+
 def test_fp8_rows_carry_their_scale_and_pieces_decode_alike():
     x = jax.random.normal(jax.random.key(2), (6, 256)) * jnp.array([1e-3, 1, 10, 100, 0, 5])[:, None]
     payload = fp8_encode_rows(x)
