@@ -261,8 +261,8 @@ def move_experts(blocks: list, rows: np.ndarray, log2phy: np.ndarray, logcnt: np
 
 def copy_experts(blocks: list, rows: np.ndarray, mesh: Mesh, part: int | None = None) -> list[jax.Array]:
     """Dispatches the copy of the blocks' experts into new slots (new slot r of layer l <- current slot
-    rows[l, r]) as one program, into new arrays, and returns them without waiting (`install_experts` puts
-    them in place). Nothing is donated: steps keep reading the current slots while the copy runs, at the
+    rows[l, r]) as one program per expert part (`num_expert_parts`), into new arrays, and returns them
+    without waiting (`install_experts` puts them in place). Nothing is donated: steps keep reading the current slots while the copy runs, at the
     cost of the moved layers' experts twice over until it is installed (`ExpertBalancer` moves `layers_per_move` layers
     at a time). A row that stays on its EP rank is copied there; a moved row crosses once, to the one rank
     that needs it (`slot_moves`), where a gather of the sharded array would send every rank's experts to
