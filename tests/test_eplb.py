@@ -184,12 +184,13 @@ def test_each_expert_move_program_exchanges_in_one_collective(qwen2):
     experts = _ExpertLeaves(blocks, model.mesh)
     slots = experts.num_slots
     collective = re.compile(r" (all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(-start)?\(")
-    for crossing in (1, 2, 3):  # rows each rank sends the rank after it: exchange widths 1, 2 and 4
+    per_rank = slots // experts.ep
+    widths = set()
+    for crossing in range(1, per_rank + 1):  # rank 0's first slots take rank 1's: exchanges 1, 2, ... rows wide
         rows = np.tile(np.arange(slots), (len(blocks), 1))
-        per_rank = slots // experts.ep
-        for i in range(crossing):  # rank 0's first slots take rank 1's rows, ...
-            rows[:, i] = per_rank + (i % per_rank)
+        rows[:, :crossing] = per_rank + np.arange(crossing)
         local, sends = slot_moves(rows, slots, experts.ep)
+        widths.add(sends.shape[1] // (experts.ep * (experts.ep - 1)))
         for part in range(num_expert_parts(blocks[0])):
             program, args = experts.program(local, sends, part)
             hlo = program.lower(*args).compile().as_text()
@@ -198,6 +199,7 @@ def test_each_expert_move_program_exchanges_in_one_collective(qwen2):
         after = copy_experts(blocks, rows, model.mesh)
         for old, new in zip(before, after):
             np.testing.assert_array_equal(np.asarray(new), old[rows[0]])
+    assert widths == {1, 2}, widths
 
 
 @pytest.mark.parametrize("sources,slots,ep", [(24, 24, 8), (16, 24, 8), (12, 12, 1), (32, 40, 4)])
