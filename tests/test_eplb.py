@@ -173,7 +173,7 @@ def test_each_expert_move_program_exchanges_in_one_collective(qwen2):
     processes that entered them in different orders waited on each other for ever (a two-host replica hung at
     start-up in CI, in its copy programs with one ppermute per shift). So each move program, for every
     exchange width, exchanges all its rows in one collective, and still moves every row where it belongs."""
-    import re
+    from hlo_collectives import COLLECTIVE
 
     from workers.engine.config import ParallelConfig
     from workers.models.moe_parallel import _ExpertLeaves, copy_experts, moe_blocks, num_expert_parts, slot_moves
@@ -183,7 +183,6 @@ def test_each_expert_move_program_exchanges_in_one_collective(qwen2):
     blocks = moe_blocks(model.weights)
     experts = _ExpertLeaves(blocks, model.mesh)
     slots = experts.num_slots
-    collective = re.compile(r" (all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(-start)?\(")
     per_rank = slots // experts.ep
     widths = set()
     for crossing in range(1, per_rank + 1):  # rank 0's first slots take rank 1's: exchanges 1, 2, ... rows wide
@@ -194,7 +193,7 @@ def test_each_expert_move_program_exchanges_in_one_collective(qwen2):
         for part in range(num_expert_parts(blocks[0])):
             program, args = experts.program(local, sends, part)
             hlo = program.lower(*args).compile().as_text()
-            assert len(collective.findall(hlo)) == 1, (crossing, part, collective.findall(hlo))
+            assert len(COLLECTIVE.findall(hlo)) == 1, (crossing, part, COLLECTIVE.findall(hlo))
         before = [np.asarray(leaf) for leaf in experts.flat]
         after = copy_experts(blocks, rows, model.mesh)
         for old, new in zip(before, after):
