@@ -218,6 +218,36 @@ def test_data_parallel_ranks_keep_their_states(qwen35, llm, parallel):
     assert all(not m.slots.working for m in dp.engine.kv.ranks)
 
 
+@pytest.mark.parametrize("parallel", [{"mesh": "2x4"}, {"mesh": "2x4", "dp": 2, "tp": 4}], ids=["dp8", "dp2-tp4"])
+def test_a_slot_split_over_ranks_is_copied_out_bit_for_bit_in_one_collective(qwen35, parallel):
+    """A handoff's (or host save's) copy of one slot's state out of pools split by slot over data-parallel
+    ranks. Indexing the split pools made XLA gather each pool whole: every slot, one all-gather per layer,
+    independent of each other, which hangs two hosts over gloo (`hlo_collectives`)."""
+    import jax
+    from hlo_collectives import count_collectives, unordered_collectives
+
+    dp = LLM(str(qwen35), parallel=parallel, **{**ARGS, "warmup": False})
+    dp.generate(prompts(2, seed=3, lo=5, hi=9), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    runner = dp.engine.runner
+    rng = np.random.default_rng(0)
+
+    def noise(a):
+        x = rng.standard_normal(a.shape).astype(np.float32)
+        x.reshape(x.shape[0], -1)[:, :2] = [np.nan, -0.0]  # bits, not values (XLA's own gather lost -0.0)
+        return jax.device_put(x, a.sharding)
+
+    runner.state_pools = jax.tree.map(noise, runner.state_pools)
+    slots = runner.state_pools[0][0].shape[0]
+    assert runner.state_pools[0][0].sharding.spec[0] is not None  # split by slot, or there is nothing to test
+    for slot in (0, 1, slots // 2 + 1, slots - 1):
+        got, want = jax.tree.leaves(runner._gather_state(slot)), [np.asarray(a)[slot] for a in jax.tree.leaves(runner.state_pools)]
+        assert all(g.sharding.is_fully_replicated for g in got)
+        assert [np.asarray(g).tobytes() for g in got] == [np.asarray(w).tobytes() for w in want]
+    (program,) = runner._state_gathers.values()
+    hlo = program.lower(runner.state_pools, np.int32(0)).compile().as_text()
+    assert count_collectives(hlo) == 1 and not unordered_collectives(hlo)
+
+
 def test_aborts_return_every_block_and_state_slot(qwen35):
     engine = _engine(qwen35, "abort")
     rng = random.Random(14)

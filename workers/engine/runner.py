@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import block_copy, dense
-from kernels.collectives import collectives_over_gloo
+from kernels.collectives import axes_index, collectives_over_gloo
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
 from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
@@ -205,6 +205,7 @@ class ModelRunner:
         # now: the live pages are donated to every step).
         self._cache_specs = jax.tree.map(_spec, (self.model.weights, self.kv_pages, self.state_pools))
         self._export_gathers: dict[int, object] = {}  # multi-host: padded blocks -> gather split over hosts
+        self._state_gathers: dict[tuple[str, ...], object] = {}  # the state pools' slot axes -> `_slot_gather`
 
     def _replicated(self, make) -> jax.Array:
         # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
@@ -661,7 +662,7 @@ class ModelRunner:
     def stage_state_export(self, slot: int):
         """The slot's state on its way to the host; None on every host but the first of a multi-host engine
         (the state is small: one host exports all of it)."""
-        state = self._gather_state_export(self.state_pools, jnp.int32(slot))
+        state = self._gather_state(slot)
         if jax.process_count() > 1:
             if jax.process_index() != 0:
                 return None
@@ -688,11 +689,13 @@ class ModelRunner:
     def _scatter(self, pages: list[jax.Array], ids, data) -> list[jax.Array]:
         return block_copy.scatter_blocks_first_jit(pages, ids, data, impl=self.block_copy_impl)
 
-    @functools.cached_property
-    def _gather_state_export(self):
-        if jax.process_count() == 1:
-            return _gather_state_jit
-        return jax.jit(_gather_state, out_shardings=NamedSharding(self.model.mesh, PartitionSpec()))
+    def _gather_state(self, slot: int):
+        """Dispatches the copy of one slot's state, replicated on every device, into fresh device arrays."""
+        axes = _slot_axes(self.state_pools)
+        program = self._state_gathers.get(axes)
+        if program is None:
+            program = self._state_gathers[axes] = _slot_gather(self.model.mesh, axes)
+        return program(self.state_pools, jnp.int32(slot))
 
     def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray, window_ids: list[int] | None = None) -> None:
         """Writes host KV, blocks first ([blocks, layers, page, 2*Hkv, D], as chunks and the host tier hold
@@ -749,7 +752,7 @@ class ModelRunner:
 
     def gather_state_async(self, slot: int):
         """Dispatches the copy of one slot's state into fresh device arrays and returns them at once."""
-        return _gather_state_jit(self.state_pools, jnp.int32(slot))
+        return self._gather_state(slot)
 
     @staticmethod
     def pack_state(state) -> np.ndarray:
@@ -960,6 +963,46 @@ def _local_part(out: jax.Array) -> tuple[int, jax.Array | None]:
     return 0, None
 
 
+def _slot_axes(pools) -> tuple[str, ...]:
+    """The mesh axes the state pools' slots are split over (data-parallel attention: each rank holds its
+    sequences' slots); () when every device holds every slot."""
+    specs = {tuple(getattr(a.sharding, "spec", ())) for a in jax.tree.leaves(pools)}
+    if len(specs) != 1:
+        raise ValueError(f"state pools split in more than one way: {sorted(specs)}")
+    (spec,) = specs
+    if any(part is not None for part in spec[1:]):
+        raise ValueError(f"state pools split other than by slot: {spec}")
+    first = spec[0] if spec else None
+    return () if first is None else (first,) if isinstance(first, str) else tuple(first)
+
+
+def _slot_gather(mesh, axes: tuple[str, ...]):
+    """A program copying one slot's state out of the pools, replicated. Pools split by slot over `axes` are
+    read where they lie: each device takes the slot's row if it holds it (zeros if not), and one sum over
+    the devices of every layer's row, packed as uint32 bits, makes it whole on all of them, bit for bit.
+    Indexing the split pools instead made XLA gather every pool whole (every slot, one all-gather per layer),
+    and a program's independent collectives hang between hosts on CPU (`collectives_over_gloo`)."""
+    if not axes:
+        return jax.jit(_gather_state)
+
+    def local(pools, slot):
+        leaves, tree = jax.tree.flatten(pools)
+        n = leaves[0].shape[0]  # this device's slots
+        start = axes_index(axes) * n
+        mine = (slot >= start) & (slot < start + n)
+        rows = [jax.lax.dynamic_index_in_dim(a, jnp.clip(slot - start, 0, n - 1), keepdims=False) for a in leaves]
+        bits = jnp.concatenate([jax.lax.bitcast_convert_type(r, jnp.uint32).reshape(-1) for r in rows])
+        whole = jax.lax.psum(jnp.where(mine, bits, jnp.uint32(0)), axes)
+        out, at = [], 0
+        for r in rows:
+            out.append(jax.lax.bitcast_convert_type(whole[at : at + r.size].reshape(r.shape), r.dtype))
+            at += r.size
+        return jax.tree.unflatten(tree, out)
+
+    gather = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axes), PartitionSpec()), out_specs=PartitionSpec())
+    return jax.jit(gather)
+
+
 def _gather_state(pools, slot):
     conv, rec = pools
     return [c[slot] for c in conv], [r[slot] for r in rec]
@@ -970,7 +1013,6 @@ def _scatter_state(pools, slot, conv_data, rec_data):
     return [c.at[slot].set(d) for c, d in zip(conv, conv_data)], [r.at[slot].set(d) for r, d in zip(rec, rec_data)]
 
 
-_gather_state_jit = jax.jit(_gather_state)
 _init_slots_jit = jax.jit(init_slots, donate_argnums=(0,))
 _scatter_state_jit = jax.jit(_scatter_state, donate_argnums=(0,))
 
