@@ -89,6 +89,42 @@ def test_a_follower_replaying_the_leaders_calls_stays_identical(request, arch):
         follower.apply([("warmup", (), {})])
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "gemma4"])
+def test_a_multi_host_exports_copy_is_the_gather_in_one_collective(tmp_path, arch):
+    """The copy a multi-host prefill engine exports from (`_gather_over_ranks`), built here on 8 devices of one
+    process as it is for 2 x 4: equal to the plain gather of the blocks, split by blocks over the first mesh
+    axis, one collective. XLA's partitioning of the plain gather made one all-gather of block ids per cache
+    group's layer (Gemma 4: 4 of the same size, in flight together): over gloo, hosts that match each
+    other's messages (`hlo_collectives`)."""
+    import jax
+    import numpy as np
+    from hlo_collectives import count_collectives, unordered_collectives
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from kernels import block_copy
+    from workers.engine.runner import _gather_over_ranks, _row_axes
+
+    model_dir = make_model(tmp_path / "m", arch, "tiny", seed=5)
+    llm = LLM(str(model_dir), parallel={"mesh": "2x4"}, num_kv_blocks=64, **{**EXPORT_ENGINE, "compilation_cache_dir": None})
+    runner = llm.engine.runner
+    rng = np.random.default_rng(0)
+    runner.kv_pages = [jax.device_put(rng.standard_normal(p.shape).astype(p.dtype), p.sharding) for p in runner.kv_pages]
+    mesh = runner.model.mesh
+    axes = _row_axes(runner.kv_pages)
+    assert axes  # blocks split over the data-parallel ranks, or there is nothing to gather across devices
+    blocks = [3, 60, 17, 41, 9]  # on several ranks
+    ids = runner._layer_ids(blocks, [5, 33, -1, 2, 50] if runner.window_layers else None, 0, 0)
+    assert isinstance(ids, list) == (arch == "gemma4")
+    split = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    copy = _gather_over_ranks(mesh, axes, split)
+    got = copy(runner.kv_pages, ids, runner.transport_width)
+    want = block_copy.gather_blocks_first_jit(runner.kv_pages, ids, width=runner.transport_width)
+    assert got.sharding.is_equivalent_to(split, got.ndim)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    hlo = copy.lower(runner.kv_pages, ids, runner.transport_width).compile().as_text()
+    assert count_collectives(hlo) == 1 and not unordered_collectives(hlo)
+
+
 @pytest.fixture(scope="module")
 def multihost_app(model_dir, ray_serve):
     cfg = cluster_config(

@@ -677,7 +677,7 @@ class ModelRunner:
         fn = self._export_gathers.get(padded_blocks)
         if fn is None:
             sharding = _split_over_hosts(self.model.mesh, padded_blocks)
-            fn = self._export_gathers[padded_blocks] = jax.jit(block_copy.gather_blocks_first, out_shardings=sharding, static_argnums=2)
+            fn = self._export_gathers[padded_blocks] = _gather_over_ranks(self.model.mesh, _row_axes(self.kv_pages), sharding)
         return fn
 
     @functools.cached_property
@@ -691,7 +691,7 @@ class ModelRunner:
 
     def _gather_state(self, slot: int):
         """Dispatches the copy of one slot's state, replicated on every device, into fresh device arrays."""
-        axes = _slot_axes(self.state_pools)
+        axes = _row_axes(self.state_pools)
         program = self._state_gathers.get(axes)
         if program is None:
             program = self._state_gathers[axes] = _slot_gather(self.model.mesh, axes)
@@ -963,15 +963,15 @@ def _local_part(out: jax.Array) -> tuple[int, jax.Array | None]:
     return 0, None
 
 
-def _slot_axes(pools) -> tuple[str, ...]:
-    """The mesh axes the state pools' slots are split over (data-parallel attention: each rank holds its
-    sequences' slots); () when every device holds every slot."""
-    specs = {tuple(getattr(a.sharding, "spec", ())) for a in jax.tree.leaves(pools)}
+def _row_axes(arrays) -> tuple[str, ...]:
+    """The mesh axes the cache arrays' rows (blocks, state slots) are split over: data-parallel attention
+    keeps each rank's rows on its devices. () when every device holds every row."""
+    specs = {tuple(getattr(a.sharding, "spec", ())) for a in jax.tree.leaves(arrays)}
     if len(specs) != 1:
-        raise ValueError(f"state pools split in more than one way: {sorted(specs)}")
+        raise ValueError(f"cache arrays split in more than one way: {sorted(specs)}")
     (spec,) = specs
     if any(part is not None for part in spec[1:]):
-        raise ValueError(f"state pools split other than by slot: {spec}")
+        raise ValueError(f"cache arrays split other than by rows: {spec}")
     first = spec[0] if spec else None
     return () if first is None else (first,) if isinstance(first, str) else tuple(first)
 
@@ -1001,6 +1001,34 @@ def _slot_gather(mesh, axes: tuple[str, ...]):
 
     gather = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axes), PartitionSpec()), out_specs=PartitionSpec())
     return jax.jit(gather)
+
+
+def _gather_over_ranks(mesh, axes: tuple[str, ...], out_sharding: NamedSharding):
+    """A multi-host export's copy (`gather_blocks_first`, placed as `out_sharding`) in one collective. With
+    the pages split by blocks over `axes`, each device copies the blocks it holds (zeros for the others)
+    and one sum over the devices completes every row, as XLA's own partitioning of the gather does, but in
+    one collective for all layers: XLA gathered each layer's block ids on its own, and a program's
+    independent collectives hang between hosts on CPU (`collectives_over_gloo`)."""
+    if not axes:
+        return jax.jit(block_copy.gather_blocks_first, out_shardings=out_sharding, static_argnums=2)
+
+    def local(kv_pages, ids, width):
+        first = axes_index(axes)
+        layers = []
+        for i, pages in enumerate(kv_pages):
+            n = pages.shape[0]  # this device's blocks
+            at = block_copy.ids_of(ids, i) - first * n
+            mine = ((at >= 0) & (at < n)).reshape(-1, *([1] * (pages.ndim - 1)))
+            layers.append(block_copy.to_transport(jnp.where(mine, pages[jnp.clip(at, 0, n - 1)], 0), width))
+        return jax.lax.psum(jnp.stack(layers, axis=1), axes)
+
+    def gather(kv_pages, ids, width):
+        split = jax.shard_map(
+            functools.partial(local, width=width), mesh=mesh, in_specs=(PartitionSpec(axes), PartitionSpec()), out_specs=PartitionSpec()
+        )
+        return split(kv_pages, ids)
+
+    return jax.jit(gather, out_shardings=out_sharding, static_argnums=2)
 
 
 def _gather_state(pools, slot):
