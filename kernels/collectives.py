@@ -40,6 +40,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger("moray.collectives")
 
@@ -154,6 +155,25 @@ def collectives_over_gloo() -> bool:
     independent collectives overlap, and gloo uses one tag for all of them: two over the same devices in
     flight at once match each other's messages and hang. Programs built for it order them by data."""
     return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def place_host(x, sharding):
+    """Host data (a numpy array, or a pytree of them; device arrays pass to `jax.device_put`) that every process
+    holds the same copy of, placed as `sharding`. Across processes each one places its own devices' parts of
+    its copy: `jax.device_put` of host data there first checks that every process passed the same value,
+    with a collective program of its own (an all-gather over the processes), which a multi-host engine
+    would run for every argument of every step, and which hung two hosts over gloo beside their
+    programs."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+
+    def place(a):
+        if isinstance(a, jax.Array):
+            return jax.device_put(a, sharding)
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    return jax.tree.map(place, x)
 
 
 def append_words(rows: jax.Array, words: jax.Array) -> jax.Array:

@@ -56,8 +56,16 @@ def main(ckpt: str, out: str) -> int:
     for name, fields in CONFIGS.items():
         model = load_parallel_model(ckpt, ParallelConfig(**fields), dtype="float32", show_progress=False)
         results[name] = prompt_logits(model, PROMPTS)
+    # jax.device_put of host data across processes runs a collective of its own (a check that every process
+    # passed the same value): counted over the engine's start-up (expert balancing places its moves) and steps.
+    from jax.experimental import multihost_utils
+
+    checks, check = [], multihost_utils.assert_equal
+    multihost_utils.assert_equal = lambda *args, **kwargs: (checks.append(1), check(*args, **kwargs))[1]
     llm = LLM(ckpt, dtype="float32", parallel=GENERATE, eplb=EPLB, **ENGINE)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    multihost_utils.assert_equal = check
+    results["device_put_checks"] = np.array(len(checks))
     results["generated"] = np.array([o.token_ids for o in outs])
     # Every step program the generations ran, as compiled for two processes (`hlo_collectives`), also those of
     # the other two MoE exchanges (their tokens must be the same).

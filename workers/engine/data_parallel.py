@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kernels.collectives import place_host
 from workers.models import LoadedModel
 from workers.models.dp_attention import DataParallelHybridCache, DataParallelPagedKVCache
 
@@ -413,6 +414,6 @@ class DataParallelRunner(ModelRunner):
             per_rank += ["state_slots", "snap_slots", "snap_lens"]
         if self.window_layers:
             per_rank += ["window_slot_mapping", "window_page_indices"]
-        placed = {name: jax.device_put(getattr(inputs, name), self.rank_sharding) for name in per_rank}
+        placed = {name: place_host(getattr(inputs, name), self.rank_sharding) for name in per_rank}
         placed["tokens"] = self.input_tokens(inputs)  # placed by the base (token_sharding)
         return super()._step_args(StepInputs(**placed, logits_indices=inputs.logits_indices, decode_only=inputs.decode_only))

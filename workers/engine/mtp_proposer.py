@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.collectives import place_host
 from workers.models import LoadedModel, mtp
 
 from .request import Request
@@ -64,7 +65,7 @@ class MTPRunner(ModelRunner):
         return inputs
 
     def _step_args(self, inputs: StepInputs) -> tuple:
-        return (*super()._step_args(inputs)[:-1], jax.device_put(inputs.hidden, self.token_sharding))
+        return (*super()._step_args(inputs)[:-1], place_host(inputs.hidden, self.token_sharding))
 
 
 class _HeadTokens:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import block_copy, dense
-from kernels.collectives import axes_index, collectives_over_gloo
+from kernels.collectives import axes_index, collectives_over_gloo, place_host
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
 from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
@@ -428,7 +428,7 @@ class ModelRunner:
     def _step_args(self, inputs: StepInputs) -> tuple:
         """The step program's per-step arguments (after the weights and the cache)."""
         return (
-            jax.device_put(self.input_tokens(inputs), self.token_sharding),
+            place_host(self.input_tokens(inputs), self.token_sharding),
             inputs.positions,
             inputs.slot_mapping,
             inputs.kv_lens,
@@ -552,7 +552,7 @@ class ModelRunner:
 
     def _dummy_logits(self, shape) -> jax.Array:
         info = self.program(shape).out_info[0]
-        return jax.device_put(np.zeros(info.shape, info.dtype), info.sharding)
+        return place_host(np.zeros(info.shape, info.dtype), info.sharding)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Waits for the background compilation (if any); True when every step program is compiled."""

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kernels.collectives import place_host
+
 from ..progress import Progress
 from .config import ModelConfig, ModelLoadError, read_config_json
 from .layers import KVCache, ModelWeights
@@ -86,7 +88,7 @@ class LoadedModel:
         """One forward over [B, T] tokens at [B, T] positions; float32 logits [B, T, vocab]."""
         tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
         if self.data_axes:  # each data-parallel group gets its own rows (and their KV cache)
-            tokens, positions = jax.device_put((tokens, positions), self._batch_sharding())
+            tokens, positions = place_host((tokens, positions), self._batch_sharding())
         return _jitted_forward(self.family.forward, self.cfg, self.experts)(self.weights, tokens, positions, cache)
 
 

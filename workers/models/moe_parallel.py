@@ -50,6 +50,7 @@ from kernels.collectives import (
     gather_rows_split_columns,
     gather_rows_staged,
     pack_routing,
+    place_host,
     ragged_all_to_all,
     reduce_scatter_rows,
     reduce_scatter_rows_staged,
@@ -290,8 +291,8 @@ def install_experts(
     if width is not None:
         maps = np.pad(maps[:, :, :width], ((0, 0), (0, 0), (0, width - min(width, maps.shape[2]))))
     replicated = NamedSharding(mesh, PartitionSpec())
-    maps = jax.device_put(np.asarray(maps, np.int32), replicated)
-    counts = jax.device_put(np.asarray(logcnt, np.int32), replicated)
+    maps = place_host(np.asarray(maps, np.int32), replicated)
+    counts = place_host(np.asarray(logcnt, np.int32), replicated)
     for i, block in enumerate(blocks):
         block.log2phy, block.logcnt = maps[i], counts[i]
 
@@ -345,7 +346,7 @@ class _ExpertLeaves:
         width = sends.shape[1] // max(self.ep * (self.ep - 1), 1)
         program = _move_slots(self.mesh, specs, self.ep_axis, layer_of, self.ep, width)
         by_rank = NamedSharding(self.mesh, PartitionSpec(None, self.ep_axis))
-        return program, (flat, jax.device_put(local, by_rank), jax.device_put(sends, by_rank))
+        return program, (flat, place_host(local, by_rank), place_host(sends, by_rank))
 
     def install(self, leaves: list[jax.Array]) -> None:
         for block, (gate_up, down) in zip(self.blocks, jax.tree.unflatten(self.tree, leaves)):
