@@ -39,6 +39,7 @@ class FollowerChannel:
         self.followers = followers
         self.export_timeout_s = export_timeout_s
         self._pending: list = []
+        self._batches = 0  # op batches sent so far
 
     async def export(self, request_id: str, chunk_bytes: int) -> list[Published]:
         calls = [f.export.remote(request_id, chunk_bytes, self.export_timeout_s) for f in self.followers]
@@ -50,7 +51,9 @@ class FollowerChannel:
 
     def send(self, op: Op) -> None:
         self._raise_failures()
-        self._pending += [f.apply.remote([op]) for f in self.followers]
+        # Numbered: the followers run them in this order whatever order Ray delivers them in (`EngineFollower.apply`).
+        self._pending += [f.apply.remote([op], self._batches) for f in self.followers]
+        self._batches += 1
 
     def _raise_failures(self) -> None:
         if not self._pending:
@@ -84,8 +87,8 @@ class EngineFollowerActor:
         # shared-memory arena is read only on its own node).
         self.transport = None if kv_transfer is None else build_transport("object_store", int(kv_transfer.inline_kib * 1024))
 
-    def apply(self, ops: list[Op]) -> int:
-        return self.follower.apply(ops)
+    def apply(self, ops: list[Op], batch: int) -> int:
+        return self.follower.apply(ops, batch)
 
     @ray.method(concurrency_group="health")
     def ops(self) -> int:

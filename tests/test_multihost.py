@@ -89,6 +89,35 @@ def test_a_follower_replaying_the_leaders_calls_stays_identical(request, arch):
         follower.apply([("warmup", (), {})])
 
 
+def test_a_follower_runs_the_leaders_calls_in_the_order_sent_whatever_order_they_arrive_in(model_dir):
+    """Ray runs calls to an actor with concurrency groups (the follower's) in the order they arrive, not the
+    order they were sent. A follower that ran a step before the request it should hold computes another
+    program than the leader's, and the hosts' collectives hang (seen in CI under load)."""
+    import random
+
+    cfg = EngineConfig(model=str(model_dir), worker_id="lead", seed=3, warmup=False, **ENGINE)
+    sent = []
+    leader = ReplicatedCore(EngineCore(cfg, show_progress=False), sent.append)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    leader.add_request("r0", PROMPTS[0], greedy)
+    leader.step()
+    leader.add_request("r1", PROMPTS[1], greedy)
+    while leader.has_unfinished():
+        leader.step()
+    follower = EngineFollower(cfg.model_copy(update={"worker_id": "follow"}))
+    order = list(range(len(sent)))
+    random.Random(0).shuffle(order)
+    assert order[0] != 0
+    ran = [follower.apply([sent[i]], i) for i in order]
+    assert ran[0] == 0 and ran[-1] == len(sent)  # the first to arrive waited for the ones before it
+    # The same state: every request done, the same blocks cached, announced by the same events.
+    assert not follower.core.has_unfinished() and not follower.core.scheduler.requests
+    assert follower.core.kv.num_free_blocks == leader.kv.num_free_blocks
+    assert (follower.core.events.last_seq, follower.core._step_counter) == (leader.events.last_seq, leader._step_counter)
+    with pytest.raises(ValueError, match="arrived twice"):
+        follower.apply([sent[0]], 0)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "gemma4"])
 def test_a_multi_host_exports_copy_is_the_gather_in_one_collective(tmp_path, arch):
     """The copy a multi-host prefill engine exports from (`_gather_over_ranks`), built here on 8 devices of one

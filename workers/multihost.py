@@ -78,16 +78,32 @@ class EngineFollower:
         self.core = EngineCore(config, show_progress=False)
         self.ops = 0
         self._applied = threading.Condition()
+        self._order = threading.Lock()
+        self._next_batch = 0  # the leader's number of the next batch of ops to run
+        self._early: dict[int, list[Op]] = {}  # batches that arrived before an earlier one
 
-    def apply(self, ops: list[Op]) -> int:
-        """Runs ops in order; returns how many ran so far (the leader checks for errors with it)."""
-        for name, args, kwargs in ops:
-            if name not in REPLICATED_METHODS:
-                raise ValueError(f"not a replicated engine call: {name!r}")
-            getattr(self.core, name)(*args, **kwargs)
-            self.ops += 1
-        with self._applied:
-            self._applied.notify_all()
+    def apply(self, ops: list[Op], batch: int | None = None) -> int:
+        """Runs ops in the leader's order; returns how many ran so far (the leader checks for errors with it).
+        `batch`: the leader's number of this batch (0, 1, ...). A batch that arrives before an earlier one waits
+        here and runs when the gap is filled, by the call that fills it: an actor with concurrency groups (the
+        follower's) runs calls in the order they arrive, not in the order they were sent, and a follower that
+        ran a step before the request it should contain would compute another program than the leader's (the
+        hosts' collectives then hang). None: right after the batches before it (one caller, in order)."""
+        with self._order:
+            if batch is None:
+                batch = self._next_batch + len(self._early)
+            if batch < self._next_batch or batch in self._early:
+                raise ValueError(f"batch {batch} of the leader's engine calls arrived twice")
+            self._early[batch] = ops
+            while self._next_batch in self._early:
+                for name, args, kwargs in self._early.pop(self._next_batch):
+                    if name not in REPLICATED_METHODS:
+                        raise ValueError(f"not a replicated engine call: {name!r}")
+                    getattr(self.core, name)(*args, **kwargs)
+                    self.ops += 1
+                self._next_batch += 1
+                with self._applied:  # an export waiting for the step that staged its KV
+                    self._applied.notify_all()
         return self.ops
 
     def take_staged(self, request_id: str, timeout_s: float) -> StagedKV | None:
