@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -28,17 +27,6 @@ ENGINE = {
     "page_buckets": [4, 16],
     "compilation_cache_dir": XLA_CACHE,
 }
-# The two Serve tests of a replica over two hosts hung in the last four clean-clone suite runs (never alone in
-# the work tree): at the expert-balancing replica's start-up and in the prefill replica's first steps, with
-# every thread of both processes waiting in a gloo collective. Their programs' collectives are now ordered
-# (`tests/hlo_collectives.py`, checked on a two-process engine in test_ep_multiprocess), and they passed four
-# times alone (once beside a busy core), but the suite run of that fix still hung in both places. Until that
-# is understood they run only when asked for (MORAY_MULTIHOST_SERVE_TESTS=1); the engine-level two-process
-# tests (follower replay here, test_ep_multiprocess) stay in the suite.
-two_host_replicas = pytest.mark.skipif(
-    not os.environ.get("MORAY_MULTIHOST_SERVE_TESTS"),
-    reason="two-host Serve replicas hang in the full suite on CPU (gloo); MORAY_MULTIHOST_SERVE_TESTS=1 runs them",
-)
 PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 4, 90], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94, 100, 7]]
 
 
@@ -203,7 +191,6 @@ def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ra
 
 
 @pytest.mark.cluster
-@two_host_replicas
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
     """Also while its experts are re-placed every few steps (and once on request): both hosts swap each
     placement in at the same step, or their collectives would stop meeting."""
@@ -296,7 +283,6 @@ def _layer_blocks_sent(model_dir, prompt_len: int) -> int:
 
 
 @pytest.mark.cluster
-@two_host_replicas
 def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_prefill_app):
     """Each host exports the blocks it holds, the decode replica writes them into its own layout: greedy
     tokens equal a single-process run, every request's whole KV moved, none prefilled again locally."""
