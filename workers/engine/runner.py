@@ -983,7 +983,7 @@ def _slot_gather(mesh, axes: tuple[str, ...]):
     Indexing the split pools instead made XLA gather every pool whole (every slot, one all-gather per layer),
     and a program's independent collectives hang between hosts on CPU (`collectives_over_gloo`)."""
     if not axes:
-        return jax.jit(_gather_state)
+        return _gather_state_jit
 
     def local(pools, slot):
         leaves, tree = jax.tree.flatten(pools)
@@ -1041,6 +1041,7 @@ def _scatter_state(pools, slot, conv_data, rec_data):
     return [c.at[slot].set(d) for c, d in zip(conv, conv_data)], [r.at[slot].set(d) for r, d in zip(rec, rec_data)]
 
 
+_gather_state_jit = jax.jit(_gather_state)  # shared by the runners of one process: one compilation per shape
 _init_slots_jit = jax.jit(init_slots, donate_argnums=(0,))
 _scatter_state_jit = jax.jit(_scatter_state, donate_argnums=(0,))
 
