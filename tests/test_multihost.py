@@ -89,9 +89,9 @@ def test_a_follower_replaying_the_leaders_calls_stays_identical(request, arch):
 
 
 def test_a_follower_runs_the_leaders_calls_in_the_order_sent_whatever_order_they_arrive_in(model_dir):
-    """Ray runs calls to an actor with concurrency groups (the follower's) in the order they arrive, not the
-    order they were sent. A follower that ran a step before the request it should hold computes another
-    program than the leader's, and the hosts' collectives hang (seen in CI under load)."""
+    """Ray does not promise to run calls to an actor with concurrency groups (the follower's) in the order they
+    were sent. A follower that ran a step before the request it should hold would compute another program
+    than the leader's, and the hosts' collectives would wait on each other forever."""
     import random
 
     cfg = EngineConfig(model=str(model_dir), worker_id="lead", seed=3, warmup=False, **ENGINE)

@@ -85,9 +85,9 @@ class EngineFollower:
     def apply(self, ops: list[Op], batch: int | None = None) -> int:
         """Runs ops in the leader's order; returns how many ran so far (the leader checks for errors with it).
         `batch`: the leader's number of this batch (0, 1, ...). A batch that arrives before an earlier one waits
-        here and runs when the gap is filled, by the call that fills it: an actor with concurrency groups (the
-        follower's) runs calls in the order they arrive, not in the order they were sent, and a follower that
-        ran a step before the request it should contain would compute another program than the leader's (the
+        here and runs when the gap is filled, by the call that fills it: Ray does not promise to run calls to an
+        actor with concurrency groups (the follower's) in the order they were sent, and a follower that ran a
+        step before the request it should contain would compute another program than the leader's (the
         hosts' collectives then hang). None: right after the batches before it (one caller, in order)."""
         with self._order:
             if batch is None:
