@@ -190,7 +190,7 @@ def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ra
     channel = FollowerChannel([actor])
     channel.check(timeout_s=300)  # built
     ops = [("add_request", ("r", PROMPTS[0] * 6, SamplingParams(max_tokens=60, ignore_eos=True)), {})] + [("step", (), {})] * 80
-    busy = actor.apply.remote(ops)  # compiles its step programs, then steps
+    busy = actor.apply.remote(ops, 0)  # compiles its step programs, then steps
     try:
         time.sleep(1.0)  # compiling or stepping by now
         assert not ray.wait([busy], timeout=0)[0], "the batch of steps ended before the probe: make it longer"
