@@ -34,6 +34,7 @@ This module imports nothing else from Moray.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Sequence
@@ -174,6 +175,29 @@ def place_host(x, sharding):
         return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
     return jax.tree.map(place, x)
+
+
+_ALIGNMENTS = itertools.count()  # barrier names: every process takes them in the same order
+
+
+def align_processes(timeout_s: float = 3600.0) -> None:
+    """Waits until every process of the `jax.distributed` cluster has got here, on the coordination service
+    (a key-value barrier, no collective); nothing to wait for in one process. Call it where the processes
+    of one program are about to run a program each compiled on its own, before its first run.
+
+    On CPU, gloo builds a device group's communicator at the first collective over that group and gives up
+    when the processes arrive more than 30 s apart (a key-value lookup with a fixed 30 s limit, which
+    `--xla_cpu_collective_timeout_seconds` does not change); the process that got there first then fails
+    its part of the program and the others wait in the collective forever. A process that loaded a program
+    from the persistent compilation cache (only process 0 writes it) is that far ahead of one compiling it
+    on a busy machine: a two-host replica hung so in its first step, only in the full test suite."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(f"moray-align-{next(_ALIGNMENTS)}", int(timeout_s * 1000))
 
 
 def append_words(rows: jax.Array, words: jax.Array) -> jax.Array:

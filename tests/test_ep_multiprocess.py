@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from ep_multiprocess_worker import CONFIGS, ENGINE, PROMPTS
 from hf_checkpoints import qwen2_ep_checkpoint
+from late_compile_worker import GREEDY_TOKENS
 
 from workers.engine import LLM, SamplingParams
 from workers.models import load_model, prompt_logits
@@ -20,6 +21,7 @@ from workers.parallel import launch_local_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ep_multiprocess_worker.py"
+LATE_WORKER = Path(__file__).resolve().parent / "late_compile_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,19 @@ def test_two_processes_match_one(ckpt, tmp_path):
     # Nor any collective of JAX's own between them: device_put's cross-process check of host data (one per
     # step argument; two hosts hung in one, in CI), which the engine's placements skip (`place_host`).
     assert got["device_put_checks"] == 0
+
+
+def test_a_process_that_compiles_late_does_not_hang_the_others_first_step(ckpt, tmp_path):
+    """Process 1 compiles the step program 35 s after process 0 (`late_compile_worker`): over gloo the first
+    collective of a device group fails on the process that came first when they arrive more than 30 s apart,
+    and the other then waits forever (a two-host replica hung so in the full suite). The engine starts each new
+    program's first run on every process together: the generation completes and equals one process's."""
+    out = tmp_path / "tokens.npy"
+    rc = launch_local_processes([sys.executable, str(LATE_WORKER), str(ckpt), str(out)], 2, 4, timeout=300)
+    assert rc == 0
+    llm = LLM(str(ckpt), dtype="float32", **ENGINE)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    assert np.load(out).tolist() == [o.token_ids for o in greedy]
 
 
 def test_cli_logits_over_two_processes(ckpt, tmp_path):

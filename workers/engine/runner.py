@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kernels import block_copy, dense
-from kernels.collectives import axes_index, collectives_over_gloo, place_host
+from kernels.collectives import align_processes, axes_index, collectives_over_gloo, place_host
 from workers.models import LoadedModel
 from workers.models.layers import PagedKVCache
 from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
@@ -461,6 +461,9 @@ class ModelRunner:
         if mine:
             with self._shape_lock(shape, wait=True):
                 self._compile_into(shape, future)
+            # Processes of one engine compile each program on their own (or one loads it from the cache):
+            # they start its first run together, or gloo gives up on its first collective (`align_processes`).
+            align_processes()
         return future.result()
 
     def _claim(self, shape: tuple[int, int, bool, int]) -> tuple[concurrent.futures.Future, bool]:
