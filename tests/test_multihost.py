@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -28,16 +27,6 @@ ENGINE = {
     "page_buckets": [4, 16],
     "compilation_cache_dir": XLA_CACHE,
 }
-# The two Serve tests of a replica over two hosts still hang in the full suite on CPU (never alone): in the
-# clean-clone run of the fixes below, the hybrid prefill replica's leader and follower were both in their first
-# step (the follower at the leader's second call), every XLA thread of both in a gloo all-reduce. Fixed on the
-# way, each with a test here or in test_ep_multiprocess / test_hybrid_engine: followers ran calls in arrival
-# order, jax.device_put ran a collective of its own per step argument, and the state and KV export copies had
-# unordered collectives. Until the rest is found they run only when asked for (MORAY_MULTIHOST_SERVE_TESTS=1).
-two_host_replicas = pytest.mark.skipif(
-    not os.environ.get("MORAY_MULTIHOST_SERVE_TESTS"),
-    reason="two-host Serve replicas hang in the full suite on CPU (gloo); MORAY_MULTIHOST_SERVE_TESTS=1 runs them",
-)
 PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 4, 90], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94, 100, 7]]
 
 
@@ -202,7 +191,6 @@ def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ra
 
 
 @pytest.mark.cluster
-@two_host_replicas
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
     """Also while its experts are re-placed every few steps (and once on request): both hosts swap each
     placement in at the same step, or their collectives would stop meeting."""
@@ -295,7 +283,6 @@ def _layer_blocks_sent(model_dir, prompt_len: int) -> int:
 
 
 @pytest.mark.cluster
-@two_host_replicas
 def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_prefill_app):
     """Each host exports the blocks it holds, the decode replica writes them into its own layout: greedy
     tokens equal a single-process run, every request's whole KV moved, none prefilled again locally."""
