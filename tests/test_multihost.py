@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 from cluster_harness import XLA_CACHE, cluster_config, http_json, served_app, wait_until
+from hlo_collectives import open_two_process_hang
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models.make_model import make_model
@@ -28,16 +28,6 @@ ENGINE = {
     "page_buckets": [4, 16],
     "compilation_cache_dir": XLA_CACHE,
 }
-# The Serve tests of a replica over two hosts still hang in the full suite on CPU (never alone), each in its
-# replica's first step: both processes in the same step program (identical HLO, same schedule), every XLA
-# thread in a gloo all-reduce, no message in flight. One cause is fixed (`align_processes`: gloo gave up on a
-# first collective reached 30 s apart; test_ep_multiprocess's late-compiler test), but a clean-clone run
-# with that fix still hung the same way. Until the rest is found they run only when asked for
-# (MORAY_MULTIHOST_SERVE_TESTS=1).
-two_host_replicas = pytest.mark.skipif(
-    not os.environ.get("MORAY_MULTIHOST_SERVE_TESTS"),
-    reason="two-host Serve replicas hang in the full suite on CPU (gloo); MORAY_MULTIHOST_SERVE_TESTS=1 runs them",
-)
 PROMPTS = [[3, 17, 42, 5, 88, 61, 9, 23, 70, 11, 4, 4, 90], [8, 2, 77, 45], [5, 5, 5, 60, 21, 33, 94, 100, 7]]
 
 
@@ -202,7 +192,7 @@ def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ra
 
 
 @pytest.mark.cluster
-@two_host_replicas
+@open_two_process_hang
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
     """Also while its experts are re-placed every few steps (and once on request): both hosts swap each
     placement in at the same step, or their collectives would stop meeting."""
@@ -295,7 +285,7 @@ def _layer_blocks_sent(model_dir, prompt_len: int) -> int:
 
 
 @pytest.mark.cluster
-@two_host_replicas
+@open_two_process_hang
 def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_prefill_app):
     """Each host exports the blocks it holds, the decode replica writes them into its own layout: greedy
     tokens equal a single-process run, every request's whole KV moved, none prefilled again locally."""
