@@ -3,9 +3,10 @@
 Three engines serve the same chat traffic, one after the other, on a local colocated app with `--workers`
 decode workers behind the kv-aware router (same engine settings for all):
 
-- attention: a tiny qwen3_moe (attention only);
-- hybrid: a tiny qwen3_5_moe (Gated DeltaNet + attention, the same hidden size and experts), keeping states
-  where prompts are shared (branch points, the chat path's message boundaries);
+- attention: a qwen3_moe (attention only) with the hybrid's dimensions (vocabulary, width, layers, heads,
+  experts);
+- hybrid: a qwen3_5_moe (Gated DeltaNet + attention) at `--preset` (tiny by default), keeping states where
+  prompts are shared (branch points, the chat path's message boundaries);
 - hybrid-step-ends: the same hybrid keeping states only at each step's last boundary (the rule before).
 
 Workloads (chat requests, tools rendered by the model's chat template):
@@ -261,13 +262,16 @@ def run(args) -> int:
     from bench.report import report_if_asked
     from bench.routing import TextSegments, oracle, start_ray
     from bench.routing import table as routing_table
-    from workers.models.make_model import make_model
+    from workers.models.make_model import HYBRID_PRESETS, make_model
     from workers.models.tokenizer import Tokenizer
 
     args.block_size = args.block_size if args.block_size != 8 else 16  # the routing bench's default is for its tiny pools
     args.kv_blocks = args.kv_blocks if args.kv_blocks != 64 else 1024  # 8 agents' conversations at once
     tmp = scratch_dir("moray-bench-hybrid-")
-    models = {arch: str(make_model(os.path.join(tmp, arch), arch, "tiny", seed=0)) for arch in {a for a, _ in ENGINES.values()}}
+    # The attention-only model takes the hybrid's own dimensions (vocabulary, width, layers, heads, experts),
+    # its linear-attention layers full attention instead: the same size, so the same prefill work per token.
+    presets = {"qwen3_5_moe": args.preset, "qwen3_moe": HYBRID_PRESETS[args.preset][0]}
+    models = {arch: str(make_model(os.path.join(tmp, arch), arch, presets[arch], seed=0)) for arch in presets}
     tokenizers = {arch: Tokenizer.from_dir(m) for arch, m in models.items()}
     ref = tokenizers["qwen3_5_moe"]
     seg = TextSegments(models["qwen3_5_moe"], random.Random(args.seed), args.block_size)

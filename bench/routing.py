@@ -77,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", nargs="+", help="with --hybrid: which of attention, hybrid, hybrid-step-ends (default all)")
     p.add_argument("--state-snapshots", type=int, default=64, help="with --hybrid: state snapshots per hybrid worker")
     p.add_argument("--hybrid-workloads", nargs="+", help="with --hybrid: which of system-tools, branching, multi-turn (default all)")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "bench"],
+        default="tiny",
+        help="with --hybrid: the models' size (workers/models/make_model.py); a bigger one makes prefill, not the "
+        "server around it, the larger part of TTFT, as on an accelerator with a real model",
+    )
     p.add_argument("--json", help="also write the JSON result here")
     add_report_argument(p)
 
