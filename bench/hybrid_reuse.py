@@ -249,6 +249,10 @@ def run_engine(name: str, model: str, overrides: dict, port: int, args, workload
         "decode": {"replicas": args.workers, "resources": {"cpus": 0.1}},
         "router": {"policy": "kv-aware", "seed": args.seed, **router_settings(args)},
     }
+    if args.ingress == "direct":
+        from workers.parallel import free_port
+
+        cfg["server"] = {"ingress": "direct", "http_port": free_port(), "grpc_port": free_port()}
 
     def after(url: str, figures: dict) -> None:
         time.sleep(1.5)  # a heartbeat after the last request: the workers' state gauges are current

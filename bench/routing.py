@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-snapshots", type=int, default=64, help="with --hybrid: state snapshots per hybrid worker")
     p.add_argument("--hybrid-workloads", nargs="+", help="with --hybrid: which of system-tools, branching, multi-turn (default all)")
     p.add_argument(
+        "--ingress",
+        choices=("serve", "direct"),
+        default="serve",
+        help="with --hybrid: the apps' server.ingress (Serve's proxy, or the front end listening itself: one hop less)",
+    )
+    p.add_argument(
         "--preset",
         choices=["tiny", "small", "bench"],
         default="tiny",
@@ -361,12 +367,15 @@ def run_policy(policy: str, model: str, port: int, args, workloads: dict[str, li
 
 def run_app(label: str, cfg: dict, port: int, args, workloads: dict[str, list[list[Item]]], after=None) -> dict:
     """Deploys the cluster config `cfg` at /<label>, runs each workload through it (`after(url, figures)`
-    adds to a workload's figures), and deletes it."""
+    adds to a workload's figures), and deletes it. A config with `server.ingress: direct` is reached on
+    its front end's own port instead of Serve's proxy."""
     from ray import serve
 
     from cluster.app import build_app
 
-    url = f"http://127.0.0.1:{port}/{label}"
+    server = cfg.get("server", {})
+    direct = server.get("ingress") == "direct"
+    url = f"http://127.0.0.1:{server['http_port']}" if direct else f"http://127.0.0.1:{port}/{label}"
     t0 = time.perf_counter()
     serve.run(build_app(cfg), name=cfg["name"], route_prefix=f"/{label}", blocking=False)
     _wait_for_workers(url, args.workers)
