@@ -47,7 +47,6 @@ class WorkerReporter:
         self._sink = None
         self.keepalive_s = min(KEEPALIVE_S, config.router.heartbeat_ttl_s / 4)
         self._last_sent: tuple | None = None  # (the heartbeat without its timestamp, when it was sent)
-        self.reports_sent = 0
         if config.kv_index.backend != "memory":
             from .router.publisher import RedisKVEventSink
 
@@ -95,7 +94,6 @@ class WorkerReporter:
             self._registry = RegistryClient(serve.get_deployment_handle(REGISTRY_DEPLOYMENT, self.app_name))
         self._registry.report_sync(report, timeout_s=5)
         self._last_sent = (state, now)
-        self.reports_sent += 1
         self._pending = []  # delivered; on failure they are resent with the next report
         self._warned = False
         return True
