@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 import torch
 import transformers
@@ -240,6 +241,32 @@ def test_no_recompilation_after_warmup(tiny):
     assert traced == 4  # 2 token buckets x 2 page buckets
     _mixed_run(engine)
     assert engine.runner.num_traces == traced
+
+
+def test_nothing_compiles_after_warmup_when_requests_arrive_mid_decode(tiny):
+    """Not a step program, nor the asynchronous step's token merge, nor the expert-load sum: each compiled the
+    first time a served engine met it, ~30-100 ms in the middle of decoding (the merge's warm-up placed the
+    previous step's tokens on one device, where a step's sampled tokens lie on the mesh: another program)."""
+    engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **BUCKETED_ENGINE_ARGS), show_progress=False)
+    compiled = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        rng = random.Random(5)
+        for i, prompt in enumerate(prompts(10, seed=12, lo=2, hi=80)):  # up to 2 prefill chunks, decode buckets 8 and 64
+            engine.add_request(f"r{i}", prompt, greedy)
+            for _ in range(rng.randrange(0, 4)):  # arrivals between decode steps, as a server's
+                engine.step()
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled == []
 
 
 def test_background_compilation_serves_first_and_ends_with_every_program(tiny):

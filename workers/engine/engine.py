@@ -966,7 +966,9 @@ class EngineCore:
         def sample_variants(logits):
             for p in (greedy, plain):
                 batch = build_sampling_batch([p], [0], logits.shape[0], logits.shape[1], step_seed=0, eos_token_ids=self.eos_token_ids)
-                sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32), token_logprobs=False)  # as served without logprobs
+                # As served without logprobs.
+                out = sample(logits, batch, 0, rows=np.zeros((logits.shape[0],), np.int32), token_logprobs=False)
+            return out.token_ids
 
         return self.runner.warmup(sample_variants, show_progress, background=self.config.background_compile and self.single_process)
 

@@ -809,30 +809,42 @@ class ModelRunner:
             ]
         return shapes
 
-    def _warm_token_merges(self) -> None:
+    def _warm_token_merges(self, token_sharding) -> None:
         """Compiles the asynchronous step's token merge for every (input bucket, previous step's sampled rows)
         pair: each is a program of its own, and compiling one the first time a pair meets cost a served
-        engine ~100 ms in the middle of decoding (seen in `moray bench serve --vs-engine` profiles)."""
+        engine ~100 ms in the middle of decoding (seen in `moray bench serve --vs-engine` profiles).
+        `token_sharding`: where a step's sampled tokens lie (jit keys its cache on it: tokens placed on one
+        device instead of the mesh compiled programs no step ran, and the steps compiled their own)."""
         p = self.page_buckets[0]
         inputs = [self.dummy_inputs(n, p) for n in self.token_buckets]
         for rows in sorted({r for n in self.token_buckets for r in self.logits_row_buckets(n)}):
-            prev = jax.device_put(np.zeros((rows,), np.int32), jax.devices()[0])  # committed, as a step's output is
+            prev = place_host(np.zeros((rows,), np.int32), token_sharding)
             for i in inputs:
                 _merge_tokens_jit(i.tokens, prev, np.full(i.tokens.shape, -1, np.int32))
 
+    def _warm_load_sum(self, shape: tuple[int, int, bool, int]) -> None:
+        """Compiles the running sum of the steps' expert loads (`run`), which the second step met first."""
+        info = self.program(shape).out_info[3]
+        loads = place_host(np.zeros(info.shape, info.dtype), info.sharding)
+        _add_jit(loads, loads)
+
     def warmup(self, sample_fn=None, show_progress: bool = True, background: bool = False) -> float:
-        """Compiles every step program (`step_shapes`), and the sampler per sequence bucket. `background`:
-        only the smallest program now (the engine can serve), the rest on a background thread."""
+        """Compiles every step program (`step_shapes`), and the sampler per sequence bucket (`sample_fn`:
+        samples dummy logits, returns the sampled token ids). `background`: only the smallest program now
+        (the engine can serve), the rest on a background thread."""
         start = time.perf_counter()
         shapes = sorted(self.step_shapes(), key=lambda s: (s[0] * s[1], s))
         now, later = (shapes[:1], shapes[1:]) if background else (shapes, [])
         progress = Progress(len(now), "compiling step buckets", enabled=show_progress)
+        # A step's sampled tokens lie where the sampler puts them (the replicated mesh without one).
+        token_sharding = NamedSharding(self.model.mesh, PartitionSpec())
         for shape in now:
             self.program(shape)
             if sample_fn is not None:
-                sample_fn(self._dummy_logits(shape))
+                token_sharding = sample_fn(self._dummy_logits(shape)).sharding
             progress(1)
-        self._warm_token_merges()
+        self._warm_token_merges(token_sharding)
+        self._warm_load_sum(now[0])
         if self.num_state_slots:  # the slot set-up programs (nothing real: every destination is padding)
             for n in self.init_buckets:
                 self.state_pools = _init_slots_jit(
