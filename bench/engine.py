@@ -302,7 +302,10 @@ class _Bench:
     def step_split(self, batch: int) -> dict:
         """Host time per decode step: the step with asynchronous scheduling (the default), the step waiting
         for each device step (sync), and the device step alone (timed to completion in the sync run).
-        host_ms: the host's whole work per step; host_not_hidden_ms: what of it the async step still adds."""
+        host_ms: the host's whole work per step; host_not_hidden_ms: what of it the async step still adds.
+        --runs pairs of an asynchronous and a synchronous run, alternating which goes first; each figure is
+        the median over the pairs (one pair measured the machine's drift: at batch 64 an asynchronous run
+        came out 70 ms a step slower than the synchronous one beside it, and 20 ms faster in the next)."""
         runner, config = self.engine.runner, self.engine.config
         original = runner.run
         device_s = []
@@ -313,20 +316,30 @@ class _Bench:
             device_s.append(time.perf_counter() - start)
             return logits
 
-        asynchronous = self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
-        runner.run, config.async_scheduling = timed_run, False
-        try:
-            sync = self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
-        finally:
-            runner.run, config.async_scheduling = original, True
-        device_ms = 1e3 * _median(device_s[-self.args.decode_steps :])
-        step_ms, async_ms = _median(sync["step_ms_samples"]), _median(asynchronous["step_ms_samples"])
+        def decode(asynchronous: bool) -> dict:
+            if asynchronous:
+                return self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
+            runner.run, config.async_scheduling = timed_run, False
+            try:
+                return self.ours_decode(self.prompts(batch, self.args.prompt_len), self.args.decode_steps)
+            finally:
+                runner.run, config.async_scheduling = original, True
+
+        pairs = []
+        for r in range(max(1, self.args.runs)):
+            runs = {}
+            for asynchronous in (True, False) if r % 2 == 0 else (False, True):
+                runs[asynchronous] = _median(decode(asynchronous)["step_ms_samples"])
+            device_ms = 1e3 * _median(device_s[-self.args.decode_steps :])
+            pairs.append({"step_ms": runs[True], "sync_step_ms": runs[False], "device_ms": device_ms})
+        step_ms, sync_ms, device_ms = (_median([p[k] for p in pairs]) for k in ("step_ms", "sync_step_ms", "device_ms"))
         return {
-            "step_ms": round(async_ms, 3),
-            "sync_step_ms": round(step_ms, 3),
+            "step_ms": round(step_ms, 3),
+            "sync_step_ms": round(sync_ms, 3),
             "device_ms": round(device_ms, 3),
-            "host_ms": round(step_ms - device_ms, 3),
-            "host_not_hidden_ms": round(max(0.0, async_ms - device_ms), 3),
+            "host_ms": round(sync_ms - device_ms, 3),
+            "host_not_hidden_ms": round(_median([max(0.0, p["step_ms"] - p["device_ms"]) for p in pairs]), 3),
+            "pairs": [{k: round(v, 3) for k, v in p.items()} for p in pairs],
         }
 
     def startup(self) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,10 @@ def test_bandwidth_and_roofline(result):
         assert positive(split["step_ms"]) and positive(split["device_ms"]) and positive(split["sync_step_ms"])
         assert split["host_ms"] == pytest.approx(split["sync_step_ms"] - split["device_ms"], abs=2e-3)
         assert 0 <= split["host_not_hidden_ms"] <= split["step_ms"]
+        # Medians over --runs pairs of an asynchronous and a synchronous run (the machine drifts between runs).
+        assert len(split["pairs"]) == RUNS
+        assert split["step_ms"] == pytest.approx(statistics.median(p["step_ms"] for p in split["pairs"]), abs=2e-3)
+        assert split["device_ms"] == pytest.approx(statistics.median(p["device_ms"] for p in split["pairs"]), abs=2e-3)
         assert data["host_overhead"][str(b)] == split
         # The weight reads part by part, with the engine's kernels and with XLA alone.
         parts = data["parts"][str(b)]
