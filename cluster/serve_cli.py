@@ -243,10 +243,12 @@ def _host_port(address: str) -> tuple[str, int]:
         raise StartupError(f"--address {address}: expected HOST:PORT") from None
 
 
-def _import_in_background(module: str) -> None:
+def _import_in_background(module: str) -> threading.Thread:
     """Imports `module` on a daemon thread. The application's modules (the engine and JAX with them: about a
     second) are needed only once Ray is up, and starting Ray is mostly waiting for its processes; an import
-    that fails here fails again, with its error, where the module is used."""
+    that fails here fails again, with its error, where the module is used. The caller joins the thread
+    before returning: an interpreter that shuts down while a thread is inside JAX's native imports can die
+    of SIGSEGV or SIGABRT (seen when start-up failed fast on a loaded machine)."""
 
     def run():
         try:
@@ -254,7 +256,9 @@ def _import_in_background(module: str) -> None:
         except BaseException:  # noqa: BLE001 - reported by the import that needs it
             pass
 
-    threading.Thread(target=run, name=f"import-{module}", daemon=True).start()
+    thread = threading.Thread(target=run, name=f"import-{module}", daemon=True)
+    thread.start()
+    return thread
 
 
 def connect_ray(args: argparse.Namespace, guard: SignalGuard, say) -> bool:
@@ -387,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     ensure_local_env()
-    _import_in_background("cluster.app")  # overlaps the Ray start below
+    importer = _import_in_background("cluster.app")  # overlaps the Ray start below
     logs.configure(cfg.observability, forward_errors=False)
     guard = SignalGuard(grace_s=cfg.graceful_shutdown_timeout_s + 40)  # a safety net: cleanup is bounded below it
     phase = "starting"
@@ -439,7 +443,11 @@ def run(args: argparse.Namespace) -> int:
         if console is not None:
             console.stop()
         _cleanup(deployed and (serving or not local), owns_serve, cfg.name, cfg.graceful_shutdown_timeout_s + 10, serving, rc)
+        importer.join(IMPORT_JOIN_TIMEOUT_S)
     return rc
+
+
+IMPORT_JOIN_TIMEOUT_S = 120.0  # an import that takes longer is stuck; exiting beside it is the lesser risk
 
 
 def _error_console(app_name: str, say) -> logs.ErrorConsole | None:

@@ -323,6 +323,26 @@ def test_moray_serve_address_auto_or_given_fails_clearly_when_dead(model_dir, tm
     assert not caused_processes(marker=ray_tmp)  # it started no Ray of its own
 
 
+def test_moray_serve_failing_at_once_returns_only_after_its_background_import(model_dir, tmp_path, ray_tmp):
+    """`moray serve` imports the application on a thread while it connects to Ray. Failing before that import
+    finished, it returned and the interpreter shut down beside a thread inside JAX's native imports: on a
+    loaded machine the process died of SIGSEGV/SIGABRT after printing its error (a clean-clone CI run).
+    In a fresh interpreter, run() must not return with that thread still alive."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster_config(model_dir)))
+    code = f"""
+import sys, threading
+from cluster import cli
+rc = cli.main(["serve", "--config", {str(path)!r}, "--address", "127.0.0.1:1", "--connect-timeout", "0.1"])
+alive = [t.name for t in threading.enumerate() if t.name.startswith("import-") and t.is_alive()]
+print("RESULT", rc, alive, flush=True)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(ray_tmp), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "RESULT 1 []" in run.stdout.splitlines(), run.stdout + run.stderr
+    assert "no Ray cluster answers at 127.0.0.1:1" in run.stderr, run.stderr
+
+
 def test_moray_serve_dashboard_is_for_a_local_ray_only(model_dir, tmp_path, ray_tmp):
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cluster_config(model_dir)))
