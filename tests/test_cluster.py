@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cluster_harness import API_KEY, cluster_config, http_json, idle, served_app, wait_for_idle_workers, wait_until
+from cluster_harness import API_KEY, cluster_config, http_json, idle, served_app, served_apps, wait_for_idle_workers, wait_until
 
 from protos.moray.v1 import moray_pb2, moray_pb2_grpc
 from workers.models.make_model import make_model
@@ -41,7 +41,7 @@ def cluster(model_dir, ray_serve):
     tools = cluster_config(
         model_dir, name="tools", mode="colocated", engine={"max_model_len": 1024, "page_buckets": [4, 32, 128], "num_kv_blocks": 512}
     )
-    with served_app(ray_serve, disagg, "/") as app, served_app(ray_serve, colo), served_app(ray_serve, tools):
+    with served_apps(ray_serve, (disagg, "/"), (colo, None), (tools, None)) as (app, _, _):
         yield {"base": app.base, "grpc": ray_serve.grpc, "config": app.config}
 
 
