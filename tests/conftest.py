@@ -9,13 +9,31 @@ import faulthandler
 import functools
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# One persistent XLA compilation cache for the whole run: the test process of each xdist worker, the Ray
+# replicas and the subprocesses inherit it, so a program compiles once per run, not once per engine (the
+# test models share their shapes; on CPU the suite spent ~45% of its time in XLA's compiler, and
+# test_engine.py alone went from 221 s to 137 s). Created by the first process to load this file (xdist's
+# controller, before it starts the workers), removed by it at the end. Tests about compiling itself turn it
+# off (`real_compiles`); MORAY_TEST_XLA_CACHE=0 runs without it.
+_SUITE_XLA_CACHE_OWNER = "MORAY_TEST_XLA_CACHE_OWNER"
+if os.environ.get("MORAY_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moray-suite-xla-")
+    os.environ[_SUITE_XLA_CACHE_OWNER] = str(os.getpid())
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    # A size limit turns on JAX's file lock around reads and writes: without it a process can read an
+    # entry another is still writing. Never reached (a run writes tens of MB).
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -122,6 +140,28 @@ def pytest_runtest_setup(item):
         pytest_runtest_setup.module = item.module
         with open(path, "a") as log:
             log.write(_memory_line(f"before {item.module.__name__}"))
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(_SUITE_XLA_CACHE_OWNER) == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def real_compiles():
+    """This test's programs are compiled, not loaded from the suite's cache: for tests of what compiles
+    when (a compile event listener sees nothing for a program it loads)."""
+    import jax
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -23,6 +23,12 @@ def env(ray_tmp: str, **extra) -> dict:
     return {**e, **extra}
 
 
+def without_suite_xla_cache(env: dict) -> dict:
+    """A subprocess's environment without the suite's compilation cache (conftest.py): its engines compile
+    for real, as a test of compiling or of a slow start-up needs."""
+    return {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+
+
 def _process_table() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, state, command line) of every process."""
     table = {}

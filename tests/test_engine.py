@@ -15,6 +15,7 @@ import torch
 import transformers
 from engine_harness import BUCKETED_ENGINE_ARGS, ENGINE_ARGS, prompts, run_to_end
 from hf_checkpoints import save_hf_checkpoint
+from process_harness import without_suite_xla_cache
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.engine.block_hash import block_hashes
@@ -243,7 +244,7 @@ def test_no_recompilation_after_warmup(tiny):
     assert engine.runner.num_traces == traced
 
 
-def test_nothing_compiles_after_warmup_when_requests_arrive_mid_decode(tiny):
+def test_nothing_compiles_after_warmup_when_requests_arrive_mid_decode(tiny, real_compiles):
     """Not a step program, nor the asynchronous step's token merge, nor the expert-load sum: each compiled the
     first time a served engine met it, ~30-100 ms in the middle of decoding (the merge's warm-up placed the
     previous step's tokens on one device, where a step's sampled tokens lie on the mesh: another program)."""
@@ -297,7 +298,12 @@ def test_a_process_exiting_while_programs_compile_in_the_background_exits_cleanl
     )
     for attempt in range(2):
         proc = subprocess.run(
-            [sys.executable, "-c", script, str(tiny), str(tmp_path / str(attempt))], cwd=ROOT, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", script, str(tiny), str(tmp_path / str(attempt))],
+            cwd=ROOT,
+            env=without_suite_xla_cache(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -22,7 +22,18 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_harness import cluster_config, free_port, http_json
-from process_harness import BIN, ROOT, Output, assert_all_gone, caused_processes, env, kill_all, named, start_moray_serve
+from process_harness import (
+    BIN,
+    ROOT,
+    Output,
+    assert_all_gone,
+    caused_processes,
+    env,
+    kill_all,
+    named,
+    start_moray_serve,
+    without_suite_xla_cache,
+)
 
 from workers.models.make_model import make_model
 
@@ -93,7 +104,7 @@ def test_moray_serve_stops_promptly_on_sigterm_while_starting(model_dir, tmp_pat
     cfg["engine"].update(warmup=True, token_buckets=[8, 16, 24, 32, 40, 48, 56, 64], page_buckets=[4, 8, 12, 16, 20, 24, 28, 32])
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = start_moray_serve(["--config", str(path)], env(ray_tmp))
+    proc = start_moray_serve(["--config", str(path)], without_suite_xla_cache(env(ray_tmp)))
     output = Output(proc)
     base = f"http://127.0.0.1:{cfg['server']['http_port']}"
     try:
