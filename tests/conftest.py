@@ -31,9 +31,9 @@ if os.environ.get("MORAY_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE
     os.environ[_SUITE_XLA_CACHE_OWNER] = str(os.getpid())
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    # A size limit turns on JAX's file lock around reads and writes: without it a process can read an
-    # entry another is still writing. Never reached (a run writes tens of MB).
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    # No size limit: a limit turns on JAX's eviction, which lists and reads every entry's files under a
+    # lock at each write (quadratic: a full run with it was slower than one without the cache). An entry
+    # read while another process still writes it fails to decompress and is compiled instead.
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
