@@ -21,8 +21,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # One persistent XLA compilation cache for the whole run: the test process of each xdist worker, the Ray
 # replicas and the subprocesses inherit it, so a program compiles once per run, not once per engine (the
-# test models share their shapes; on CPU the suite spent ~45% of its time in XLA's compiler, and
-# test_engine.py alone went from 221 s to 137 s). Created by the first process to load this file (xdist's
+# test models share their shapes; a profile of test_engine.py put ~45% of its CPU time in XLA's compiler).
+# Measured on a 2-core machine: test_engine.py alone 221 s -> 137 s, but in the full run it gained little;
+# the whole run 51:26 -> 47:11 with test_cluster's apps started together. Created by the first process to load this file (xdist's
 # controller, before it starts the workers), removed by it at the end. Tests about compiling itself turn it
 # off (`real_compiles`); MORAY_TEST_XLA_CACHE=0 runs without it.
 _SUITE_XLA_CACHE_OWNER = "MORAY_TEST_XLA_CACHE_OWNER"
