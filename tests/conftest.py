@@ -23,9 +23,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # replicas and the subprocesses inherit it, so a program compiles once per run, not once per engine (the
 # test models share their shapes; a profile of test_engine.py put ~45% of its CPU time in XLA's compiler).
 # Measured on a 2-core machine: test_engine.py alone 221 s -> 137 s, but in the full run it gained little;
-# the whole run 51:26 -> 47:11 with test_cluster's apps started together. Created by the first process to load this file (xdist's
-# controller, before it starts the workers), removed by it at the end. Tests about compiling itself turn it
-# off (`real_compiles`); MORAY_TEST_XLA_CACHE=0 runs without it.
+# the whole run went 51:26 -> 47:11 together with test_cluster's apps started at once. Created by the first
+# process to load this file (xdist's controller, before it starts the workers), removed by it at the end.
+# Tests about compiling itself turn it off (`real_compiles`); MORAY_TEST_XLA_CACHE=0 runs without it.
 _SUITE_XLA_CACHE_OWNER = "MORAY_TEST_XLA_CACHE_OWNER"
 if os.environ.get("MORAY_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moray-suite-xla-")
