@@ -430,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
         "targets": TARGETS,
         "peer_targets": PEER_TARGETS if args.peer else None,
         "router": router_settings(args),
+        "engine": {k: v for k, v in engine_settings(model, args).items() if k != "model"},
         "think_time_ms": args.think_time_ms,
         "repeats": args.repeats,
         "oracle": {w: oracle(g, args.workers, args.kv_blocks, args.block_size, args.concurrency, seg.ids) for w, g in workloads.items()},
@@ -487,6 +488,10 @@ def engine_settings(model: str, args) -> dict:
         "max_model_len": args.max_model_len,
         "token_buckets": [8, 32, 128],
         "page_buckets": [4, 16, 64],
+        # Every step program compiled before a worker serves: otherwise the first workload's first requests
+        # wait for compiles (TTFT p99 4.5 s on shared-prefix against ~0.2 s after), on Moray's policies and
+        # the peer's servers alike, and its TTFT figures measure the compiler.
+        "background_compile": False,
     }
 
 

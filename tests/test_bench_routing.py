@@ -172,6 +172,8 @@ def test_bench_routing_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert out.read_text().strip() in proc.stdout  # printed too (Ray may add its own lines)
+    # Every worker (Moray's and the peer's) compiled its step programs before serving: TTFTs measure no compiler.
+    assert result["engine"]["background_compile"] is False and result["engine"]["max_num_seqs"] == 4
     sizes = {"shared-prefix": 16, "multi-turn": 16, "chat": 15}  # chat: 16 // 5 conversations of 5 turns
     for policy in ("round-robin", "kv-aware", "sglang-router"):
         for workload, n in sizes.items():

@@ -828,7 +828,7 @@ def _metric_total(text: str, name: str) -> float:
 @pytest.mark.cluster
 def test_aborted_streams_free_every_workers_kv_at_once(cluster):
     """200 streams through remote prefill + KV handoff, each left at a random point (before its first chunk,
-    right after it, or later): every worker's KV is free within 2 s, none waits for the 60 s hold timeout."""
+    right after it, or later): every worker's KV is free within seconds, none waits for the 60 s hold timeout."""
     import aiohttp
 
     rng = random.Random(13)
@@ -853,13 +853,15 @@ def test_aborted_streams_free_every_workers_kv_at_once(cluster):
     asyncio.run(main())
     seen: dict = {}
 
-    def all_free() -> bool:  # within 2 s of the last client leaving: none waits for the 60 s hold timeout
+    # Within 10 s of the last client leaving (free in well under 1 s when idle; one round of heartbeat calls
+    # alone can take a second on a loaded 2-core machine): none waits for the 60 s hold timeout.
+    def all_free() -> bool:
         seen["loads"] = worker_loads()
         seen["busy"] = {w: hb for w, hb in seen["loads"].items() if kv_in_use(hb)}
         return not seen["busy"]
 
     try:
-        wait_until(all_free, 2.0, 0.1)
+        wait_until(all_free, 10.0, 0.1)
     except TimeoutError:
         pass
     loads, busy = seen["loads"], seen["busy"]
