@@ -5,6 +5,7 @@ command line."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 from ep_multiprocess_worker import CONFIGS, ENGINE, PROMPTS
 from hf_checkpoints import qwen2_ep_checkpoint
-from hlo_collectives import open_two_process_hang
 from late_compile_worker import GREEDY_TOKENS
 
 from workers.engine import LLM, SamplingParams
@@ -52,14 +52,54 @@ def test_two_processes_match_one(ckpt, tmp_path):
     assert got["device_put_checks"] == 0
 
 
-# Hung under the suite's load in the clean-clone run of the fix (no error, 300 s); alone it passes (50 s;
-# 200 s and gloo's error before the fix).
-@open_two_process_hang
+FINGERPRINTS = """
+import functools, sys
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+from workers.parallel import same_programs_on_every_process
+if sys.argv[1] == "same":
+    same_programs_on_every_process(jax)
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+spec = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)
+def step(a):
+    return jnp.sum(a * 2)
+def compile_here():  # a fresh trace each time (a new partial), as each process makes its own
+    return jax.jit(functools.partial(step), in_shardings=sharding).lower(spec).compile()
+def from_another_caller():
+    return compile_here()
+a, b = compile_here(), from_another_caller()
+print(a._executable.xla_executable.fingerprint == b._executable.xla_executable.fingerprint)
+"""
+
+
+@pytest.mark.parametrize("setting", ["default", "same"])
+def test_a_program_traced_from_another_call_path_gets_the_same_launch_ids(setting):
+    """JAX matches a multi-process program's collectives across processes by launch id, derived from the
+    executable's fingerprint, which hashes the HLO's source locations: by default the whole traceback,
+    callers included. So the same program traced from two call paths (leader and follower, or a test
+    wrapping the compile) got two fingerprints, and two processes waited in its first all-gather under
+    different launch ids forever. `init_distributed` keeps the callers out (`same_programs_on_every_process`)."""
+    run = subprocess.run(
+        [sys.executable, "-c", FINGERPRINTS, setting],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == ("True" if setting == "same" else "False")
+
+
 def test_a_process_that_compiles_late_does_not_hang_the_others_first_step(ckpt, tmp_path):
     """Process 1 compiles the step program 35 s after process 0 (`late_compile_worker`): over gloo the first
     collective of a device group fails on the process that came first when they arrive more than 30 s apart,
     and the other then waits forever (a two-host replica hung so in the full suite). The engine starts each new
-    program's first run on every process together: the generation completes and equals one process's."""
+    program's first run on every process together: the generation completes and equals one process's.
+    Process 1 also traces through another call path (the wrapper that delays it): without
+    `same_programs_on_every_process` its program got another launch id and both hung in the first all-gather,
+    alone or under load."""
     out = tmp_path / "tokens.npy"
     rc = launch_local_processes([sys.executable, str(LATE_WORKER), str(ckpt), str(out)], 2, 4, timeout=300)
     assert rc == 0

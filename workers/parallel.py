@@ -289,6 +289,7 @@ def init_distributed(settings: DistributedSettings | None) -> bool:
         return False
     import jax
 
+    same_programs_on_every_process(jax)
     if jax.distributed.is_initialized():
         return True
     # On CPU, cross-process collectives use gloo over TCP (JAX's default CPU collectives).
@@ -299,6 +300,19 @@ def init_distributed(settings: DistributedSettings | None) -> bool:
     )
     log.info("process %d of %d (coordinator %s)", settings.process_id, settings.num_processes, settings.coordinator_address)
     return True
+
+
+def same_programs_on_every_process(jax) -> None:
+    """Keeps the Python call stack that traced a program out of it, so every process builds the same bytes.
+
+    A multi-process run matches each collective across processes by its launch id, which JAX derives from
+    the executable's fingerprint, a hash of its HLO including the source locations. By default a location
+    is the whole traceback, callers included: a program traced from another call path (a follower replaying
+    the leader's calls, a test wrapping the compile, an executable another caller put in the persistent
+    cache) got another fingerprint, so the processes ran the same program under different launch ids and
+    every rank waited in its first all-gather for ranks that never came. The innermost frame (the model's
+    line) is the same everywhere."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
 def free_port() -> int:
