@@ -7,25 +7,12 @@ two-host replica). So every multi-host program must order its collectives by dat
 
 from __future__ import annotations
 
-import os
 import re
-
-import pytest
 
 COLLECTIVE = re.compile(r" (all-to-all|ragged-all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(-start)?\(")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT )?%([\w.\-]+) = (.*)$")
 _CALLED = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)=\{?([%\w.\-, ]+)\}?")
-
-# Tests of engines over two processes that still hang in the full suite on CPU (never alone), each in its first
-# step: both processes in the same step program (identical HLO, same schedule), every XLA thread in a gloo
-# all-reduce, no message in flight, no error. One cause is fixed (`kernels.collectives.align_processes`: gloo
-# gave up on a first collective reached 30 s apart), but clean-clone runs with that fix still hung the same
-# way. Until the rest is found they run only when asked for (MORAY_MULTIHOST_SERVE_TESTS=1).
-open_two_process_hang = pytest.mark.skipif(
-    not os.environ.get("MORAY_MULTIHOST_SERVE_TESTS"),
-    reason="two-process engines hang in the full suite on CPU (gloo); MORAY_MULTIHOST_SERVE_TESTS=1 runs them",
-)
 
 
 def _computations(hlo: str) -> dict[str, list[tuple[str, str, list[str], list[str]]]]:

@@ -13,7 +13,6 @@ import time
 
 import pytest
 from cluster_harness import XLA_CACHE, cluster_config, http_json, served_app, wait_until
-from hlo_collectives import open_two_process_hang
 
 from workers.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from workers.models.make_model import make_model
@@ -192,7 +191,6 @@ def test_a_followers_liveness_probe_does_not_wait_behind_its_steps(model_dir, ra
 
 
 @pytest.mark.cluster
-@open_two_process_hang
 def test_a_replica_over_two_hosts_equals_a_single_process(multihost_app, model_dir):
     """Also while its experts are re-placed every few steps (and once on request): both hosts swap each
     placement in at the same step, or their collectives would stop meeting."""
@@ -285,7 +283,6 @@ def _layer_blocks_sent(model_dir, prompt_len: int) -> int:
 
 
 @pytest.mark.cluster
-@open_two_process_hang
 def test_a_prefill_replica_over_two_hosts_hands_off_to_another_layout(multihost_prefill_app):
     """Each host exports the blocks it holds, the decode replica writes them into its own layout: greedy
     tokens equal a single-process run, every request's whole KV moved, none prefilled again locally."""
