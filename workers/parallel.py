@@ -307,11 +307,10 @@ def same_programs_on_every_process(jax) -> None:
 
     A multi-process run matches each collective across processes by its launch id, which JAX derives from
     the executable's fingerprint, a hash of its HLO including the source locations. By default a location
-    is the whole traceback, callers included: a program traced from another call path (a follower replaying
-    the leader's calls, a test wrapping the compile, an executable another caller put in the persistent
-    cache) got another fingerprint, so the processes ran the same program under different launch ids and
-    every rank waited in its first all-gather for ranks that never came. The innermost frame (the model's
-    line) is the same everywhere."""
+    is the whole traceback, callers included, so the same program traced from two call paths gets two
+    fingerprints: the processes then ran it under different launch ids, and every rank waited in its
+    first all-gather, forever (a process whose compile went through one more frame hung so every time).
+    The innermost frame (the model's own line) is the same everywhere."""
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
