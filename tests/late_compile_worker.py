@@ -1,7 +1,6 @@
 """One process of `test_ep_multiprocess.py`'s late-compiler case: an engine over 2 processes whose process 1
-compiles each step program `LATE_S` seconds after process 0 (as a process compiling beside a busy core does,
-while the other loads the program from the persistent cache), then a greedy generation; process 0 writes
-its tokens.
+compiles each step program `LATE_S` seconds after process 0 (as a process compiling beside a busy core does),
+then a greedy generation; process 0 writes its tokens.
 
 Usage: python late_compile_worker.py CHECKPOINT OUT.npy
 """

@@ -23,6 +23,7 @@ from workers.parallel import launch_local_processes
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ep_multiprocess_worker.py"
 LATE_WORKER = Path(__file__).resolve().parent / "late_compile_worker.py"
+WARM_WORKER = Path(__file__).resolve().parent / "warm_cache_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,25 @@ def test_a_process_that_compiles_late_does_not_hang_the_others_first_step(ckpt, 
     llm = LLM(str(ckpt), dtype="float32", **ENGINE)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
     assert np.load(out).tolist() == [o.token_ids for o in greedy]
+
+
+def test_a_warm_compilation_cache_does_not_hang_a_two_process_engine(ckpt, tmp_path):
+    """Two runs of one two-process engine over one compilation cache directory. Only process 0 writes the cache
+    (the other's keys differ), and an executable loaded from it has another fingerprint, so another launch id,
+    than the same program compiled: the second run hung every time, both processes in the first all-gather.
+    A multi-process engine on CPU compiles without the cache: nothing is written, and both runs finish with
+    the same tokens."""
+    cache = tmp_path / "xla-cache"
+    tokens = []
+    for run in range(2):
+        out = tmp_path / f"tokens-{run}.npy"
+        command = [sys.executable, str(WARM_WORKER), str(ckpt), str(out), str(cache)]
+        # The directory the suite sets for every process (tests/conftest.py) would win over the engine's.
+        rc = launch_local_processes(command, 2, 4, env={"JAX_COMPILATION_CACHE_DIR": str(cache)}, timeout=300)
+        assert rc == 0, f"run {run}"
+        tokens.append(np.load(out).tolist())
+    assert tokens[0] == tokens[1]
+    assert not [p for p in cache.rglob("*") if p.is_file()]
 
 
 def test_cli_logits_over_two_processes(ckpt, tmp_path):

@@ -290,15 +290,16 @@ def init_distributed(settings: DistributedSettings | None) -> bool:
     import jax
 
     same_programs_on_every_process(jax)
-    if jax.distributed.is_initialized():
-        return True
-    # On CPU, cross-process collectives use gloo over TCP (JAX's default CPU collectives).
-    jax.distributed.initialize(
-        coordinator_address=settings.coordinator_address,
-        num_processes=settings.num_processes,
-        process_id=settings.process_id,
-    )
-    log.info("process %d of %d (coordinator %s)", settings.process_id, settings.num_processes, settings.coordinator_address)
+    if not jax.distributed.is_initialized():
+        # On CPU, cross-process collectives use gloo over TCP (JAX's default CPU collectives).
+        jax.distributed.initialize(
+            coordinator_address=settings.coordinator_address,
+            num_processes=settings.num_processes,
+            process_id=settings.process_id,
+        )
+        log.info("process %d of %d (coordinator %s)", settings.process_id, settings.num_processes, settings.coordinator_address)
+    if jax.default_backend() == "cpu":
+        no_compilation_cache(jax)
     return True
 
 
@@ -312,6 +313,19 @@ def same_programs_on_every_process(jax) -> None:
     first all-gather, forever (a process whose compile went through one more frame hung so every time).
     The innermost frame (the model's own line) is the same everywhere."""
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
+
+
+def no_compilation_cache(jax) -> None:
+    """A multi-process engine on CPU compiles without the persistent compilation cache. The processes match
+    each program's collectives by a launch id derived from the executable's fingerprint, and an executable
+    loaded from the cache has another fingerprint than the same program compiled. Only process 0 writes the
+    cache (the others' keys differ), so with a warm cache process 0 ran what it loaded against what the
+    others compiled, and every rank waited in the first all-gather, forever (the second run of a
+    two-process engine over one cache directory hung every time). Not on TPU, where it is not checked."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether it uses the cache
 
 
 def free_port() -> int:
