@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 from workers.parallel import same_programs_on_every_process
 if sys.argv[1] == "same":
-    same_programs_on_every_process(jax)
+    same_programs_on_every_process()
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
 spec = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)
 def step(a):

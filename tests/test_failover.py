@@ -715,7 +715,7 @@ def test_killed_decode_replica_fails_over_and_its_streams_migrate(cluster):
             expected = await undisturbed(session)
             metrics_before = http_json(base + "/metrics", key=None)[1]
             failovers_before = _metric_value(metrics_before, "moray_failovers_total", 'result="migrated"')
-            dropped_before = _metric_total(metrics_before, "moray_router_worker_failures_total")
+            dropped_before = _metric_value(metrics_before, "moray_router_worker_failures_total")
             # max_num_seqs is 8 per replica; round-robin puts 8 streams on each, filling both.
             stream_logs = [{} for _ in range(16)]
             streams = [asyncio.create_task(sse_stream(session, base, body, log=log)) for body, log in zip(bodies, stream_logs)]
@@ -781,7 +781,7 @@ def test_killed_decode_replica_fails_over_and_its_streams_migrate(cluster):
             results = await asyncio.gather(*streams), await asyncio.gather(*waiting)
             migrated = _metric_value(metrics, "moray_failovers_total", 'result="migrated"') - failovers_before
             timeline = [(log.get("n", 0), round(log["done"] - killed, 2)) for log in stream_logs + wait_logs]
-            dropped = _metric_total(metrics, "moray_router_worker_failures_total") - dropped_before
+            dropped = _metric_value(metrics, "moray_router_worker_failures_total") - dropped_before
             return expected, victim, dropped, waiting_at_kill, sent_at_kill, new, health, metrics, migrated, timeline, *results
 
     expected, victim, dropped, waiting_at_kill, sent_at_kill, new, health, metrics, migrated, timeline, stream_results, waiting_results = (
@@ -816,13 +816,9 @@ def _stream_text(events) -> str:
     return "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e)
 
 
-def _metric_value(text: str, name: str, label: str) -> float:
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{") and label in l)
-
-
-def _metric_total(text: str, name: str) -> float:
-    """An unlabelled series' value (0 before its first increment)."""
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + " "))
+def _metric_value(text: str, name: str, label: str = "") -> float:
+    """The sum of `name`'s series whose line holds `label` (every series, labelled or not, without one)."""
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.split("{", 1)[0].split(" ", 1)[0] == name and label in l)
 
 
 @pytest.mark.cluster

@@ -289,7 +289,7 @@ def init_distributed(settings: DistributedSettings | None) -> bool:
         return False
     import jax
 
-    same_programs_on_every_process(jax)
+    same_programs_on_every_process()
     if not jax.distributed.is_initialized():
         # On CPU, cross-process collectives use gloo over TCP (JAX's default CPU collectives).
         jax.distributed.initialize(
@@ -299,11 +299,11 @@ def init_distributed(settings: DistributedSettings | None) -> bool:
         )
         log.info("process %d of %d (coordinator %s)", settings.process_id, settings.num_processes, settings.coordinator_address)
     if jax.default_backend() == "cpu":
-        no_compilation_cache(jax)
+        no_compilation_cache()
     return True
 
 
-def same_programs_on_every_process(jax) -> None:
+def same_programs_on_every_process() -> None:
     """Keeps the Python call stack that traced a program out of it, so every process builds the same bytes.
 
     A multi-process run matches each collective across processes by its launch id, which JAX derives from
@@ -312,16 +312,19 @@ def same_programs_on_every_process(jax) -> None:
     fingerprints: the processes then ran it under different launch ids, and every rank waited in its
     first all-gather, forever (a process whose compile went through one more frame hung so every time).
     The innermost frame (the model's own line) is the same everywhere."""
+    import jax
+
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
-def no_compilation_cache(jax) -> None:
+def no_compilation_cache() -> None:
     """A multi-process engine on CPU compiles without the persistent compilation cache. The processes match
     each program's collectives by a launch id derived from the executable's fingerprint, and an executable
     loaded from the cache has another fingerprint than the same program compiled. Only process 0 writes the
     cache (the others' keys differ), so with a warm cache process 0 ran what it loaded against what the
     others compiled, and every rank waited in the first all-gather, forever (the second run of a
     two-process engine over one cache directory hung every time). Not on TPU, where it is not checked."""
+    import jax
     from jax._src import compilation_cache
 
     jax.config.update("jax_enable_compilation_cache", False)
