@@ -149,8 +149,11 @@ def multihost_app(model_dir, ray_serve):
         name="multihost",
         mode="colocated",
         # Expert load balancing on: a placement every 4 steps, swapped in on both hosts at the same step.
+        # No warmup: a multi-host engine would compile every step program (4 buckets x the sampler's variants)
+        # in both processes before serving; the test's requests compile the few they use.
         engine={
             **ENGINE,
+            "warmup": False,
             "parallel": {"mesh": "2x4", "moe": {"dispatch": "hierarchical"}},
             "eplb": {"num_redundant_experts": 8, "period_steps": 4},
         },
