@@ -234,10 +234,10 @@ EXPORT_ENGINE = {**ENGINE, "max_model_len": 64, "page_buckets": [4, 8], "warmup"
 EXPORT_PROMPTS = [[(7 * i + k) % 97 + 3 for i in range(n)] for k, n in enumerate([30, 50])]
 
 
-# Attention-only layouts are covered by Gemma 4's full-attention layers (qwen3_moe's own run cost ~45 s), and
-# DeepSeek's MLA latent pages are one pool of blocks like them, exported per host by the same code (its own
-# multi-host run cost ~53 s; its single-host handoff is test_deepseek_cluster's).
-@pytest.fixture(scope="module", params=["qwen3_5_moe", "gemma4"])
+# One model of each cache layout: hybrid (paged KV + Gated DeltaNet state), attention-only (Gemma 4: full and
+# sliding-window layers; a plain attention model such as qwen3_moe would add ~45 s for no other code path),
+# and MLA (DeepSeek-V3's latent pages; ~2 min on 2 cores).
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "gemma4", "deepseek_v3"])
 def multihost_prefill_app(request, tmp_path_factory, ray_serve):
     """A disaggregated app whose prefill replica is one engine over 2 processes x 4 devices (mesh 2x4)
     and whose decode replica another layout: 1 process, 4 devices (2x2), tp 2. Gemma 4 (16-token window):
