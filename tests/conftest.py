@@ -155,9 +155,10 @@ def real_compiles():
     import jax
     from jax._src import compilation_cache
 
+    from workers.parallel import no_compilation_cache
+
     enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+    no_compilation_cache()
     try:
         yield
     finally:
