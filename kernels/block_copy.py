@@ -2,13 +2,13 @@
 ([blocks, layers, page, *transport dims]): what a KV handoff exports and imports and the host tier writes
 back.
 
-The scatter has two paths, chosen by `impl_for` on the concrete pages (outside jit, where their placement is
-known):
-- `xla`: a scatter per layer (any backend, any sharding).
+The scatter and the gather have two paths each, chosen by `impl_for` on the concrete pages (outside jit, where
+their placement is known):
+- `xla`: a scatter or gather per layer (any backend, any sharding).
 - `cpu`: kernels/cpu/block_copy.cc through XLA's FFI for pages on one CPU device: a memcpy per (block, layer)
-  on the kernels' pool threads. Measured on 64 MiB (16 layers x 64 blocks, 2 cores): 26 -> 4.4 ms (2.4 ->
-  14 GB/s; numpy's copy here: 8.8 GB/s).
-The gather is XLA's everywhere (why: kernels/cpu/block_copy.cc).
+  on the kernels' pool threads. Measured on 2 cores: a scatter of 64 MiB (16 layers x 64 blocks) 26 -> 4.4 ms
+  (2.4 -> 14 GB/s; numpy's copy here: 8.8 GB/s); a gather of an export piece (6 MiB: 32 blocks x 6 layers of
+  the bench preset, into warm memory) 0.9-1.3 -> 0.5-0.7 ms.
 
 The transport layout: layers of different shapes (a model whose layers' KV rows differ) share one row width,
 each token's row zero-padded to it (`ModelConfig.kv_transport_dims`); `width` None: the pages' own rows.
@@ -49,9 +49,13 @@ def ids_of(ids, layer: int):
     return ids[layer] if isinstance(ids, (list, tuple)) else ids
 
 
-def gather_blocks_first(kv_pages, ids, width: int | None = None):
-    """[n, layers, page, *transport dims]: the blocks `ids` (one array, or one per layer) of every layer.
-    XLA's gather on every backend (see kernels/cpu/block_copy.cc for why there is no CPU kernel)."""
+def gather_blocks_first(kv_pages, ids, width: int | None = None, impl: str = "xla"):
+    """[n, layers, page, *transport dims]: the blocks `ids` (one array, or one per layer) of every layer."""
+    if impl == "cpu" and len({p.dtype for p in kv_pages}) == 1:
+        n = len(ids_of(ids, 0))
+        dims = kv_pages[0].shape[2:] if width is None else (1, width)
+        out = jax.ShapeDtypeStruct((n, len(kv_pages), kv_pages[0].shape[1], *dims), kv_pages[0].dtype)
+        return cpu_ffi.gather_blocks(list(kv_pages), _id_rows(ids), out)
     return jnp.stack([to_transport(pages[ids_of(ids, i)], width) for i, pages in enumerate(kv_pages)], axis=1)
 
 
@@ -71,16 +75,17 @@ def _id_rows(ids):
     return jnp.asarray(ids, jnp.int32)[None]
 
 
-def gather_blocks_first_async(kv_pages, ids, width: int | None = None):
+def gather_blocks_first_async(kv_pages, ids, width: int | None = None, impl: str = "xla"):
     """`gather_blocks_first` and a 32x32 product of the ids (discard it). XLA:CPU runs a program its cost
     model prices under 1,000 flops inline on the thread that dispatches it, and a gather is priced at ~3
-    flops per id: a copy of a few MiB would block the dispatching thread (the engine's) for milliseconds.
-    The product (~65k flops, microseconds) puts it on XLA's own threads like any step."""
+    flops per id (the `cpu` path's custom call at 0): a copy of a few MiB would block the dispatching thread
+    (the engine's) for milliseconds. The product (~65k flops, microseconds) puts it on XLA's own threads
+    like any step."""
     rows = _id_rows(ids)
     x = jnp.resize(rows[0].astype(jnp.float32), (32, 32))
-    return gather_blocks_first(kv_pages, ids, width), x @ x
+    return gather_blocks_first(kv_pages, ids, width, impl), x @ x
 
 
-gather_blocks_first_jit = jax.jit(gather_blocks_first, static_argnames=("width",))
-gather_blocks_first_async_jit = jax.jit(gather_blocks_first_async, static_argnames=("width",))
+gather_blocks_first_jit = jax.jit(gather_blocks_first, static_argnames=("width", "impl"))
+gather_blocks_first_async_jit = jax.jit(gather_blocks_first_async, static_argnames=("width", "impl"))
 scatter_blocks_first_jit = jax.jit(scatter_blocks_first, donate_argnums=(0,), static_argnames=("impl",))

@@ -37,6 +37,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthr
 MOE_TARGET = "moray_moe_experts_f32"
 DENSE_TARGET = "moray_dense_f32"
 SCATTER_BLOCKS_TARGET = "moray_scatter_blocks"
+GATHER_BLOCKS_TARGET = "moray_gather_blocks"
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded library, or "error": why there is none
@@ -84,6 +85,12 @@ def scatter_blocks(pages: list[jax.Array], ids: jax.Array, data: jax.Array) -> l
     return list(call(ids.astype(jnp.int32), data, *pages))
 
 
+def gather_blocks(pages: list[jax.Array], ids: jax.Array, out: jax.ShapeDtypeStruct) -> jax.Array:
+    """kernels/cpu/block_copy.cc: `out` ([n, L, rows, ...], the pages' dtype) with the blocks `ids` ([1 or L,
+    n] int32) of every layer, each token row zero-padded to `out`'s. Call only when `available()`."""
+    return jax.ffi.ffi_call(GATHER_BLOCKS_TARGET, out)(ids.astype(jnp.int32), *pages)
+
+
 def _cache_dir() -> Path:
     base = os.environ.get(CACHE_ENV_VAR) or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "moray", "kernels")
     return Path(base)
@@ -120,6 +127,7 @@ def _load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(MOE_TARGET, jax.ffi.pycapsule(lib.MorayMoeExpertsF32), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.MorayDenseF32), platform="cpu")
     jax.ffi.register_ffi_target(SCATTER_BLOCKS_TARGET, jax.ffi.pycapsule(lib.MorayScatterBlocks), platform="cpu")
+    jax.ffi.register_ffi_target(GATHER_BLOCKS_TARGET, jax.ffi.pycapsule(lib.MorayGatherBlocks), platform="cpu")
     return lib
 
 

@@ -1,6 +1,6 @@
-"""Whole-block writes from a blocks-first array into page pools (kernels/block_copy.py): the CPU kernel
-(kernels/cpu/block_copy.cc) equals the XLA path for every layout the engine uses, and the engine's runner
-selects it on one CPU device, so the KV handoff and host-tier tests run it."""
+"""Whole blocks between page pools and a blocks-first array (kernels/block_copy.py): the CPU kernels'
+scatter and gather (kernels/cpu/block_copy.cc) equal the XLA paths for every layout the engine uses, and the
+engine's runner selects them on one CPU device, so the KV handoff and host-tier tests run them."""
 
 import jax
 import jax.numpy as jnp
@@ -44,21 +44,37 @@ def test_scatter_equals_xla_and_drops_ids_past_the_pool(shapes, width, dtype):
 
 
 @pytest.mark.parametrize("shapes,width", LAYOUTS)
-def test_the_export_gather_is_priced_to_run_off_the_dispatching_thread(shapes, width):
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_gather_equals_xla_for_every_id_table(shapes, width, dtype):
+    """Rows zero-padded to the transport width; ids as XLA's gather takes them: a negative one from the end,
+    one past the pool clamped to its last block (the engine pads with block 0, but the paths must agree)."""
+    pages = _pages(shapes, 12, 4, dtype, seed=5)
+    ids = np.array([3, 0, 11, 5, -1, 12, 40], np.int32)
+    per_layer = [ids, ids[::-1].copy(), np.roll(ids, 2)][: len(pages)]
+    for table in (ids, per_layer):
+        want = block_copy.gather_blocks_first_jit(pages, table, width, "xla")
+        got = block_copy.gather_blocks_first_jit(pages, table, width, "cpu")
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("shapes,width", LAYOUTS)
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+def test_the_export_gather_is_priced_to_run_off_the_dispatching_thread(shapes, width, impl):
     """XLA:CPU runs a program priced under 1,000 flops inline on the thread that dispatches it: the export's
-    copy (~3 flops per id) would block the engine thread for milliseconds. Same blocks as the plain gather;
-    a table of ids per layer (a sliding-window group) works too."""
+    copy (~3 flops per id; the kernel's custom call 0) would block the engine thread for milliseconds. Same
+    blocks as the plain gather; a table of ids per layer (a sliding-window group) works too."""
     pages = _pages(shapes, 12, 4, seed=2)
     ids = np.array([3, 0, 11, 5], np.int32)
-    compiled = block_copy.gather_blocks_first_async_jit.lower(pages, ids, width).compile()
+    compiled = block_copy.gather_blocks_first_async_jit.lower(pages, ids, width, impl).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert cost["flops"] >= 1000
-    assert block_copy.gather_blocks_first_jit.lower(pages, ids, width).compile().cost_analysis()["flops"] < 1000  # why
-    got, _ = block_copy.gather_blocks_first_async_jit(pages, ids, width)
+    assert block_copy.gather_blocks_first_jit.lower(pages, ids, width, impl).compile().cost_analysis()["flops"] < 1000  # why
+    got, _ = block_copy.gather_blocks_first_async_jit(pages, ids, width, impl)
     np.testing.assert_array_equal(got, block_copy.gather_blocks_first_jit(pages, ids, width))
     per_layer = [ids, ids[::-1].copy(), ids][: len(pages)]
-    got, _ = block_copy.gather_blocks_first_async_jit(pages, per_layer, width)
+    got, _ = block_copy.gather_blocks_first_async_jit(pages, per_layer, width, impl)
     np.testing.assert_array_equal(got, block_copy.gather_blocks_first_jit(pages, per_layer, width))
 
 

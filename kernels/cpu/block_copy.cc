@@ -1,17 +1,19 @@
-// KV blocks from one blocks-first array into a cache's page pools, as an XLA FFI custom call (kernels/cpu_ffi.py
-// builds and registers it; kernels/block_copy.py selects it for caches on one CPU device):
+// KV blocks between a cache's page pools and one blocks-first array, as XLA FFI custom calls (kernels/cpu_ffi.py
+// builds and registers them; kernels/block_copy.py selects them for caches on one CPU device):
 //
-//   pages_l [ids[l or 0, b]] <- data [n, L, rows, W] (the first row bytes of each token row), ids outside
-//   [0, N_l) dropped; the pages are the results, aliased to the inputs (updated in place)
+//   scatter: pages_l [ids[l or 0, b]] <- data [n, L, rows, W] (the first row bytes of each token row), ids
+//            outside [0, N_l) dropped; the pages are the results, aliased to the inputs (updated in place)
+//   gather:  data [n, L, rows, W] <- pages_l [ids[l or 0, b]], each token row zero-padded to W; ids as XLA's
+//            gather takes them (a negative one counts from the end, then clamped into the pool)
 //
-// Why a kernel: a KV handoff's import or a host-tier copy writes tens of MiB of whole blocks, and XLA:CPU's
-// scatter copied them at ~2.4 GB/s on one thread (a quarter of memcpy). Here each (block, layer) is one
-// memcpy of contiguous rows (a row per token; the transport layout pads rows of layers with different shapes
-// to one width W), split between the kernels' pool threads (pool.h). Bytes are bytes: any dtype.
+// Why kernels: a KV handoff's export and import, or a host-tier copy, move tens of MiB of whole blocks, and
+// XLA:CPU's scatter copied them at ~2.4 GB/s, its gather of an export piece (6 MiB) at ~1.7 GB/s. Here each
+// (block, layer) is one memcpy of contiguous rows (a row per token; the transport layout pads rows of layers
+// with different shapes to one width W), split between the kernels' pool threads (pool.h). Bytes are bytes:
+// any dtype.
 //
-// (No gather: XLA:CPU runs a custom call on the thread that dispatches the program, waiting even for an
-// asynchronous handler's future, and an export's copy must not block the engine thread: measured 51 ms per
-// 66 MiB handoff. XLA's own gather dispatches in ~0.3 ms and copies on XLA's threads.)
+// The gather runs off the thread that dispatches it only in a program XLA:CPU prices at >= 1,000 flops (it
+// runs cheaper ones inline, waiting for the custom call): kernels/block_copy.py adds a small product.
 
 #include <algorithm>
 #include <atomic>
@@ -102,7 +104,49 @@ ffi::Error ScatterImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Rema
   return ffi::Error::Success();
 }
 
+ffi::Error GatherImpl(ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs pages, ffi::Result<ffi::AnyBuffer> out) {
+  const auto od = out->dimensions();
+  if (od.size() < 3) return ffi::Error::InvalidArgument("block gather: the result must be [blocks, layers, rows, ...]");
+  const int64_t n = od[0], layers = od[1], rows = od[2];
+  if (static_cast<int64_t>(pages.size()) != layers) return ffi::Error::InvalidArgument("block gather: one page pool per layer");
+  std::vector<PagePool> pools;
+  for (int64_t l = 0; l < layers; ++l) {
+    auto in = pages.get<ffi::AnyBuffer>(l);
+    if (in.has_error()) return in.error();
+    auto pool = PagePoolOf(*in, rows);
+    if (pool.has_error()) return pool.error();
+    pools.push_back(*pool);
+  }
+  if (n == 0 || layers == 0 || rows == 0) return ffi::Error::Success();
+  const int64_t out_row = static_cast<int64_t>(out->size_bytes()) / (n * layers * rows);
+  if (auto e = Check(ids, layers, pools, n, out_row); e.failure()) return e;
+  const int32_t* idp = ids.typed_data();
+  const int64_t id_stride = ids.dimensions()[0] == 1 ? 0 : n;
+  char* dst = static_cast<char*>(out->untyped_data());
+  ForEachCopy(n, layers, rows * out_row, [&](int64_t b, int64_t l) {
+    const PagePool& p = pools[l];
+    char* to = dst + (b * layers + l) * rows * out_row;
+    if (p.num_blocks == 0) return static_cast<void>(std::memset(to, 0, rows * out_row));
+    int64_t id = idp[l * id_stride + b];
+    if (id < 0) id += p.num_blocks;
+    id = std::clamp<int64_t>(id, 0, p.num_blocks - 1);
+    const char* from = p.base + id * rows * p.row_bytes;
+    if (p.row_bytes == out_row) return static_cast<void>(std::memcpy(to, from, rows * out_row));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(to + r * out_row, from + r * p.row_bytes, p.row_bytes);
+      std::memset(to + r * out_row + p.row_bytes, 0, out_row - p.row_bytes);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MorayGatherBlocks, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [1 or L, n]
+                                  .RemainingArgs()               // pages, one per layer
+                                  .Ret<ffi::AnyBuffer>());       // data [n, L, rows, ...]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MorayScatterBlocks, ScatterImpl,
                               ffi::Ffi::Bind()

@@ -649,7 +649,7 @@ class ModelRunner:
         for start in range(0, len(block_ids), step):
             window = window_ids[start : start + step] if window_ids else None
             ids = self._layer_ids(block_ids[start : start + step], window, 0, 0)
-            piece, _ = block_copy.gather_blocks_first_async_jit(self.kv_pages, ids, self.transport_width)
+            piece, _ = block_copy.gather_blocks_first_async_jit(self.kv_pages, ids, self.transport_width, self.block_copy_impl)
             piece.copy_to_host_async()
             pieces.append((start, piece))
         return 0, pieces
