@@ -290,6 +290,12 @@ class EngineConfig(BaseModel):
         "thread (a step needing one not compiled yet compiles it first); off: all before serving",
     )
     compilation_cache_dir: str | None = DEFAULT_COMPILE_CACHE
+    retain_freed_host_memory: bool = Field(
+        default=True,
+        description="keep freed host memory in the process (glibc's allocator, workers/engine/host_memory.py) so that "
+        "large host buffers (KV export copies, XLA:CPU's outputs) reuse warm pages instead of faulting fresh ones in; "
+        "up to 512 MiB of freed memory stays with the process",
+    )
 
     speculative: SpeculativeConfig | None = Field(default=None, description="speculative decoding; off unless set")
     eplb: EplbConfig | None = Field(default=None, description="expert load balancing with redundant experts (MoE models); off unless set")

@@ -24,6 +24,7 @@ from workers.parallel import distributed_settings, init_distributed, load_parall
 from .config import EngineConfig
 from .data_parallel import DataParallelKVCacheManager, DataParallelRunner
 from .expert_balancer import ExpertBalancer
+from .host_memory import retain_freed_host_memory
 from .host_tier import HostKVTier
 from .kv_cache_manager import KVCacheManager
 from .kv_events import KVEventPublisher
@@ -119,6 +120,8 @@ class EngineCore:
     ):
         self.config = config
         setup_compilation_cache(config.compilation_cache_dir)
+        if config.retain_freed_host_memory:
+            retain_freed_host_memory()
         self.model = model or load_engine_model(config, show_progress)
         self.cfg = self.model.cfg
         # Redundant expert slots are placed before the runner compiles against the weights' shapes.
