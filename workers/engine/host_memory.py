@@ -46,7 +46,7 @@ def _mallopt_all() -> bool:
     except (OSError, AttributeError):
         return False  # not glibc: its allocator keeps its own policy
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(param, value) == 1 for param, value in SETTINGS.items())
+    ok = all([mallopt(param, value) == 1 for param, value in SETTINGS.items()])  # each tried, one refused or not
     if not ok:
         log.warning("mallopt refused a setting; large host buffers keep glibc's defaults")
     return ok
