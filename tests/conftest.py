@@ -19,6 +19,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# XLA:CPU's LLVM passes at their lowest level for every process of the run (Ray replicas and subprocesses
+# inherit the variable): the suite's programs are tiny and compiling them costs far more than running them
+# (a profile of test_hybrid_engine.py: compiling 40% of its time, running 2.4%). Measured on a 2-core
+# machine: test_hybrid_cluster.py 96 -> 64 s, two test_hybrid_engine.py tests 70 -> 53 s; a training-heavy
+# test 8% slower. Results move by float32 ulps against the default level, so every process of a run must
+# share it (the persistent cache's key includes XLA_FLAGS). MORAY_TEST_XLA_OPT=default keeps XLA's level.
+if os.environ.get("MORAY_TEST_XLA_OPT", "0") != "default" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 # One persistent XLA compilation cache for the whole run: the test process of each xdist worker, the Ray
 # replicas and the subprocesses inherit it, so a program compiles once per run, not once per engine (the
 # test models share their shapes; a profile of test_engine.py put ~45% of its CPU time in XLA's compiler).
