@@ -21,10 +21,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # XLA:CPU's LLVM passes at their lowest level for every process of the run (Ray replicas and subprocesses
 # inherit the variable): the suite's programs are tiny and compiling them costs far more than running them
-# (a profile of test_hybrid_engine.py: compiling 40% of its time, running 2.4%). Measured on a 2-core
-# machine: test_hybrid_cluster.py 96 -> 64 s, two test_hybrid_engine.py tests 70 -> 53 s; a training-heavy
-# test 8% slower. Results move by float32 ulps against the default level, so every process of a run must
-# share it (the persistent cache's key includes XLA_FLAGS). MORAY_TEST_XLA_OPT=default keeps XLA's level.
+# (a profile of test_hybrid_engine.py: compiling 40% of its time, running 2.4%). It saves CPU time, so it
+# shows where the cores are busy. Measured on a 2-core machine, alternating runs: test_hybrid_cluster.py
+# 140-144 -> 122-124 CPU seconds (wall 90 -> 80 s); a two-host handoff test (4 processes) 184 -> 116 s; a
+# clean-clone suite 1:21:43 -> 1:00:26; a training-heavy test 7% slower. Results move by float32 ulps against the
+# default level, so every process of a run must share it (the persistent cache's key includes XLA_FLAGS).
+# MORAY_TEST_XLA_OPT=default keeps XLA's level.
 if os.environ.get("MORAY_TEST_XLA_OPT", "0") != "default" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
