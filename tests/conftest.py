@@ -166,13 +166,16 @@ def real_compiles():
     import jax
     from jax._src import compilation_cache
 
+    from workers.engine.program_cache import STEP_PROGRAMS
     from workers.parallel import no_compilation_cache
 
-    enabled = jax.config.jax_enable_compilation_cache
+    enabled, capacity = jax.config.jax_enable_compilation_cache, STEP_PROGRAMS.capacity
     no_compilation_cache()
+    STEP_PROGRAMS.capacity = 0  # nor taken from another engine of this process
     try:
         yield
     finally:
+        STEP_PROGRAMS.capacity = capacity
         jax.config.update("jax_enable_compilation_cache", enabled)
         compilation_cache.reset_cache()
 

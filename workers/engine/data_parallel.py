@@ -279,6 +279,13 @@ class DataParallelRunner(ModelRunner):
             static_argnames=("decode_only",),
         )
 
+    def program_key(self) -> tuple | None:
+        key = super().program_key()
+        if key is None:
+            return None
+        per_rank = (self.dp, self.blocks_per_rank, self.slots_per_rank, self.window_blocks_per_rank)
+        return (*key, per_rank, tuple(self.token_buckets), tuple(self.page_buckets))
+
     def _new_pages(self, page_shapes):
         zeros = lambda shape: jax.jit(lambda: jnp.zeros(shape, self.model.dtype), out_shardings=self.rank_sharding)()
         return [zeros(shape) for shape in page_shapes]

@@ -20,8 +20,9 @@ import math
 import os
 import threading
 import time
+import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from workers.models.paged_state import KEEP, PagedHybridCache, init_slots
 from ..progress import Progress
 from .config import EngineConfig, powers_of_two_up_to
 from .kv_cache_manager import BlockCopy
+from .program_cache import STEP_PROGRAMS
 from .scheduler import SchedulerOutput
 from .state_cache import SNAPSHOTS_PER_STEP
 from .window_cache import WINDOW_GROUP
@@ -204,6 +206,8 @@ class ModelRunner:
         # Shapes and placements of the weights, KV pages and state pools, fixed for the runner's life (taken
         # now: the live pages are donated to every step).
         self._cache_specs = jax.tree.map(_spec, (self.model.weights, self.kv_pages, self.state_pools))
+        # Step programs built by any runner of the process with the same `program_key` are reused (program_cache.py).
+        self.num_shared_programs = 0  # step programs taken from the process's cache, not traced here
         self._export_gathers: dict[int, object] = {}  # multi-host: padded blocks -> gather split over hosts
         self._state_gathers: dict[tuple[str, ...], object] = {}  # the state pools' slot axes -> `_slot_gather`
 
@@ -478,14 +482,54 @@ class ModelRunner:
     def _compile_into(self, shape: tuple[int, int, bool, int], future: concurrent.futures.Future) -> None:
         """Compiles one step program ahead of time: from shapes, touching no live array."""
         try:
-            n, p, decode_only, rows = shape
-            specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only, rows)))
-            program = self._step.lower(*self._cache_specs, *specs, decode_only=decode_only).compile()
+            if self._program_key is None:
+                program = self._lower_and_compile(shape)
+            else:
+                program, built = STEP_PROGRAMS.get_or_build((self._program_key, shape), lambda: self._lower_and_compile(shape))
+                self.num_shared_programs += not built
         except BaseException as e:
             future.set_exception(e)  # a step waiting for it gets the error
             raise
         self._programs[shape] = program
         future.set_result(program)
+
+    def _lower_and_compile(self, shape: tuple[int, int, bool, int]):
+        n, p, decode_only, rows = shape
+        specs = jax.tree.map(_spec, self._step_args(self.dummy_inputs(n, p, decode_only, rows)))
+        return self._step.lower(*self._cache_specs, *specs, decode_only=decode_only).compile()
+
+    @functools.cached_property
+    def _program_key(self) -> tuple | None:
+        # Taken at the first compile, once a subclass's constructor has set what its step reads.
+        return self.program_key()
+
+    def program_key(self) -> tuple | None:
+        """Everything the step's trace reads besides its arguments' shapes (`StepProgramCache`): two runners
+        with equal keys build the same step programs. A subclass whose step reads more extends it. None (not
+        shared) where the model's family or expert executor is an object of its own (a speculative head's):
+        the cache would compare it by identity and keep it, and its weights, alive."""
+        experts = self.model.experts
+        if not isinstance(self.model.family, types.ModuleType) or not (experts is None or is_dataclass(experts)):
+            return None
+        kernels_env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MORAY_")))
+        return (
+            type(self),
+            self.model.family,
+            repr(self.cfg),
+            str(self.model.dtype),
+            self.model.mesh,
+            self.model.data_axes,
+            experts,
+            self.window_layers,
+            self.hidden_out,
+            self.block_size,
+            self.max_num_seqs,
+            self.rows_per_seq,
+            collectives_over_gloo(),
+            kernels_env,  # the kernels' implementation switches are read while tracing
+            jax.tree.structure(self._cache_specs),
+            tuple(jax.tree.leaves(self._cache_specs)),
+        )
 
     @contextlib.contextmanager
     def _shape_lock(self, shape: tuple[int, int, bool, int], wait: bool):
