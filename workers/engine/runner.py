@@ -175,7 +175,7 @@ class ModelRunner:
         self.transport_width = None if self.cfg.uniform_kv_pages else self.cfg.kv_transport_dims[1]
         # Linear-attention layers: conv and recurrent state pools, float32, addressed by slot.
         self.state_pools = self._new_state_pools() if self.num_state_slots else None
-        self.num_traces = 0  # how many step programs were traced (== compiled) so far
+        self.num_traces = 0  # step programs this runner traced (those taken from the process's cache are not)
         self.expert_loads: jax.Array | None = None  # int32 [MoE layers, experts], summed on device (read_expert_loads)
         # Written only by the engine thread; the stats threads read it and never clear it (a reader that
         # cleared it raced the engine thread's next snapshot and killed the engine).
