@@ -29,8 +29,6 @@ class StepProgramCache:
         self.capacity = capacity
         self._entries: collections.OrderedDict[Hashable, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.builds = 0
 
     def get_or_build(self, key: Hashable, build: Callable[[], object]) -> tuple[object, bool]:
         """(the program of `key`, whether it was built now). A key another thread is building is awaited,
@@ -46,10 +44,7 @@ class StepProgramCache:
             else:
                 self._entries.move_to_end(key)
         if not mine:
-            program = future.result()
-            with self._lock:
-                self.hits += 1
-            return program, False
+            return future.result(), False
         try:
             program = build()
         except BaseException as e:
@@ -58,8 +53,6 @@ class StepProgramCache:
                     del self._entries[key]
             future.set_exception(e)
             raise
-        with self._lock:
-            self.builds += 1
         future.set_result(program)
         return program, True
 
@@ -73,10 +66,6 @@ class StepProgramCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
 
 def _capacity() -> int:
