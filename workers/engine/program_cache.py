@@ -3,7 +3,7 @@
 A runner's step closes over its model and settings, so `jax.jit` keeps its traces per runner: a second
 engine with the same settings traced, lowered and compiled (or loaded from the persistent cache) every
 step program again. Tests and benchmarks build many such engines in one process (ten of the suite's engine
-modules built 224 step programs, 100 of them distinct), and a server that rebuilds its engine does the same.
+modules built 224 step programs, 82 of them distinct), and a server that rebuilds its engine does the same.
 Here a runner looks its programs up by a key that names everything the trace reads (the runner's
 `program_key`) and the program's shape, and builds only what no runner of the process has built.
 """
