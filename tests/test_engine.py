@@ -238,8 +238,9 @@ def _mixed_run(engine) -> dict[str, list[int]]:
 
 def test_no_recompilation_after_warmup(tiny):
     engine = EngineCore(EngineConfig(model=str(tiny), warmup=True, background_compile=False, **BUCKETED_ENGINE_ARGS), show_progress=False)
-    assert len(engine.runner.compiled_shapes()) == 4  # 2 token buckets x 2 page buckets
-    traced = engine.runner.num_traces  # (0 where the process's cache held them: program_cache.py)
+    # 2 token buckets x 2 page buckets, each traced once here or taken from the process's (program_cache.py)
+    assert len(engine.runner.compiled_shapes()) == engine.runner.num_traces + engine.runner.num_shared_programs == 4
+    traced = engine.runner.num_traces
     _mixed_run(engine)
     assert engine.runner.num_traces == traced
 
@@ -277,7 +278,7 @@ def test_background_compilation_serves_first_and_ends_with_every_program(tiny):
     assert (8, 4, False, engine.runner.logits_rows_for(8)) in engine.runner._programs  # the smallest, compiled first
     first = _mixed_run(engine)
     assert engine.runner.wait_compiled(timeout=600)
-    assert len(engine.runner.compiled_shapes()) == 4
+    assert len(engine.runner.compiled_shapes()) == engine.runner.num_traces + engine.runner.num_shared_programs == 4
     traced = engine.runner.num_traces
     foreground = EngineCore(
         EngineConfig(model=str(tiny), warmup=True, background_compile=False, **BUCKETED_ENGINE_ARGS), show_progress=False
