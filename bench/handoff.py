@@ -135,6 +135,7 @@ async def transfer_one(prefill, decode, rid: str, prompt: list[int]) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     dispatch_before, failures_before = prefill.engine.core.export_dispatch_seconds, decode.counters.import_failures
+    import_before = decode.engine.core.import_seconds
     handoff = await prefill.prefill(PrefillRequest(rid, prompt, params))
     dispatch = prefill.engine.core.export_dispatch_seconds - dispatch_before
     outs = [o async for o in decode.stream(DecodeRequest(rid, prompt, params, "bench", handoff), None, lambda: prefill.release(rid))]
@@ -150,6 +151,9 @@ async def transfer_one(prefill, decode, rid: str, prompt: list[int]) -> dict:
         "handoff_s": total,
         "gbps": moved["bytes"] / total / 1e9,
         "prefill_engine_thread_s": dispatch,
+        # The decode engine's thread in the import (dispatching the writes, waiting for the last): it steps
+        # no other request meanwhile.
+        "decode_engine_thread_s": decode.engine.core.import_seconds - import_before,
         "import_failures": decode.counters.import_failures - failures_before,
     }
 
@@ -306,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
             f"handoff{' over ' + name if name else ''}: {m['bytes'] / (1 << 20):.1f} MiB in {m['handoff_s'] * 1e3:.1f} ms "
             f"(export {m['export_s'] * 1e3:.1f}, import {m['import_s'] * 1e3:.1f}; {m['gbps']:.2f} GB/s, "
             f"{tr['fraction_of_memcpy']:.0%} of memcpy {tr['memcpy_gbps']:.1f} GB/s); prefill engine thread "
-            f"{m['prefill_engine_thread_s'] * 1e3:.2f} ms per handoff"
+            f"{m['prefill_engine_thread_s'] * 1e3:.2f} ms, decode engine thread {m['decode_engine_thread_s'] * 1e3:.2f} ms per handoff"
         )
     print(f"prefill rate exported/discarded: {results['prefill_rate']['exported_over_discarded']:.2f}")
     for c, r in results["second_token"].items():

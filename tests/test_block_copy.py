@@ -78,6 +78,27 @@ def test_the_export_gather_is_priced_to_run_off_the_dispatching_thread(shapes, w
     np.testing.assert_array_equal(got, block_copy.gather_blocks_first_jit(pages, per_layer, width))
 
 
+@pytest.mark.parametrize("shapes,width", LAYOUTS)
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+def test_the_import_scatter_is_priced_to_run_off_the_dispatching_thread(shapes, width, impl):
+    """The decode side's write of an imported chunk, like the export's gather: the plain scatter (the
+    kernel's custom call, 0 flops) is priced under XLA:CPU's 1,000-flop inline line and would run on the
+    engine thread; the async variant is not, and writes the same blocks (ids past the pool dropped)."""
+    num_blocks = 12
+    data = block_copy.gather_blocks_first_jit(_pages(shapes, num_blocks, 4, seed=6), np.arange(3, dtype=np.int32), width)
+    ids = np.array([7, num_blocks, 1], np.int32)
+    pages = _pages(shapes, num_blocks, 4)
+    cost = block_copy.scatter_blocks_first_async_jit.lower(pages, ids, data, impl).compile().cost_analysis()
+    assert (cost[0] if isinstance(cost, list) else cost)["flops"] >= 1000
+    if impl == "cpu":  # (XLA's own scatter may be priced above the line on its own)
+        assert block_copy.scatter_blocks_first_jit.lower(pages, ids, data, impl).compile().cost_analysis()["flops"] < 1000  # why
+    got, done = block_copy.scatter_blocks_first_async_jit(pages, ids, data, impl)
+    jax.block_until_ready(done)
+    want = block_copy.scatter_blocks_first_jit(_pages(shapes, num_blocks, 4), ids, data, impl="xla")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_scatter_with_an_id_table_per_layer():
     num_blocks = 8
     data = block_copy.gather_blocks_first_jit(_pages([(2, 4)] * 2, num_blocks, 2, seed=3), np.array([1, 2], np.int32), None)

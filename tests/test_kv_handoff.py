@@ -82,6 +82,60 @@ def test_seeded_sampling_continues_across_the_handoff(model_dir):
     assert outs[-1].token_ids == run(single, "r")[-1].token_ids
 
 
+def _aligned_copy(data):
+    """`data` copied into page-aligned memory: jit reads such a host array in place (no copy at dispatch), as
+    it reads a chunk in a transport's buffer."""
+    import mmap
+
+    import numpy as np
+
+    buf = mmap.mmap(-1, max(data.nbytes, 1))
+    out = np.frombuffer(buf, data.dtype, data.size).reshape(data.shape)
+    out[...] = data
+    return out
+
+
+def _busy_pages(core):
+    """Puts a slow program in front of every later write to `core`'s KV pages (it passes them through), so
+    that those writes are still waiting to run when the calls that dispatched them return."""
+    import jax
+    import jax.numpy as jnp
+
+    def slow(pages):
+        x = jnp.full((256, 256), 1e-3, jnp.float32)
+        s = jax.lax.fori_loop(0, 400, lambda _, y: jnp.tanh(y @ y), x).sum()
+        return [p + (s - s).astype(p.dtype) for p in pages]  # not folded away: s - s is NaN for infinite s
+
+    core.runner.kv_pages = jax.jit(slow, donate_argnums=(0,))(core.runner.kv_pages)
+
+
+def test_an_import_is_done_reading_its_chunks_when_finish_import_returns(model_dir):
+    """A chunk's write runs on XLA's threads and reads the chunk in place (a transport's buffer, freed for
+    another handoff once the import is reported done): `finish_import` returns only when every write has
+    run. The writes here wait behind a slow program; each chunk's memory is zeroed right after the finish,
+    and the decode side must still continue exactly (it decoded on zeros when the finish did not wait)."""
+    from workers.kv_transfer import KVExport
+
+    # Chunks of one block, a page bucket of the decode side: written as they are, not padded into a copy.
+    prefill, decode, single = engine(model_dir, "p0"), engine(model_dir, "d0", page_buckets=[1, 16]), engine(model_dir, "s0")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = prompts(1, seed=33, lo=40, hi=41)[0]
+    prefill.add_request("r", prompt, params.model_copy(update={"max_tokens": 1}), hold_kv=True)
+    first = run_to_end(prefill, "r")
+    decode.add_request("r", prompt, params, kv_import=KVImport(first.token_ids[0], first.num_cached_tokens))
+    chunks = [(c.header, _aligned_copy(c.verified(c.header))) for c in KVExport.build(prefill.take_staged("r"), chunk_bytes=1).chunks]
+    assert len(chunks) > 1
+    _busy_pages(decode)
+    for h, data in chunks:
+        assert decode.import_kv("r", h.block_start, h.layer_start, data)
+    assert decode.finish_import("r")
+    for _, data in chunks:
+        data[...] = 0
+    rest = run_to_end(decode, "r")
+    single.add_request("r", prompt, params)
+    assert first.token_ids + rest.token_ids == run(single, "r")[-1].token_ids
+
+
 def test_abort_while_importing_frees_blocks(model_dir):
     from workers.kv_transfer import KVExport
 

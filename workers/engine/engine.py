@@ -227,6 +227,7 @@ class EngineCore:
         # another thread: single dict operations are atomic).
         self.staged: dict[str, StagedKV] = {}
         self.export_dispatch_seconds = 0.0  # engine-thread time spent staging exports (dispatching the copies)
+        self.import_seconds = 0.0  # engine-thread time spent in KV imports (dispatching the writes, waiting for them)
         if config.warmup:
             self.warmup(show_progress)
 
@@ -349,16 +350,22 @@ class EngineCore:
             )
         skip = max(0, request.kv_import_from_block - block_start)
         if skip < data.shape[0]:
+            start = time.perf_counter()
             ids = request.block_ids[block_start + skip : block_end]
             window_ids = request.window_block_ids[block_start + skip : block_end]
-            self.runner.scatter_blocks(ids, layer_start, data[skip:], window_ids)
+            self.runner.scatter_blocks(ids, layer_start, data[skip:], window_ids)  # may read `data` until `finish_import`
+            self.import_seconds += time.perf_counter() - start
         return True
 
     def import_state(self, request_id: str, packed: np.ndarray) -> bool:
         """Writes a hybrid model's packed linear-attention state (the handoff's state chunk)."""
         if request_id not in self.scheduler.importing:
             return False
+        start = time.perf_counter()
         self.runner.scatter_state(self.kv.working_slot(request_id), packed)
+        # Read in place like `import_kv`'s chunks; the state is small: its write is waited for at once.
+        jax.block_until_ready(self.runner.state_pools)
+        self.import_seconds += time.perf_counter() - start
         self.kv.state_written(request_id)
         return True
 
@@ -367,6 +374,10 @@ class EngineCore:
         request = self.scheduler.importing.get(request_id)
         if request is None:
             return False
+        # The writes read the chunks in place: they must be done before the worker lets the sender free them.
+        start = time.perf_counter()
+        self.runner.wait_for_imports()
+        self.import_seconds += time.perf_counter() - start
         request.num_computed_tokens = request.num_prompt_tokens
         self.scheduler.admit_imported(request)
         return True
@@ -375,6 +386,7 @@ class EngineCore:
         """The KV will not arrive (prefill worker gone): prefill locally instead, losing nothing."""
         request = self.scheduler.importing.pop(request_id, None)
         if request is not None:
+            self.runner.wait_for_imports()  # its chunks written so far are read before their sender frees them
             self.kv.free(request)
             request.num_computed_tokens = 0
             self.scheduler.waiting.append(request)
@@ -417,6 +429,8 @@ class EngineCore:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return
+        if request_id in self.scheduler.importing:
+            self.runner.wait_for_imports()  # as in `recompute_instead_of_import`
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._finished_outside_step.append(self.outputs.aborted(request))
 

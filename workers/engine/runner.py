@@ -210,6 +210,7 @@ class ModelRunner:
         self.num_shared_programs = 0  # step programs taken from the process's cache, not traced here
         self._export_gathers: dict[int, object] = {}  # multi-host: padded blocks -> gather split over hosts
         self._state_gathers: dict[tuple[str, ...], object] = {}  # the state pools' slot axes -> `_slot_gather`
+        self._unfinished_imports: list[jax.Array] = []  # `scatter_blocks` writes not yet known done (`wait_for_imports`)
 
     def _replicated(self, make) -> jax.Array:
         # Committed to the mesh up front: a step's outputs are committed arrays, and jit keys its cache
@@ -745,14 +746,26 @@ class ModelRunner:
         return program(self.state_pools, jnp.int32(slot))
 
     def scatter_blocks(self, block_ids: list[int], layer_start: int, data: np.ndarray, window_ids: list[int] | None = None) -> None:
-        """Writes host KV, blocks first ([blocks, layers, page, 2*Hkv, D], as chunks and the host tier hold
-        it), into `block_ids` for the layers from `layer_start` (the sliding layers: into `window_ids`, blocks
-        let go dropped)."""
+        """Dispatches the write of host KV, blocks first ([blocks, layers, page, 2*Hkv, D], as chunks and the
+        host tier hold it), into `block_ids` for the layers from `layer_start` (the sliding layers: into
+        `window_ids`, blocks let go dropped). It runs on XLA's threads and may read `data` after this returns
+        (an aligned host array is not copied: jit reads it in place): keep `data` unchanged until
+        `wait_for_imports`."""
         ids, padded = self._padded_blocks(block_ids, data)
         end = layer_start + data.shape[1]
         if self.window_layers:
             ids = self._layer_ids(block_ids, window_ids, self.num_blocks, self.num_window_blocks)[layer_start:end]
-        self.kv_pages[layer_start:end] = self._scatter(self.kv_pages[layer_start:end], ids, padded)
+        written, done = block_copy.scatter_blocks_first_async_jit(self.kv_pages[layer_start:end], ids, padded, impl=self.block_copy_impl)
+        self.kv_pages[layer_start:end] = written
+        self._unfinished_imports.append(done)
+
+    def wait_for_imports(self) -> None:
+        """Until every `scatter_blocks` write dispatched so far has run, so that their sources (a transport's
+        buffers, freed once the import is reported done) are no longer read. Chunks of other layers are
+        other programs and may finish in any order: each one's own marker is waited for, not the pages
+        (the steps after it donate them)."""
+        jax.block_until_ready(self._unfinished_imports)
+        self._unfinished_imports.clear()
 
     def _padded_blocks(self, block_ids: list[int], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Block ids padded to a page bucket (padding ids point past the pool: dropped) and the data to
