@@ -61,5 +61,7 @@ def test_the_transfer_part_times_each_transport_in_one_run(tmp_path):
     assert set(by) == {"object_store", "shared_memory"} and result["transfer"] == by["object_store"]
     for name, t in by.items():
         assert len(t["handoffs"]) == 2 and t["import_failures"] == 0 and t["median"]["bytes"] > 0, name
+        # Both engine threads' share of a handoff: the prefill's dispatch of the copy, the decode's writes.
+        assert all(h["prefill_engine_thread_s"] > 0 and 0 < h["decode_engine_thread_s"] < h["import_s"] for h in t["handoffs"]), name
     assert by["object_store"]["median"]["bytes"] == by["shared_memory"]["median"]["bytes"]
     assert "bandwidth_fraction_of_memcpy_shared_memory" in result["targets"]
