@@ -764,8 +764,8 @@ class ModelRunner:
         buffers, freed once the import is reported done) are no longer read. Chunks of other layers are
         other programs and may finish in any order: each one's own marker is waited for, not the pages
         (the steps after it donate them)."""
-        jax.block_until_ready(self._unfinished_imports)
-        self._unfinished_imports.clear()
+        unfinished, self._unfinished_imports = self._unfinished_imports, []  # a failed write is not waited for twice
+        jax.block_until_ready(unfinished)
 
     def _padded_blocks(self, block_ids: list[int], data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Block ids padded to a page bucket (padding ids point past the pool: dropped) and the data to
