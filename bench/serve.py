@@ -334,11 +334,9 @@ def run_structured(args: argparse.Namespace, groups) -> dict:
 
 
 def _free_port() -> int:
-    import socket
+    from workers.parallel import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _serve_apps(port: int, apps: dict[str, dict], proxy: bool = True) -> str:

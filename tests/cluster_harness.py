@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -33,9 +32,9 @@ API_KEY = "test-key"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from workers.parallel import free_port as fresh_port  # never the same port twice (two in a row could be)
+
+    return fresh_port()
 
 
 def cluster_config(model_dir: Path, **overrides) -> dict:

@@ -88,9 +88,9 @@ class SimWorker:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from workers.parallel import free_port as fresh_port  # never the same port twice (two in a row could be)
+
+    return fresh_port()
 
 
 class RedisServer:

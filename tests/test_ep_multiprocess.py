@@ -18,7 +18,7 @@ from late_compile_worker import GREEDY_TOKENS
 
 from workers.engine import LLM, SamplingParams
 from workers.models import load_model, prompt_logits
-from workers.parallel import launch_local_processes
+from workers.parallel import free_port, launch_local_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ep_multiprocess_worker.py"
@@ -154,3 +154,11 @@ def test_cli_rejects_bad_parallel_configurations(ckpt, tmp_path):
     for extra, message in cases.items():
         run = subprocess.run([*moray, *extra], cwd=ROOT, capture_output=True, text=True)
         assert run.returncode == 2 and message in run.stderr, (extra, run.stderr[-500:])
+
+
+def test_free_port_never_gives_a_port_twice():
+    """Probing with a socket closed at once, the kernel gave the same port again: 7-11 repeats in 500 probes
+    here, and once a test cluster's HTTP and gRPC ports (two probes in a row) were the same port, which
+    failed every gRPC test of the run. 500 ports in a row are all different."""
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)

@@ -26,6 +26,7 @@ import math
 import os
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -331,10 +332,23 @@ def no_compilation_cache() -> None:
     compilation_cache.reset_cache()  # JAX decides once per process whether it uses the cache
 
 
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now, and never one this process was given before. Once a probe's
+    socket is closed the kernel may hand the same port to the next probe: a test cluster got one port for
+    its HTTP and its gRPC ingress (two calls in a row), and every gRPC test of the run failed."""
+    with _ports_lock:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _ports_given:
+                _ports_given.add(port)
+                return port
+    raise RuntimeError("no free TCP port that this process was not given already")
 
 
 def launch_local_processes(
