@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import scratch_dir
+from workers.parallel import free_port
 
 # One persistent XLA cache for every replica the session starts: the cluster tests' apps run the same few tiny
 # models on the same shapes, so only the first replica of each compiles (measured: the hybrid cluster module
@@ -29,12 +30,6 @@ TEST_ENGINE = {
     "compilation_cache_dir": XLA_CACHE,
 }
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    from workers.parallel import free_port as fresh_port  # never the same port twice (two in a row could be)
-
-    return fresh_port()
 
 
 def cluster_config(model_dir: Path, **overrides) -> dict:

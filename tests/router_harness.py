@@ -16,6 +16,7 @@ from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_events import KVEvent, KVEventKind, KVEventPublisher
 from workers.engine.request import Request
 from workers.engine.sampling_params import SamplingParams
+from workers.parallel import free_port
 
 BS = 16
 MODEL = "tiny-moe"
@@ -85,12 +86,6 @@ class SimWorker:
             kv_usage=self.kv.usage,
             ts=ts,
         )
-
-
-def free_port() -> int:
-    from workers.parallel import free_port as fresh_port  # never the same port twice (two in a row could be)
-
-    return fresh_port()
 
 
 class RedisServer:
